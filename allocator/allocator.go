@@ -1,0 +1,1109 @@
+// Package allocator is allocd's caching policy: a device-memory allocator
+// that behaves like PyTorch's CUDA caching allocator
+// (c10/cuda/CUDACachingAllocator.cpp) on top of a cudart.Device.
+//
+// # Policy
+//
+// Requests round up to a multiple of 512 bytes (or to a power-of-two
+// division with roundup_power2_divisions). A rounded size of at most 1 MiB
+// is served from the small pool, whose segments are 2 MiB; larger sizes
+// from the large pool, whose segments are 20 MiB for requests below 10 MiB
+// and the request rounded up to 2 MiB otherwise. A request takes the
+// smallest free block of its stream that fits (lowest address among equal
+// sizes), split when the remainder is worth keeping; a freed block merges
+// with its free neighbours. Blocks never cross streams. A block used by
+// other streams (RecordStream) returns to the pool only once an event
+// recorded on each of them has completed. When the device says no, cached
+// blocks are released and the device asked once more before an OOMError.
+//
+// # Concurrency and cost
+//
+// One mutex guards everything. A cached Malloc and Free (a hit in the free
+// index and its return) allocate nothing on the Go heap, make no device
+// call, read no clock and log nothing; the device is reached only to grow
+// or release a segment, and to poll events while RecordStream'd blocks are
+// pending.
+package allocator
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/cudart"
+)
+
+// Sizes of PyTorch's policy.
+const (
+	minBlockSize   = 512      // every size is a multiple of this
+	smallSize      = 1 << 20  // largest request served by the small pool
+	smallBuffer    = 2 << 20  // small-pool segment size
+	largeBuffer    = 20 << 20 // large-pool segment size for requests below minLargeAlloc
+	minLargeAlloc  = 10 << 20 // requests from here get their own rounded segment
+	roundLarge     = 2 << 20  // rounding of large segments
+	maxRequestSize = 1 << 60  // beyond this, rounding would overflow
+)
+
+// Errors returned by the allocator; test with errors.Is. Every failed call
+// leaves the allocator as it was (an OOM still counts in num_ooms).
+var (
+	// ErrOutOfMemory: the request could not be satisfied. The error is an
+	// *OOMError and errors.Is(err, cudart.ErrOutOfMemory) holds too.
+	ErrOutOfMemory = errors.New("out of memory")
+	// ErrUnknownPointer: Free or RecordStream of an address this allocator
+	// did not hand out.
+	ErrUnknownPointer = errors.New("unknown pointer")
+	// ErrDoubleFree: Free of a block already freed.
+	ErrDoubleFree = errors.New("double free")
+	// ErrInvalidStream: a stream the device does not know.
+	ErrInvalidStream = errors.New("invalid stream")
+	// ErrClosed: a call after Close.
+	ErrClosed = errors.New("allocator closed")
+	// ErrLiveBlocks: Close found allocations never freed (all memory is
+	// still returned to the device).
+	ErrLiveBlocks = errors.New("blocks still allocated")
+	// ErrNotSupported: a configuration this build or device cannot serve.
+	ErrNotSupported = errors.New("not supported")
+)
+
+// OOMError reports an allocation the device could not satisfy, with the
+// facts PyTorch's message gives.
+type OOMError struct {
+	// Device is the device index.
+	Device int
+	// Requested is the size asked for; AllocSize the segment size the
+	// allocator tried to obtain.
+	Requested, AllocSize uint64
+	// DeviceTotal and DeviceFree are the device's memory at the failure.
+	DeviceTotal, DeviceFree uint64
+	// Allowed is the per-process cap (per_process_memory_fraction), 0 when
+	// unset.
+	Allowed uint64
+	// Allocated is memory handed out by this allocator; Reserved the
+	// memory it holds from the device.
+	Allocated, Reserved uint64
+	// Cause is the device's error, if it gave one.
+	Cause error
+}
+
+// Error formats the facts in PyTorch's order.
+func (e *OOMError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "allocd: out of memory: tried to allocate %s (a request of %d bytes) on device %d. ",
+		FormatSize(e.AllocSize), e.Requested, e.Device)
+	fmt.Fprintf(&b, "Device %d has a total capacity of %s of which %s is free. ",
+		e.Device, FormatSize(e.DeviceTotal), FormatSize(e.DeviceFree))
+	if e.Allowed != 0 {
+		fmt.Fprintf(&b, "This process may reserve at most %s (per_process_memory_fraction). ", FormatSize(e.Allowed))
+	}
+	unalloc := e.Reserved - e.Allocated
+	fmt.Fprintf(&b, "Of the memory this allocator holds, %s is allocated and %s is reserved but unallocated.",
+		FormatSize(e.Allocated), FormatSize(unalloc))
+	if unalloc > 0 && unalloc >= e.Reserved/10 && unalloc >= 64<<20 {
+		b.WriteString(" If reserved but unallocated memory is large, try ALLOCD_CONF=expandable_segments:True to avoid fragmentation.")
+	}
+	if e.Cause != nil {
+		fmt.Fprintf(&b, " (device: %v)", e.Cause)
+	}
+	return b.String()
+}
+
+// Is makes errors.Is hold for ErrOutOfMemory and cudart.ErrOutOfMemory.
+func (e *OOMError) Is(target error) bool {
+	return target == ErrOutOfMemory || target == cudart.ErrOutOfMemory
+}
+
+// Unwrap returns the device's error.
+func (e *OOMError) Unwrap() error { return e.Cause }
+
+// FormatSize renders a byte count as PyTorch's memory_summary does:
+// "512 B", "2.00 MiB", "1.50 GiB".
+func FormatSize(n uint64) string {
+	switch {
+	case n < 1<<10:
+		return fmt.Sprintf("%d B", n)
+	case n < 1<<20:
+		return fmt.Sprintf("%.2f KiB", float64(n)/(1<<10))
+	case n < 1<<30:
+		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
+	case n < 1<<40:
+		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
+	}
+	return fmt.Sprintf("%.2f TiB", float64(n)/(1<<40))
+}
+
+// Option configures New.
+type Option func(*options)
+
+type options struct {
+	log          *zap.Logger
+	historyLimit int
+}
+
+// WithLogger sets the logger for segment growth and release, OOMs and
+// configuration. The default logs nothing. Nothing is logged per malloc.
+func WithLogger(l *zap.Logger) Option {
+	return func(o *options) {
+		if l != nil {
+			o.log = l
+		}
+	}
+}
+
+// pool is one of the two block pools.
+type pool struct {
+	free  *blocks.FreeIndex
+	small bool
+	stat  Pool
+	// freeSearches counts searches of this pool while garbage collection is
+	// on; blocks age by it (PyTorch's get_free_blocks_call_count).
+	freeSearches uint64
+}
+
+// pendingEvent is a block waiting for an event on a stream that used it.
+type pendingEvent struct {
+	event cudart.Event
+	block *blocks.Block
+}
+
+// eventQueue holds one stream's pending events in record order.
+type eventQueue struct {
+	stream cudart.Stream
+	items  []pendingEvent
+}
+
+// Allocator is a caching device-memory allocator for one device. It is
+// safe for concurrent use.
+type Allocator struct {
+	mu     sync.Mutex
+	dev    cudart.Device
+	info   cudart.Info
+	cfg    Config
+	log    *zap.Logger
+	closed bool
+
+	small, large pool
+	segments     []*blocks.Segment
+	active       ptrMap // allocated blocks by address
+	recycler     blocks.Recycler
+	scratch      []*blocks.Block // reused by release paths
+
+	streams    []cudart.Stream // streams seen and checked
+	lastStream cudart.Stream
+
+	queues      []eventQueue
+	pending     int            // events not yet completed
+	spareEvents []cudart.Event // created events ready for reuse
+
+	total    uint64 // device memory
+	allowed  uint64 // per-process cap; total when no fraction is set
+	capped   bool   // per_process_memory_fraction set
+	reserved uint64 // bytes held from the device
+
+	stats         Stats
+	history       *history // nil unless WithHistory
+	lastDeviceErr error    // the device's last out-of-memory error
+}
+
+// New returns an allocator for dev. It reads the device's total memory once
+// (for per_process_memory_fraction and error messages) and otherwise does
+// not touch the device until the first allocation.
+func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
+	if dev == nil {
+		return nil, fmt.Errorf("allocator: nil device: %w", cudart.ErrInvalidValue)
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.ExpandableSegments {
+		return nil, fmt.Errorf("allocator: expandable_segments:True is not supported yet: %w", ErrNotSupported)
+	}
+	if cfg.Backend == BackendAsync {
+		return nil, fmt.Errorf("allocator: backend:cudaMallocAsync is not supported yet: %w", ErrNotSupported)
+	}
+	o := options{log: zap.NewNop()}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	_, total, err := dev.MemGetInfo()
+	if err != nil {
+		return nil, fmt.Errorf("allocator: reading device memory: %w", err)
+	}
+	a := &Allocator{
+		dev:    dev,
+		info:   dev.Info(),
+		cfg:    cfg,
+		log:    o.log,
+		small:  pool{free: blocks.NewFreeIndex(), small: true, stat: PoolSmall},
+		large:  pool{free: blocks.NewFreeIndex(), stat: PoolLarge},
+		active: newPtrMap(1024),
+		total:  total,
+	}
+	a.allowed = total
+	if cfg.PerProcessMemoryFraction > 0 {
+		a.capped = true
+		a.allowed = uint64(cfg.PerProcessMemoryFraction * float64(total))
+	}
+	a.streams = append(a.streams, cudart.DefaultStream)
+	a.stats.MaxSplitSize = a.maxSplitStat()
+	if o.historyLimit > 0 {
+		a.history = newHistory(o.historyLimit)
+	}
+	a.log.Info("allocator started",
+		zap.Int("device", a.info.Index), zap.String("name", a.info.Name),
+		zap.Uint64("total_bytes", total), zap.String("conf", cfg.String()))
+	return a, nil
+}
+
+func (a *Allocator) maxSplitStat() int64 {
+	if a.cfg.MaxSplitSize == math.MaxUint64 {
+		return -1
+	}
+	return int64(a.cfg.MaxSplitSize)
+}
+
+// Device returns the device the allocator draws from.
+func (a *Allocator) Device() cudart.Device { return a.dev }
+
+// Config returns the configuration in effect.
+func (a *Allocator) Config() Config { return a.cfg }
+
+// roundSize is PyTorch's round_size.
+func (a *Allocator) roundSize(size uint64) uint64 {
+	if size < minBlockSize {
+		return minBlockSize
+	}
+	div := a.cfg.RoundupPower2Divisions[roundupIndex(size)]
+	if div > 1 && size > minBlockSize*div {
+		return roundupPower2NextDivision(size, div)
+	}
+	return (size + minBlockSize - 1) / minBlockSize * minBlockSize
+}
+
+// roundupIndex maps a size to its power-of-two interval: sizes below 2 MiB
+// to 0, [2^(20+i), 2^(21+i)) to i, the largest interval catching the rest.
+func roundupIndex(size uint64) int {
+	i := bits.Len64(size) - 1 - 20
+	return max(0, min(i, roundupIntervals-1))
+}
+
+func roundupPower2NextDivision(size, divisions uint64) uint64 {
+	if isPow2(size) {
+		return size
+	}
+	floor := uint64(1) << (bits.Len64(size) - 1)
+	step := floor >> (bits.Len64(divisions) - 1)
+	if step == 0 {
+		return floor << 1
+	}
+	rounded := size &^ (step - 1)
+	if rounded == size {
+		return size
+	}
+	return rounded + step
+}
+
+// allocationSize is PyTorch's get_allocation_size: the segment size for a
+// rounded request.
+func allocationSize(size uint64) uint64 {
+	switch {
+	case size <= smallSize:
+		return smallBuffer
+	case size < minLargeAlloc:
+		return largeBuffer
+	}
+	return (size + roundLarge - 1) / roundLarge * roundLarge
+}
+
+func (a *Allocator) poolFor(size uint64) *pool {
+	if size <= smallSize {
+		return &a.small
+	}
+	return &a.large
+}
+
+func (a *Allocator) poolOf(b *blocks.Block) *pool {
+	if b.Segment.Small {
+		return &a.small
+	}
+	return &a.large
+}
+
+// checkStream admits s if it is known, or the device vouches for it.
+func (a *Allocator) checkStream(s cudart.Stream) error {
+	if s == a.lastStream {
+		return nil
+	}
+	for _, t := range a.streams {
+		if t == s {
+			a.lastStream = s
+			return nil
+		}
+	}
+	if c, ok := a.dev.(cudart.StreamChecker); ok {
+		if err := c.CheckStream(s); err != nil {
+			return fmt.Errorf("allocator: stream %#x: %w: %w", uint64(s), ErrInvalidStream, err)
+		}
+	}
+	a.streams = append(a.streams, s)
+	a.lastStream = s
+	return nil
+}
+
+// Malloc returns size bytes of device memory for use on stream. The address
+// is aligned to 512 bytes. Malloc(0) returns the zero Ptr and no error, as
+// PyTorch returns a null pointer for empty tensors; Free(0) is a no-op.
+//
+// A request the device cannot satisfy returns an *OOMError after the cache
+// has been released and the device asked again.
+func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error) {
+	if size == 0 {
+		return 0, nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return 0, fmt.Errorf("allocator: malloc: %w", ErrClosed)
+	}
+	if err := a.checkStream(stream); err != nil {
+		return 0, err
+	}
+	if size > a.allowed || size > maxRequestSize {
+		// No release of the cache can help: fail without touching it.
+		return 0, a.oomError(size, size, nil)
+	}
+	if a.pending > 0 {
+		if err := a.processEvents(); err != nil {
+			return 0, err
+		}
+	}
+	rounded := a.roundSize(size)
+	p := a.poolFor(rounded)
+	b := a.getFreeBlock(p, uint64(stream), rounded)
+	if b == nil {
+		var err error
+		if b, err = a.grow(p, stream, size, rounded); err != nil {
+			return 0, err
+		}
+	}
+	a.allocFoundBlock(p, b, rounded, size)
+	return cudart.Ptr(b.Ptr), nil
+}
+
+// getFreeBlock is PyTorch's get_free_block: best fit within the stream,
+// refusing oversize blocks for small requests and much larger blocks for
+// oversize requests.
+func (a *Allocator) getFreeBlock(p *pool, stream, size uint64) *blocks.Block {
+	gc := a.gcEnabled()
+	if gc {
+		p.freeSearches++
+	}
+	b := p.free.LowerBound(stream, size)
+	if b == nil {
+		return nil
+	}
+	maxSplit := a.cfg.MaxSplitSize
+	if size < maxSplit && b.Size >= maxSplit {
+		return nil
+	}
+	if size >= maxSplit && b.Size >= size+a.cfg.MaxNonSplitRounding {
+		return nil
+	}
+	p.free.Delete(b)
+	if gc {
+		b.GCBase = p.freeSearches
+	}
+	return b
+}
+
+func (a *Allocator) gcEnabled() bool {
+	return a.capped && a.cfg.GarbageCollectionThreshold > 0
+}
+
+// grow obtains a new segment for a request that no cached block serves,
+// following PyTorch's escalation: garbage-collect aged blocks (when
+// configured), ask the device, release oversize cached blocks and ask
+// again, release every cached segment and ask a last time.
+func (a *Allocator) grow(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+	if a.gcEnabled() {
+		a.garbageCollect()
+	}
+	allocSize := allocationSize(rounded)
+	b, err := a.allocBlock(p, stream, allocSize, false)
+	if b == nil && err == nil && a.releaseAvailableCachedBlocks(p, uint64(stream), rounded) {
+		b, err = a.allocBlock(p, stream, allocSize, false)
+	}
+	if b == nil && err == nil {
+		if err = a.releaseCachedBlocks(); err == nil {
+			b, err = a.allocBlock(p, stream, allocSize, true)
+		}
+	}
+	if err != nil {
+		return nil, err
+	}
+	if b == nil {
+		a.stats.NumOOMs++
+		oom := a.oomError(size, allocSize, a.lastDeviceErr)
+		a.record(actionOOM, 0, allocSize, stream)
+		a.log.Warn("out of memory", zap.Error(oom))
+		return nil, oom
+	}
+	return b, nil
+}
+
+func (a *Allocator) oomError(size, allocSize uint64, cause error) *OOMError {
+	free, total, err := a.dev.MemGetInfo()
+	if err != nil {
+		free, total = 0, a.total
+	}
+	e := &OOMError{
+		Device: a.info.Index, Requested: size, AllocSize: allocSize,
+		DeviceTotal: total, DeviceFree: free,
+		Allocated: uint64(a.stats.AllocatedBytes[PoolAll].Current),
+		Reserved:  a.reserved, Cause: cause,
+	}
+	if a.capped {
+		e.Allowed = a.allowed
+	}
+	return e
+}
+
+// allocBlock is PyTorch's alloc_block: one device malloc of a new segment.
+// It returns (nil, nil) when the device is out of memory (or the cap is
+// reached) and an error for any other device failure.
+func (a *Allocator) allocBlock(p *pool, stream cudart.Stream, allocSize uint64, isRetry bool) (*blocks.Block, error) {
+	if isRetry {
+		a.stats.NumAllocRetries++
+	}
+	a.lastDeviceErr = nil
+	if a.capped && a.reserved+allocSize > a.allowed {
+		return nil, nil
+	}
+	t0 := time.Now()
+	var ptr cudart.Ptr
+	var err error
+	if a.cfg.ReleaseLockOnDeviceMalloc {
+		a.mu.Unlock()
+		ptr, err = a.dev.Malloc(allocSize)
+		a.mu.Lock()
+		if err == nil && a.closed {
+			_ = a.dev.Free(ptr)
+			return nil, fmt.Errorf("allocator: malloc: %w", ErrClosed)
+		}
+	} else {
+		ptr, err = a.dev.Malloc(allocSize)
+	}
+	elapsed := time.Since(t0)
+	if err != nil {
+		if errors.Is(err, cudart.ErrOutOfMemory) {
+			a.lastDeviceErr = err
+			return nil, nil
+		}
+		return nil, fmt.Errorf("allocator: device malloc of %d bytes: %w", allocSize, err)
+	}
+	a.stats.DeviceMallocLatency.observe(elapsed)
+	seg := &blocks.Segment{Ptr: uint64(ptr), Size: allocSize, Stream: uint64(stream), Small: p.small, Index: len(a.segments)}
+	b := a.recycler.Get()
+	b.Ptr, b.Size, b.Segment = uint64(ptr), allocSize, seg
+	seg.Head = b
+	a.segments = append(a.segments, seg)
+	a.reserved += allocSize
+	a.stats.Segment.add(p.stat, 1)
+	a.stats.ReservedBytes.add(p.stat, int64(allocSize))
+	if allocSize >= a.cfg.MaxSplitSize {
+		a.stats.OversizeSegments.add(1)
+	}
+	a.stats.NumDeviceAlloc++
+	a.record(actionSegmentAlloc, seg.Ptr, allocSize, stream)
+	a.log.Debug("segment allocated", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", allocSize),
+		zap.Bool("small_pool", p.small), zap.Uint64("stream", uint64(stream)),
+		zap.Uint64("reserved_bytes", a.reserved), zap.Duration("took", elapsed))
+	return b, nil
+}
+
+func shouldSplit(p *pool, b *blocks.Block, size, maxSplit uint64) bool {
+	remaining := b.Size - size
+	if p.small {
+		return remaining >= minBlockSize
+	}
+	return size < maxSplit && remaining > smallSize
+}
+
+// allocFoundBlock is PyTorch's alloc_found_block: split off the remainder
+// when worth it, mark the block allocated and count it.
+func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested uint64) {
+	wasSplit := b.IsSplit()
+	st := &a.stats
+	if shouldSplit(p, b, size, a.cfg.MaxSplitSize) {
+		rest := blocks.Split(b, size, &a.recycler)
+		p.free.Insert(rest)
+		if wasSplit {
+			st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
+		} else {
+			st.InactiveSplitBytes.add(p.stat, int64(rest.Size))
+			st.InactiveSplit.add(p.stat, 1)
+		}
+	} else if wasSplit {
+		st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
+		st.InactiveSplit.sub(p.stat, 1)
+	}
+	b.Allocated = true
+	b.Requested = requested
+	a.active.put(b.Ptr, b)
+	st.Allocation.add(p.stat, 1)
+	st.AllocatedBytes.add(p.stat, int64(b.Size))
+	st.Active.add(p.stat, 1)
+	st.ActiveBytes.add(p.stat, int64(b.Size))
+	st.RequestedBytes.add(p.stat, int64(requested))
+	if b.Size >= a.cfg.MaxSplitSize {
+		st.OversizeAllocations.add(1)
+	}
+	a.record(actionAlloc, b.Ptr, b.Size, cudart.Stream(b.Segment.Stream))
+}
+
+// Free returns p, obtained from Malloc, to the cache. If other streams used
+// the block (RecordStream), it becomes reusable only once their work
+// recorded so far has completed. Free(0) is a no-op.
+func (a *Allocator) Free(p cudart.Ptr) error {
+	if p == 0 {
+		return nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return fmt.Errorf("allocator: free of %#x: %w", uint64(p), ErrClosed)
+	}
+	b := a.active.get(uint64(p))
+	if b == nil {
+		return a.unknownPointer("free", p)
+	}
+	pl := a.poolOf(b)
+	a.active.del(b.Ptr)
+	b.Allocated = false
+	st := &a.stats
+	st.Allocation.sub(pl.stat, 1)
+	st.AllocatedBytes.sub(pl.stat, int64(b.Size))
+	if b.Size >= a.cfg.MaxSplitSize {
+		st.OversizeAllocations.sub(1)
+	}
+	a.record(actionFreeRequested, b.Ptr, b.Size, cudart.Stream(b.Segment.Stream))
+	if len(b.StreamUses) > 0 {
+		if err := a.insertEvents(b); err != nil {
+			// The block cannot be tracked by events; wait for the device
+			// instead, so that reusing it is safe, and log why.
+			a.log.Error("recording stream events failed; synchronising the device", zap.Error(err))
+			if serr := a.dev.Synchronize(); serr != nil {
+				a.log.Error("device synchronize failed", zap.Error(serr))
+			}
+			b.StreamUses = b.StreamUses[:0]
+			if b.EventCount == 0 {
+				a.freeBlock(b)
+			}
+		}
+		return nil
+	}
+	a.freeBlock(b)
+	return nil
+}
+
+// unknownPointer explains a bad address: a double free when p starts a
+// block that is already free or pending, unknown otherwise.
+func (a *Allocator) unknownPointer(op string, p cudart.Ptr) error {
+	for _, s := range a.segments {
+		if uint64(p) < s.Ptr || uint64(p) >= s.Ptr+s.Size {
+			continue
+		}
+		for b := s.Head; b != nil; b = b.Next {
+			if b.Ptr == uint64(p) && !b.Allocated {
+				return fmt.Errorf("allocator: %s of %#x: %w (the block is already free)", op, uint64(p), ErrDoubleFree)
+			}
+		}
+		return fmt.Errorf("allocator: %s of %#x: %w (inside segment %#x but not the start of an allocated block)", op, uint64(p), ErrUnknownPointer, s.Ptr)
+	}
+	return fmt.Errorf("allocator: %s of %#x: %w", op, uint64(p), ErrUnknownPointer)
+}
+
+// freeBlock is PyTorch's free_block: merge with free neighbours, index the
+// result and settle the statistics.
+func (a *Allocator) freeBlock(b *blocks.Block) {
+	p := a.poolOf(b)
+	size, requested := b.Size, b.Requested
+	var netCount, netBytes int64
+	n, merged := blocks.Merge(b, p.free, &a.recycler)
+	netCount -= int64(n)
+	netBytes -= int64(merged)
+	b.Requested = 0
+	p.free.Insert(b)
+	if b.IsSplit() {
+		netCount++
+		netBytes += int64(b.Size)
+	}
+	st := &a.stats
+	adjust(&st.InactiveSplit, p.stat, netCount)
+	adjust(&st.InactiveSplitBytes, p.stat, netBytes)
+	st.Active.sub(p.stat, 1)
+	st.ActiveBytes.sub(p.stat, int64(size))
+	st.RequestedBytes.sub(p.stat, int64(requested))
+	a.record(actionFreeCompleted, b.Ptr, size, cudart.Stream(b.Segment.Stream))
+}
+
+func adjust(a *StatArray, p Pool, n int64) {
+	switch {
+	case n > 0:
+		a.add(p, n)
+	case n < 0:
+		a.sub(p, -n)
+	}
+}
+
+// RecordStream marks the allocation p as used by stream s, as
+// torch.Tensor.record_stream does: when p is freed, its memory is reused
+// only after the work queued on s up to that Free has completed.
+func (a *Allocator) RecordStream(p cudart.Ptr, s cudart.Stream) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return fmt.Errorf("allocator: record stream: %w", ErrClosed)
+	}
+	b := a.active.get(uint64(p))
+	if b == nil {
+		return a.unknownPointer("record stream", p)
+	}
+	if err := a.checkStream(s); err != nil {
+		return err
+	}
+	if uint64(s) == b.Segment.Stream {
+		return nil
+	}
+	for _, u := range b.StreamUses {
+		if u == uint64(s) {
+			return nil
+		}
+	}
+	b.StreamUses = append(b.StreamUses, uint64(s))
+	return nil
+}
+
+// insertEvents records an event on every stream that used b. On error the
+// events already queued stay valid and complete normally; the caller
+// synchronises the device for the rest.
+func (a *Allocator) insertEvents(b *blocks.Block) error {
+	for _, s := range b.StreamUses {
+		ev, err := a.getEvent()
+		if err != nil {
+			return err
+		}
+		if err := a.dev.EventRecord(ev, cudart.Stream(s)); err != nil {
+			a.spareEvents = append(a.spareEvents, ev)
+			return fmt.Errorf("allocator: recording an event on stream %#x: %w", s, err)
+		}
+		b.EventCount++
+		a.pending++
+		q := a.queue(cudart.Stream(s))
+		q.items = append(q.items, pendingEvent{event: ev, block: b})
+	}
+	b.StreamUses = b.StreamUses[:0]
+	return nil
+}
+
+func (a *Allocator) getEvent() (cudart.Event, error) {
+	if n := len(a.spareEvents); n > 0 {
+		ev := a.spareEvents[n-1]
+		a.spareEvents = a.spareEvents[:n-1]
+		return ev, nil
+	}
+	ev, err := a.dev.EventCreate()
+	if err != nil {
+		return 0, fmt.Errorf("allocator: creating an event: %w", err)
+	}
+	return ev, nil
+}
+
+func (a *Allocator) queue(s cudart.Stream) *eventQueue {
+	for i := range a.queues {
+		if a.queues[i].stream == s {
+			return &a.queues[i]
+		}
+	}
+	a.queues = append(a.queues, eventQueue{stream: s})
+	return &a.queues[len(a.queues)-1]
+}
+
+// processEvents is PyTorch's process_events: in each stream's queue,
+// retire events from the front while they have completed.
+func (a *Allocator) processEvents() error {
+	for i := range a.queues {
+		q := &a.queues[i]
+		for len(q.items) > 0 {
+			pe := q.items[0]
+			done, err := a.dev.EventQuery(pe.event)
+			if err != nil {
+				return fmt.Errorf("allocator: querying a stream event: %w", err)
+			}
+			if !done {
+				break
+			}
+			q.items[0] = pendingEvent{}
+			q.items = q.items[1:]
+			a.retire(pe)
+		}
+	}
+	return nil
+}
+
+func (a *Allocator) retire(pe pendingEvent) {
+	a.spareEvents = append(a.spareEvents, pe.event)
+	a.pending--
+	pe.block.EventCount--
+	if pe.block.EventCount == 0 {
+		a.freeBlock(pe.block)
+	}
+}
+
+// synchronizeAndFreeEvents waits for every pending event and returns their
+// blocks to the pools.
+func (a *Allocator) synchronizeAndFreeEvents() error {
+	if a.pending == 0 {
+		return nil
+	}
+	a.stats.NumSyncAllStreams++
+	for i := range a.queues {
+		q := &a.queues[i]
+		for len(q.items) > 0 {
+			pe := q.items[0]
+			if err := a.dev.EventSynchronize(pe.event); err != nil {
+				return fmt.Errorf("allocator: waiting for a stream event: %w", err)
+			}
+			q.items[0] = pendingEvent{}
+			q.items = q.items[1:]
+			a.retire(pe)
+		}
+	}
+	return nil
+}
+
+// releaseBlock returns a whole free segment to the device.
+func (a *Allocator) releaseBlock(b *blocks.Block) error {
+	seg := b.Segment
+	p := a.poolOf(b)
+	if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
+		return fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err)
+	}
+	p.free.Delete(b)
+	last := a.segments[len(a.segments)-1]
+	a.segments[seg.Index] = last
+	last.Index = seg.Index
+	a.segments[len(a.segments)-1] = nil
+	a.segments = a.segments[:len(a.segments)-1]
+	a.reserved -= seg.Size
+	a.stats.Segment.sub(p.stat, 1)
+	a.stats.ReservedBytes.sub(p.stat, int64(seg.Size))
+	if seg.Size >= a.cfg.MaxSplitSize {
+		a.stats.OversizeSegments.sub(1)
+	}
+	a.stats.NumDeviceFree++
+	a.record(actionSegmentFree, seg.Ptr, seg.Size, cudart.Stream(seg.Stream))
+	a.log.Debug("segment released", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", seg.Size),
+		zap.Uint64("reserved_bytes", a.reserved))
+	a.recycler.Put(b)
+	return nil
+}
+
+// releaseAll releases every collected block, stopping at the first error.
+func (a *Allocator) releaseAll(list []*blocks.Block) error {
+	for _, b := range list {
+		if err := a.releaseBlock(b); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// collectWhole gathers the pool's free blocks that are whole segments.
+func (a *Allocator) collectWhole(p *pool) []*blocks.Block {
+	list := a.scratch[:0]
+	p.free.Ascend(func(b *blocks.Block) bool {
+		if !b.IsSplit() {
+			list = append(list, b)
+		}
+		return true
+	})
+	a.scratch = list[:0]
+	return list
+}
+
+// releaseCachedBlocks is PyTorch's release_cached_blocks: wait for pending
+// events, then return every whole free segment to the device.
+func (a *Allocator) releaseCachedBlocks() error {
+	if err := a.synchronizeAndFreeEvents(); err != nil {
+		return err
+	}
+	if err := a.releaseAll(a.collectWhole(&a.large)); err != nil {
+		return err
+	}
+	return a.releaseAll(a.collectWhole(&a.small))
+}
+
+// releaseAvailableCachedBlocks is PyTorch's release_available_cached_blocks:
+// with max_split_size set, release one oversize cached block large enough
+// for the request, or else oversize blocks from the largest down until
+// enough bytes are freed. It reports whether it released enough.
+func (a *Allocator) releaseAvailableCachedBlocks(p *pool, stream, size uint64) bool {
+	maxSplit := a.cfg.MaxSplitSize
+	if maxSplit == math.MaxUint64 {
+		return false
+	}
+	key := max(size, maxSplit)
+	if b := p.free.LowerBound(stream, key); b != nil {
+		if b.IsSplit() {
+			return false
+		}
+		return a.releaseBlock(b) == nil
+	}
+	list := a.scratch[:0]
+	var total uint64
+	p.free.DescendStream(stream, key, func(b *blocks.Block) bool {
+		if b.Size < maxSplit || total >= key {
+			return false
+		}
+		if !b.IsSplit() {
+			list = append(list, b)
+			total += b.Size
+		}
+		return true
+	})
+	a.scratch = list[:0]
+	if err := a.releaseAll(list); err != nil {
+		return false
+	}
+	return total >= key
+}
+
+// garbageCollect is PyTorch's garbage_collect_cached_blocks: once reserved
+// memory passes threshold × allowed, release unsplit large cached blocks
+// whose age is at least the average, repeatedly, until enough is freed.
+func (a *Allocator) garbageCollect() {
+	threshold := uint64(a.cfg.GarbageCollectionThreshold * float64(a.allowed))
+	if a.reserved <= threshold {
+		return
+	}
+	target := a.reserved - threshold
+	p := &a.large
+	age := func(b *blocks.Block) uint64 { return p.freeSearches - b.GCBase }
+	var totalAge uint64
+	count := 0
+	p.free.Ascend(func(b *blocks.Block) bool {
+		if !b.IsSplit() {
+			totalAge += age(b)
+			count++
+		}
+		return true
+	})
+	var reclaimed uint64
+	for freed := true; reclaimed < target && freed && count > 0; {
+		threshold := float64(totalAge) / float64(count)
+		freed = false
+		list := a.scratch[:0]
+		p.free.Ascend(func(b *blocks.Block) bool {
+			if !b.IsSplit() && float64(age(b)) >= threshold {
+				list = append(list, b)
+			}
+			return true
+		})
+		a.scratch = list[:0]
+		for _, b := range list {
+			g, size := age(b), b.Size
+			if a.releaseBlock(b) != nil {
+				return
+			}
+			freed = true
+			reclaimed += size
+			totalAge -= g
+			count--
+		}
+	}
+}
+
+// EmptyCache waits for pending stream events, then returns every cached
+// segment that holds no allocation to the device, as
+// torch.cuda.empty_cache() does. Segments with a live block stay.
+func (a *Allocator) EmptyCache() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return fmt.Errorf("allocator: empty cache: %w", ErrClosed)
+	}
+	a.stats.NumEmptyCache++
+	return a.releaseCachedBlocks()
+}
+
+// Close waits for pending events and returns every segment to the device,
+// including segments with blocks still allocated; it then reports those
+// blocks in an error wrapping ErrLiveBlocks. The allocator is unusable
+// afterwards (ErrClosed). The device itself is not closed.
+func (a *Allocator) Close() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return fmt.Errorf("allocator: close: %w", ErrClosed)
+	}
+	var errs []error
+	if err := a.synchronizeAndFreeEvents(); err != nil {
+		errs = append(errs, err)
+		if serr := a.dev.Synchronize(); serr != nil {
+			errs = append(errs, serr)
+		}
+	}
+	live, liveBytes := a.active.len(), a.stats.AllocatedBytes[PoolAll].Current
+	for _, seg := range a.segments {
+		if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
+			errs = append(errs, fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err))
+			continue
+		}
+		a.stats.NumDeviceFree++
+	}
+	for _, ev := range a.spareEvents {
+		if err := a.dev.EventDestroy(ev); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	a.log.Info("allocator closed", zap.Int("segments_released", len(a.segments)),
+		zap.Uint64("bytes_released", a.reserved), zap.Int("live_blocks", live))
+	// Everything went back to the device: current values drop to zero.
+	st := &a.stats
+	for _, arr := range st.namedArrays() {
+		for p := range arr.a {
+			arr.a[p].sub(arr.a[p].Current)
+		}
+	}
+	st.OversizeAllocations.sub(st.OversizeAllocations.Current)
+	st.OversizeSegments.sub(st.OversizeSegments.Current)
+	a.segments, a.spareEvents, a.queues = nil, nil, nil
+	a.small.free, a.large.free = blocks.NewFreeIndex(), blocks.NewFreeIndex()
+	a.active = newPtrMap(0)
+	a.reserved, a.pending = 0, 0
+	a.closed = true
+	if live > 0 {
+		errs = append(errs, fmt.Errorf("allocator: close: %d blocks (%d bytes) were never freed: %w", live, liveBytes, ErrLiveBlocks))
+	}
+	return errors.Join(errs...)
+}
+
+// Stats returns a copy of the statistics, consistent as of one moment.
+func (a *Allocator) Stats() Stats {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	s := a.stats
+	var largest uint64
+	for _, p := range []*pool{&a.small, &a.large} {
+		if b := p.free.Largest(); b != nil && b.Size > largest {
+			largest = b.Size
+		}
+	}
+	s.LargestFreeBlock = int64(largest)
+	return s
+}
+
+// MemoryAllocated returns the bytes currently handed out (rounded sizes),
+// as torch.cuda.memory_allocated().
+func (a *Allocator) MemoryAllocated() int64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.stats.AllocatedBytes[PoolAll].Current
+}
+
+// MemoryReserved returns the bytes held from the device, as
+// torch.cuda.memory_reserved().
+func (a *Allocator) MemoryReserved() int64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.stats.ReservedBytes[PoolAll].Current
+}
+
+// MaxMemoryAllocated returns the peak of MemoryAllocated since the last
+// ResetPeakStats.
+func (a *Allocator) MaxMemoryAllocated() int64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.stats.AllocatedBytes[PoolAll].Peak
+}
+
+// MaxMemoryReserved returns the peak of MemoryReserved since the last
+// ResetPeakStats.
+func (a *Allocator) MaxMemoryReserved() int64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.stats.ReservedBytes[PoolAll].Peak
+}
+
+// ResetPeakStats sets every peak to its current value.
+func (a *Allocator) ResetPeakStats() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	st := &a.stats
+	for _, arr := range st.namedArrays() {
+		arr.a.resetPeak()
+	}
+	st.OversizeAllocations.resetPeak()
+	st.OversizeSegments.resetPeak()
+}
+
+// Check walks every segment, block and index and compares what it finds
+// with the statistics. It returns nil when every invariant holds and an
+// error listing each broken one otherwise. It is meant for tests and
+// debugging: it costs time proportional to the number of blocks.
+func (a *Allocator) Check() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	t, err := blocks.Check(a.segments, a.small.free, a.large.free)
+	var errs []error
+	if err != nil {
+		errs = append(errs, err)
+	}
+	st := &a.stats
+	want := func(name string, got, exp int64) {
+		if got != exp {
+			errs = append(errs, fmt.Errorf("stat %s is %d, structures say %d", name, got, exp))
+		}
+	}
+	want("segment", st.Segment[PoolAll].Current, int64(t.Segments))
+	want("reserved_bytes", st.ReservedBytes[PoolAll].Current, int64(t.SegmentBytes))
+	want("reserved", int64(a.reserved), int64(t.SegmentBytes))
+	want("allocation", st.Allocation[PoolAll].Current, int64(t.AllocatedCount))
+	want("allocated_bytes", st.AllocatedBytes[PoolAll].Current, int64(t.AllocatedBytes))
+	want("active", st.Active[PoolAll].Current, int64(t.AllocatedCount+t.PendingCount))
+	want("active_bytes", st.ActiveBytes[PoolAll].Current, int64(t.AllocatedBytes+t.PendingBytes))
+	want("requested_bytes", st.RequestedBytes[PoolAll].Current, int64(t.RequestedBytes))
+	want("inactive_split", st.InactiveSplit[PoolAll].Current, int64(t.InactiveSplitCount))
+	want("inactive_split_bytes", st.InactiveSplitBytes[PoolAll].Current, int64(t.InactiveSplitBytes))
+	want("active map size", int64(a.active.len()), int64(t.AllocatedCount))
+	for _, arr := range st.namedArrays() {
+		want(arr.name+" pools", arr.a[PoolSmall].Current+arr.a[PoolLarge].Current, arr.a[PoolAll].Current)
+	}
+	var events int
+	for _, s := range a.segments {
+		for b := s.Head; b != nil; b = b.Next {
+			events += b.EventCount
+			if b.Allocated && a.active.get(b.Ptr) != b {
+				errs = append(errs, fmt.Errorf("allocated %v is missing from the active map", b))
+			}
+		}
+	}
+	want("pending events", int64(a.pending), int64(events))
+	for i, p := range []*pool{&a.small, &a.large} {
+		p.free.Ascend(func(b *blocks.Block) bool {
+			if b.Segment.Small != p.small {
+				errs = append(errs, fmt.Errorf("%v is in pool %d but its segment belongs to the other", b, i))
+			}
+			return true
+		})
+	}
+	return errors.Join(errs...)
+}

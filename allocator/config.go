@@ -1,0 +1,403 @@
+package allocator
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"strconv"
+	"strings"
+)
+
+// Backend selects how the allocator obtains memory.
+type Backend string
+
+// Backends accepted by the `backend` key.
+const (
+	// BackendNative is allocd's own caching allocator (the default).
+	BackendNative Backend = "native"
+	// BackendAsync delegates to the device's stream-ordered pool
+	// (cudaMallocAsync / cudaFreeAsync).
+	BackendAsync Backend = "cudaMallocAsync"
+)
+
+// roundupIntervals is the number of power-of-two intervals
+// roundup_power2_divisions configures: [1 MiB, 2 MiB), … up to 64 GiB; the
+// first also covers smaller sizes and the last larger ones (as PyTorch).
+const roundupIntervals = 16
+
+// Config is the allocator's configuration, the keys of ALLOCD_CONF (which
+// are PYTORCH_CUDA_ALLOC_CONF's). The zero Config is not valid; start from
+// DefaultConfig or ParseConfig.
+type Config struct {
+	// Backend is "native" or "cudaMallocAsync".
+	Backend Backend
+	// MaxSplitSize: blocks of at least this many bytes are never split and
+	// never serve smaller requests. math.MaxUint64 means unlimited (the
+	// default).
+	MaxSplitSize uint64
+	// MaxNonSplitRounding: a request of at least MaxSplitSize takes a cached
+	// block at most this many bytes larger. Default 20 MiB.
+	MaxNonSplitRounding uint64
+	// GarbageCollectionThreshold in (0, 1), or 0 when off: with a memory
+	// fraction set, once reserved memory exceeds threshold × allowed, aged
+	// unsplit cached blocks are released before the device is asked for
+	// more.
+	GarbageCollectionThreshold float64
+	// RoundupPower2Divisions[i] divides the power-of-two interval
+	// [2^(20+i), 2^(21+i)) into that many equal steps that requests round up
+	// to; 0 or 1 means plain 512-byte rounding.
+	RoundupPower2Divisions [roundupIntervals]uint64
+	// ExpandableSegments maps memory into growing virtual ranges instead of
+	// allocating fixed segments.
+	ExpandableSegments bool
+	// PerProcessMemoryFraction in (0, 1] caps reserved memory at
+	// fraction × device total; 0 means no cap.
+	PerProcessMemoryFraction float64
+	// ReleaseLockOnDeviceMalloc lets other goroutines use the cache while
+	// one waits for the device's malloc (release_lock_on_cudamalloc).
+	ReleaseLockOnDeviceMalloc bool
+}
+
+// DefaultConfig returns PyTorch's defaults.
+func DefaultConfig() Config {
+	return Config{
+		Backend:             BackendNative,
+		MaxSplitSize:        math.MaxUint64,
+		MaxNonSplitRounding: 20 << 20,
+	}
+}
+
+// ErrConfig is wrapped by every configuration error.
+var ErrConfig = errors.New("invalid allocator configuration")
+
+// ConfigError names the key and value that were wrong and what is accepted.
+type ConfigError struct {
+	Key, Value string
+	// Accepted says what the key takes.
+	Accepted string
+}
+
+// Error formats the error.
+func (e *ConfigError) Error() string {
+	if e.Key == "" {
+		return fmt.Sprintf("allocator config: %s (got %q)", e.Accepted, e.Value)
+	}
+	return fmt.Sprintf("allocator config: key %q: bad value %q: %s", e.Key, e.Value, e.Accepted)
+}
+
+// Unwrap makes errors.Is(err, ErrConfig) hold.
+func (e *ConfigError) Unwrap() error { return ErrConfig }
+
+// ConfigKeys lists the keys ParseConfig accepts.
+var ConfigKeys = []string{
+	"backend", "max_split_size_mb", "max_non_split_rounding_mb",
+	"garbage_collection_threshold", "roundup_power2_divisions",
+	"expandable_segments", "per_process_memory_fraction",
+	"release_lock_on_cudamalloc",
+}
+
+// ParseConfig parses a configuration string in PYTORCH_CUDA_ALLOC_CONF's
+// grammar: comma-separated key:value pairs, lists in brackets
+// (roundup_power2_divisions:[256:1,512:2,>:8]), booleans True/False. The
+// empty string gives DefaultConfig. Unknown keys, bad values and stray
+// tokens are errors wrapping ErrConfig; nothing is ignored.
+func ParseConfig(s string) (Config, error) {
+	cfg := DefaultConfig()
+	toks, err := tokenize(s)
+	if err != nil {
+		return cfg, err
+	}
+	seen := map[string]bool{}
+	for i := 0; i < len(toks); {
+		key := toks[i]
+		if isPunct(key) {
+			return DefaultConfig(), &ConfigError{Value: key, Accepted: "expected a key, one of " + strings.Join(ConfigKeys, ", ")}
+		}
+		if i+1 >= len(toks) || toks[i+1] != ":" {
+			return DefaultConfig(), &ConfigError{Key: key, Value: "", Accepted: "expected key:value"}
+		}
+		i += 2
+		if i >= len(toks) || toks[i] == "," {
+			return DefaultConfig(), &ConfigError{Key: key, Value: "", Accepted: "missing value"}
+		}
+		var val []string // one token, or a bracketed list's tokens
+		if toks[i] == "[" {
+			j := i + 1
+			for j < len(toks) && toks[j] != "]" {
+				j++
+			}
+			if j >= len(toks) {
+				return DefaultConfig(), &ConfigError{Key: key, Value: strings.Join(toks[i:], ""), Accepted: "unterminated list: missing ]"}
+			}
+			val = toks[i : j+1]
+			i = j + 1
+		} else {
+			val = toks[i : i+1]
+			i++
+		}
+		if i < len(toks) {
+			if toks[i] != "," {
+				return DefaultConfig(), &ConfigError{Key: key, Value: toks[i], Accepted: "expected , between key:value pairs"}
+			}
+			i++
+			if i == len(toks) {
+				return DefaultConfig(), &ConfigError{Value: s, Accepted: "trailing comma"}
+			}
+		}
+		if seen[key] {
+			return DefaultConfig(), &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "key given twice"}
+		}
+		seen[key] = true
+		if err := cfg.set(key, val); err != nil {
+			return DefaultConfig(), err
+		}
+	}
+	return cfg, cfg.Validate()
+}
+
+func isPunct(t string) bool { return t == "," || t == ":" || t == "[" || t == "]" }
+
+func tokenize(s string) ([]string, error) {
+	var toks []string
+	var cur strings.Builder
+	flush := func() {
+		if cur.Len() > 0 {
+			toks = append(toks, cur.String())
+			cur.Reset()
+		}
+	}
+	for _, r := range s {
+		switch {
+		case r == ',' || r == ':' || r == '[' || r == ']':
+			flush()
+			toks = append(toks, string(r))
+		case r == ' ' || r == '\t' || r == '\n' || r == '\r':
+			flush()
+		default:
+			cur.WriteRune(r)
+		}
+	}
+	flush()
+	return toks, nil
+}
+
+func parseBool(key, v string) (bool, error) {
+	switch v {
+	case "True", "true":
+		return true, nil
+	case "False", "false":
+		return false, nil
+	}
+	return false, &ConfigError{Key: key, Value: v, Accepted: "expected True or False"}
+}
+
+func parseMB(key, v string, min uint64) (uint64, error) {
+	n, err := strconv.ParseUint(v, 10, 64)
+	if err != nil || n < min {
+		return 0, &ConfigError{Key: key, Value: v, Accepted: fmt.Sprintf("expected a whole number of MiB, at least %d", min)}
+	}
+	if n > math.MaxUint64>>20 {
+		return math.MaxUint64, nil
+	}
+	return n << 20, nil
+}
+
+func isPow2(n uint64) bool { return n != 0 && n&(n-1) == 0 }
+
+func (c *Config) set(key string, val []string) error {
+	single := func() (string, error) {
+		if len(val) != 1 {
+			return "", &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "expected a single value, not a list"}
+		}
+		return val[0], nil
+	}
+	switch key {
+	case "backend":
+		v, err := single()
+		if err != nil {
+			return err
+		}
+		switch Backend(v) {
+		case BackendNative, BackendAsync:
+			c.Backend = Backend(v)
+		default:
+			return &ConfigError{Key: key, Value: v, Accepted: "expected native or cudaMallocAsync"}
+		}
+	case "max_split_size_mb", "max_non_split_rounding_mb":
+		v, err := single()
+		if err != nil {
+			return err
+		}
+		n, err := parseMB(key, v, 20)
+		if err != nil {
+			return err
+		}
+		if key == "max_split_size_mb" {
+			c.MaxSplitSize = n
+		} else {
+			c.MaxNonSplitRounding = n
+		}
+	case "garbage_collection_threshold":
+		v, err := single()
+		if err != nil {
+			return err
+		}
+		f, err := strconv.ParseFloat(v, 64)
+		if err != nil || !(f > 0 && f < 1) {
+			return &ConfigError{Key: key, Value: v, Accepted: "expected a number strictly between 0 and 1"}
+		}
+		c.GarbageCollectionThreshold = f
+	case "per_process_memory_fraction":
+		v, err := single()
+		if err != nil {
+			return err
+		}
+		f, err := strconv.ParseFloat(v, 64)
+		if err != nil || !(f >= 0 && f <= 1) {
+			return &ConfigError{Key: key, Value: v, Accepted: "expected a number between 0 and 1"}
+		}
+		c.PerProcessMemoryFraction = f
+	case "expandable_segments", "release_lock_on_cudamalloc":
+		v, err := single()
+		if err != nil {
+			return err
+		}
+		b, err := parseBool(key, v)
+		if err != nil {
+			return err
+		}
+		if key == "expandable_segments" {
+			c.ExpandableSegments = b
+		} else {
+			c.ReleaseLockOnDeviceMalloc = b
+		}
+	case "roundup_power2_divisions":
+		return c.setRoundup(key, val)
+	default:
+		return &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "unknown key; accepted keys are " + strings.Join(ConfigKeys, ", ")}
+	}
+	return nil
+}
+
+// setRoundup follows PyTorch's parser: a single power of two applies to
+// every interval; a list maps interval starts in MiB (powers of two) or ">"
+// (all later intervals) to divisions (powers of two, or 0 to disable).
+func (c *Config) setRoundup(key string, val []string) error {
+	whole := strings.Join(val, "")
+	if len(val) == 1 {
+		n, err := strconv.ParseUint(val[0], 10, 64)
+		if err != nil || !isPow2(n) {
+			return &ConfigError{Key: key, Value: whole, Accepted: "expected a power of two, or a list like [256:1,512:2,>:8]"}
+		}
+		for i := range c.RoundupPower2Divisions {
+			c.RoundupPower2Divisions[i] = n
+		}
+		return nil
+	}
+	items := val[1 : len(val)-1] // inside the brackets
+	// next is the first interval ">" covers: the one after the last
+	// explicit interval. (PyTorch fills from the last explicit interval
+	// itself, overwriting it; allocd keeps what the user wrote.)
+	next := 0
+	for i := 0; i < len(items); {
+		if i+2 >= len(items) || items[i+1] != ":" {
+			return &ConfigError{Key: key, Value: whole, Accepted: "expected list items SIZE_MB:DIVISIONS"}
+		}
+		k, v := items[i], items[i+2]
+		div, err := strconv.ParseUint(v, 10, 64)
+		if err != nil || (div != 0 && !isPow2(div)) {
+			return &ConfigError{Key: key, Value: whole, Accepted: fmt.Sprintf("divisions %q must be a power of two or 0", v)}
+		}
+		if k == ">" {
+			for j := next; j < roundupIntervals; j++ {
+				c.RoundupPower2Divisions[j] = div
+			}
+		} else {
+			mb, err := strconv.ParseUint(k, 10, 64)
+			if err != nil || !isPow2(mb) {
+				return &ConfigError{Key: key, Value: whole, Accepted: fmt.Sprintf("interval %q must be a power of two (MiB) or >", k)}
+			}
+			idx := min(bits.Len64(mb)-1, roundupIntervals-1)
+			if next == 0 {
+				for j := 0; j < idx; j++ {
+					c.RoundupPower2Divisions[j] = div
+				}
+			}
+			c.RoundupPower2Divisions[idx] = div
+			next = idx + 1
+		}
+		i += 3
+		if i < len(items) {
+			if items[i] != "," {
+				return &ConfigError{Key: key, Value: whole, Accepted: "expected , between list items"}
+			}
+			i++
+		}
+	}
+	return nil
+}
+
+// Validate checks the values and their combination. The allocator calls it
+// in New; ParseConfig calls it too.
+func (c Config) Validate() error {
+	switch c.Backend {
+	case BackendNative, BackendAsync:
+	default:
+		return &ConfigError{Key: "backend", Value: string(c.Backend), Accepted: "expected native or cudaMallocAsync"}
+	}
+	if c.MaxSplitSize < 20<<20 {
+		return &ConfigError{Key: "max_split_size_mb", Value: strconv.FormatUint(c.MaxSplitSize>>20, 10), Accepted: "expected at least 20"}
+	}
+	if c.MaxNonSplitRounding < 20<<20 {
+		return &ConfigError{Key: "max_non_split_rounding_mb", Value: strconv.FormatUint(c.MaxNonSplitRounding>>20, 10), Accepted: "expected at least 20"}
+	}
+	if g := c.GarbageCollectionThreshold; g != 0 && !(g > 0 && g < 1) {
+		return &ConfigError{Key: "garbage_collection_threshold", Value: fmt.Sprint(g), Accepted: "expected a number strictly between 0 and 1"}
+	}
+	if f := c.PerProcessMemoryFraction; !(f >= 0 && f <= 1) {
+		return &ConfigError{Key: "per_process_memory_fraction", Value: fmt.Sprint(f), Accepted: "expected a number between 0 and 1"}
+	}
+	for _, d := range c.RoundupPower2Divisions {
+		if d != 0 && !isPow2(d) {
+			return &ConfigError{Key: "roundup_power2_divisions", Value: fmt.Sprint(d), Accepted: "divisions must be powers of two or 0"}
+		}
+	}
+	return nil
+}
+
+// String renders the configuration in ALLOCD_CONF's grammar, listing only
+// keys that differ from the defaults; ParseConfig(c.String()) == c.
+func (c Config) String() string {
+	d := DefaultConfig()
+	var parts []string
+	if c.Backend != d.Backend {
+		parts = append(parts, "backend:"+string(c.Backend))
+	}
+	if c.MaxSplitSize != d.MaxSplitSize {
+		parts = append(parts, fmt.Sprintf("max_split_size_mb:%d", c.MaxSplitSize>>20))
+	}
+	if c.MaxNonSplitRounding != d.MaxNonSplitRounding {
+		parts = append(parts, fmt.Sprintf("max_non_split_rounding_mb:%d", c.MaxNonSplitRounding>>20))
+	}
+	if c.GarbageCollectionThreshold != 0 {
+		parts = append(parts, "garbage_collection_threshold:"+strconv.FormatFloat(c.GarbageCollectionThreshold, 'g', -1, 64))
+	}
+	if c.RoundupPower2Divisions != d.RoundupPower2Divisions {
+		var items []string
+		for i, v := range c.RoundupPower2Divisions {
+			items = append(items, fmt.Sprintf("%d:%d", uint64(1)<<i, v))
+		}
+		parts = append(parts, "roundup_power2_divisions:["+strings.Join(items, ",")+"]")
+	}
+	if c.ExpandableSegments {
+		parts = append(parts, "expandable_segments:True")
+	}
+	if c.PerProcessMemoryFraction != 0 {
+		parts = append(parts, "per_process_memory_fraction:"+strconv.FormatFloat(c.PerProcessMemoryFraction, 'g', -1, 64))
+	}
+	if c.ReleaseLockOnDeviceMalloc {
+		parts = append(parts, "release_lock_on_cudamalloc:True")
+	}
+	return strings.Join(parts, ",")
+}

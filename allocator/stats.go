@@ -1,0 +1,199 @@
+package allocator
+
+import (
+	"fmt"
+	"time"
+)
+
+// Stat is one PyTorch-style statistic: its current value, its peak since the
+// last ResetPeakStats, and the running totals added and removed.
+type Stat struct {
+	Current   int64
+	Peak      int64
+	Allocated int64
+	Freed     int64
+}
+
+func (s *Stat) add(n int64) {
+	s.Current += n
+	s.Allocated += n
+	if s.Current > s.Peak {
+		s.Peak = s.Current
+	}
+}
+
+func (s *Stat) sub(n int64) {
+	s.Current -= n
+	s.Freed += n
+}
+
+// Pool indexes a StatArray.
+type Pool int
+
+// The pools a StatArray splits a statistic into, in PyTorch's order.
+const (
+	PoolAll Pool = iota
+	PoolSmall
+	PoolLarge
+	numPools
+)
+
+// String returns PyTorch's name for the pool: "all", "small_pool" or
+// "large_pool".
+func (p Pool) String() string {
+	switch p {
+	case PoolAll:
+		return "all"
+	case PoolSmall:
+		return "small_pool"
+	case PoolLarge:
+		return "large_pool"
+	}
+	return fmt.Sprintf("Pool(%d)", int(p))
+}
+
+// StatArray is a statistic for all pools together and for each pool.
+type StatArray [numPools]Stat
+
+func (a *StatArray) add(pool Pool, n int64) {
+	a[PoolAll].add(n)
+	a[pool].add(n)
+}
+
+func (a *StatArray) sub(pool Pool, n int64) {
+	a[PoolAll].sub(n)
+	a[pool].sub(n)
+}
+
+// DeviceMallocBuckets are the upper bounds, in seconds, of the device-malloc
+// latency histogram in Stats.
+var DeviceMallocBuckets = [...]float64{10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3}
+
+// Histogram is a cumulative-free latency histogram: Counts[i] counts the
+// observations v with DeviceMallocBuckets[i-1] < v <= DeviceMallocBuckets[i];
+// the last count is for observations above every bound.
+type Histogram struct {
+	Counts [len(DeviceMallocBuckets) + 1]uint64
+	Count  uint64
+	Sum    float64 // seconds
+}
+
+func (h *Histogram) observe(d time.Duration) {
+	v := d.Seconds()
+	i := 0
+	for i < len(DeviceMallocBuckets) && v > DeviceMallocBuckets[i] {
+		i++
+	}
+	h.Counts[i]++
+	h.Count++
+	h.Sum += v
+}
+
+// Stats is a consistent copy of the allocator's counters, taken under one
+// lock. Field names follow torch.cuda.memory_stats(); Flat renders PyTorch's
+// key map.
+type Stats struct {
+	// Allocation counts live blocks handed out by Malloc.
+	Allocation StatArray
+	// Segment counts device allocations (cudaMalloc calls) held.
+	Segment StatArray
+	// Active counts blocks in use, including those freed but still awaiting
+	// a stream's event.
+	Active StatArray
+	// InactiveSplit counts free blocks that are part of a split segment
+	// (cannot be returned to the device).
+	InactiveSplit StatArray
+	// AllocatedBytes is the rounded size of live allocations.
+	AllocatedBytes StatArray
+	// ReservedBytes is the size of all segments held.
+	ReservedBytes StatArray
+	// ActiveBytes is the size of active blocks.
+	ActiveBytes StatArray
+	// InactiveSplitBytes is the size of inactive split blocks.
+	InactiveSplitBytes StatArray
+	// RequestedBytes is the size callers asked for, before rounding.
+	RequestedBytes StatArray
+
+	// OversizeAllocations counts live allocations of at least
+	// max_split_size; OversizeSegments the segments holding them.
+	OversizeAllocations Stat
+	OversizeSegments    Stat
+
+	// NumAllocRetries counts mallocs that freed cached memory and retried
+	// after the device said no.
+	NumAllocRetries int64
+	// NumOOMs counts mallocs that failed with an out-of-memory error.
+	NumOOMs int64
+	// NumSyncAllStreams counts times the allocator waited for every pending
+	// event (OOM path, EmptyCache).
+	NumSyncAllStreams int64
+	// NumDeviceAlloc and NumDeviceFree count device malloc and free calls.
+	NumDeviceAlloc int64
+	NumDeviceFree  int64
+	// NumEmptyCache counts EmptyCache calls.
+	NumEmptyCache int64
+	// MaxSplitSize is the max_split_size in effect (bytes); -1 when unset,
+	// as PyTorch reports it.
+	MaxSplitSize int64
+
+	// LargestFreeBlock is the size of the largest cached free block.
+	LargestFreeBlock int64
+	// DeviceMallocLatency observes each device malloc (slow path only).
+	DeviceMallocLatency Histogram
+}
+
+// Flat returns the statistics under PyTorch's flat keys, as
+// torch.cuda.memory_stats() names them: "allocated_bytes.all.current",
+// "segment.large_pool.peak", "num_ooms", …
+func (s *Stats) Flat() map[string]int64 {
+	m := make(map[string]int64, 128)
+	for _, st := range s.namedArrays() {
+		for p := PoolAll; p < numPools; p++ {
+			putStat(m, st.name+"."+p.String(), st.a[p])
+		}
+	}
+	putStat(m, "oversize_allocations", s.OversizeAllocations)
+	putStat(m, "oversize_segments", s.OversizeSegments)
+	m["num_alloc_retries"] = s.NumAllocRetries
+	m["num_ooms"] = s.NumOOMs
+	m["num_sync_all_streams"] = s.NumSyncAllStreams
+	m["num_device_alloc"] = s.NumDeviceAlloc
+	m["num_device_free"] = s.NumDeviceFree
+	m["max_split_size"] = s.MaxSplitSize
+	return m
+}
+
+func putStat(m map[string]int64, prefix string, s Stat) {
+	m[prefix+".current"] = s.Current
+	m[prefix+".peak"] = s.Peak
+	m[prefix+".allocated"] = s.Allocated
+	m[prefix+".freed"] = s.Freed
+}
+
+func (s *Stat) resetPeak() { s.Peak = s.Current }
+func (a *StatArray) resetPeak() {
+	for i := range a {
+		a[i].resetPeak()
+	}
+}
+
+// namedStatArray is a StatArray with its PyTorch name.
+type namedStatArray struct {
+	name string
+	a    *StatArray
+}
+
+// namedArrays lists the per-pool statistics in PyTorch's order.
+func (s *Stats) namedArrays() [9]namedStatArray {
+	return [9]namedStatArray{
+		{"allocation", &s.Allocation},
+		{"segment", &s.Segment},
+		{"active", &s.Active},
+		{"inactive_split", &s.InactiveSplit},
+		{"allocated_bytes", &s.AllocatedBytes},
+		{"reserved_bytes", &s.ReservedBytes},
+		{"active_bytes", &s.ActiveBytes},
+		{"inactive_split_bytes", &s.InactiveSplitBytes},
+		{"requested_bytes", &s.RequestedBytes},
+	}
+}

@@ -1,0 +1,175 @@
+// Package blocks holds the caching allocator's data structures and nothing
+// of its policy: Block and Segment, the free index ordered by
+// (stream, size, address) on a B-tree, split and merge, a recycler that keeps
+// Block structs off the Go heap in steady state, and Check, which walks all
+// of it and reports every broken invariant.
+//
+// A Segment is one device allocation. It is tiled exactly by a doubly linked
+// chain of Blocks in address order; a Block is either allocated (handed out),
+// pending (freed by its owner but still in use by a stream whose event has
+// not completed) or free (in a FreeIndex, available for reuse). Free
+// neighbours are merged as soon as both are free, so a segment never holds
+// two free blocks side by side.
+//
+// Nothing here locks; the allocator serialises access.
+package blocks
+
+import (
+	"fmt"
+)
+
+// Block is a contiguous range of one Segment.
+type Block struct {
+	// Ptr is the device address of the block's first byte.
+	Ptr uint64
+	// Size is the block's size in bytes (a multiple of 512).
+	Size uint64
+	// Requested is the size the caller asked for when the block was handed
+	// out (0 while free).
+	Requested uint64
+	// Prev and Next link the blocks of one segment in address order.
+	Prev, Next *Block
+	// Segment is the segment the block belongs to.
+	Segment *Segment
+	// Allocated is true from Malloc until Free.
+	Allocated bool
+	// EventCount is the number of stream events that must complete before a
+	// freed block may be reused.
+	EventCount int
+	// StreamUses lists streams other than the segment's own that used the
+	// block while allocated (RecordStream).
+	StreamUses []uint64
+	// GCBase is the allocator's free-search count when the block was last
+	// handed out; the garbage collector ages blocks by it.
+	GCBase uint64
+	// indexed is true while the block is in a FreeIndex.
+	indexed bool
+}
+
+// Stream returns the stream the block's segment belongs to.
+func (b *Block) Stream() uint64 { return b.Segment.Stream }
+
+// Free reports whether the block is available for reuse: not allocated and
+// not waiting for an event.
+func (b *Block) Free() bool { return !b.Allocated && b.EventCount == 0 }
+
+// IsSplit reports whether the block shares its segment with other blocks.
+func (b *Block) IsSplit() bool { return b.Prev != nil || b.Next != nil }
+
+// Indexed reports whether the block is in a FreeIndex.
+func (b *Block) Indexed() bool { return b.indexed }
+
+// String formats the block for error messages.
+func (b *Block) String() string {
+	state := "free"
+	switch {
+	case b.Allocated:
+		state = "allocated"
+	case b.EventCount > 0:
+		state = "pending"
+	}
+	return fmt.Sprintf("block[%#x +%d %s]", b.Ptr, b.Size, state)
+}
+
+// Segment is one device allocation, tiled by its blocks.
+type Segment struct {
+	// Ptr is the device address returned by the device malloc.
+	Ptr uint64
+	// Size is the segment's size in bytes.
+	Size uint64
+	// Stream is the stream the segment was allocated for; its blocks serve
+	// only that stream.
+	Stream uint64
+	// Small is true for the small pool (requests of at most 1 MiB).
+	Small bool
+	// Head is the block at the segment's first byte.
+	Head *Block
+	// Index is the segment's position in its owner's list (maintained by
+	// the owner, used for O(1) removal).
+	Index int
+}
+
+// Whole reports whether the segment is a single free block, i.e. can be
+// returned to the device.
+func (s *Segment) Whole() bool {
+	return s.Head != nil && s.Head.Next == nil && s.Head.Free()
+}
+
+// Recycler hands out Block structs and takes them back, so that splitting
+// and merging allocate nothing on the Go heap once warm.
+type Recycler struct {
+	free []*Block
+}
+
+// Get returns a zeroed Block.
+func (r *Recycler) Get() *Block {
+	if n := len(r.free); n > 0 {
+		b := r.free[n-1]
+		r.free[n-1] = nil
+		r.free = r.free[:n-1]
+		return b
+	}
+	return new(Block)
+}
+
+// Put returns b for reuse. b must no longer be referenced.
+func (r *Recycler) Put(b *Block) {
+	uses := b.StreamUses[:0]
+	*b = Block{StreamUses: uses}
+	r.free = append(r.free, b)
+}
+
+// Split cuts b in two: b keeps its first size bytes and a block taken from r
+// gets the rest, linked after b. It returns the remainder, which carries no
+// state (not allocated, no events). b must not be indexed.
+func Split(b *Block, size uint64, r *Recycler) *Block {
+	if b.indexed {
+		panic("blocks: Split of an indexed block")
+	}
+	if size == 0 || size >= b.Size {
+		panic(fmt.Sprintf("blocks: Split of %v at %d", b, size))
+	}
+	rest := r.Get()
+	rest.Ptr = b.Ptr + size
+	rest.Size = b.Size - size
+	rest.Segment = b.Segment
+	rest.GCBase = b.GCBase
+	rest.Prev = b
+	rest.Next = b.Next
+	if b.Next != nil {
+		b.Next.Prev = rest
+	}
+	b.Next = rest
+	b.Size = size
+	return rest
+}
+
+// Merge absorbs b's free neighbours into b, removing them from idx and
+// returning their structs to r. b must be free and not indexed. It returns
+// how many neighbours were absorbed and their total size.
+func Merge(b *Block, idx *FreeIndex, r *Recycler) (n int, bytes uint64) {
+	if p := b.Prev; p != nil && p.indexed {
+		idx.Delete(p)
+		b.Ptr = p.Ptr
+		b.Size += p.Size
+		b.Prev = p.Prev
+		if p.Prev != nil {
+			p.Prev.Next = b
+		} else {
+			b.Segment.Head = b
+		}
+		n, bytes = n+1, bytes+p.Size
+		r.Put(p)
+	}
+	if q := b.Next; q != nil && q.indexed {
+		idx.Delete(q)
+		b.Size += q.Size
+		b.Next = q.Next
+		if q.Next != nil {
+			q.Next.Prev = b
+		}
+		n, bytes = n+1, bytes+q.Size
+		r.Put(q)
+	}
+	return n, bytes
+}

@@ -1,0 +1,158 @@
+package blocks
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Totals are the byte and block counts Check derives by walking segments;
+// the allocator compares them with its statistics.
+type Totals struct {
+	Segments       int
+	SegmentBytes   uint64
+	Blocks         int
+	AllocatedCount int
+	AllocatedBytes uint64
+	// RequestedBytes sums the requested sizes of allocated and pending
+	// blocks (PyTorch counts requested bytes while a block is active).
+	RequestedBytes uint64
+	// Pending counts blocks freed but waiting for stream events.
+	PendingCount int
+	PendingBytes uint64
+	FreeCount    int
+	FreeBytes    uint64
+	// InactiveSplit counts free blocks in split segments, as PyTorch's
+	// inactive_split does.
+	InactiveSplitCount int
+	InactiveSplitBytes uint64
+}
+
+// maxReported caps the problems Check lists, so a badly broken structure
+// still yields a readable error.
+const maxReported = 32
+
+// Check walks every segment and the free indexes and reports every broken
+// invariant it finds, joined into one error (nil when all hold):
+//
+//   - a segment's blocks tile it exactly: the head starts at the segment's
+//     address, each block starts where its predecessor ends, Prev and Next
+//     agree, and the sizes add up to the segment's size;
+//   - every block points back to its segment and has a positive size that
+//     is a multiple of 512;
+//   - every free block is indexed, and every indexed block is free and
+//     belongs to one of the segments;
+//   - no two free blocks are neighbours (they would have been merged);
+//   - the index's byte count equals the sum of its blocks.
+//
+// idx is the free index of each pool; a segment's free blocks may be in any
+// of them.
+func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
+	var t Totals
+	var errs []error
+	report := func(format string, args ...any) {
+		if len(errs) < maxReported {
+			errs = append(errs, fmt.Errorf(format, args...))
+		}
+	}
+	owned := make(map[*Block]bool)
+	for i, s := range segments {
+		t.Segments++
+		t.SegmentBytes += s.Size
+		if s.Index != i {
+			report("segment %#x: index %d, found at %d", s.Ptr, s.Index, i)
+		}
+		if s.Head == nil {
+			report("segment %#x: no head block", s.Ptr)
+			continue
+		}
+		if s.Head.Prev != nil {
+			report("segment %#x: head %v has a predecessor", s.Ptr, s.Head)
+		}
+		next := s.Ptr
+		var sum uint64
+		var prev *Block
+		for b := s.Head; b != nil; b = b.Next {
+			if owned[b] {
+				report("segment %#x: block %v appears twice (cycle or shared block)", s.Ptr, b)
+				break
+			}
+			owned[b] = true
+			t.Blocks++
+			if b.Segment != s {
+				report("segment %#x: %v points to another segment", s.Ptr, b)
+			}
+			if b.Prev != prev {
+				report("segment %#x: %v: Prev does not point to the block before it", s.Ptr, b)
+			}
+			if b.Ptr != next {
+				report("segment %#x: %v starts at %#x, expected %#x (gap or overlap)", s.Ptr, b, b.Ptr, next)
+			}
+			if b.Size == 0 || b.Size%512 != 0 {
+				report("segment %#x: %v: size is not a positive multiple of 512", s.Ptr, b)
+			}
+			switch {
+			case b.Allocated:
+				t.AllocatedCount++
+				t.AllocatedBytes += b.Size
+				t.RequestedBytes += b.Requested
+				if b.indexed {
+					report("segment %#x: allocated %v is in the free index", s.Ptr, b)
+				}
+			case b.EventCount > 0:
+				t.PendingCount++
+				t.PendingBytes += b.Size
+				t.RequestedBytes += b.Requested
+				if b.indexed {
+					report("segment %#x: pending %v is in the free index", s.Ptr, b)
+				}
+			default:
+				t.FreeCount++
+				t.FreeBytes += b.Size
+				if b.IsSplit() {
+					t.InactiveSplitCount++
+					t.InactiveSplitBytes += b.Size
+				}
+				if !b.indexed {
+					report("segment %#x: free %v is not in the free index", s.Ptr, b)
+				}
+				if prev != nil && prev.Free() {
+					report("segment %#x: free %v and %v are neighbours, not merged", s.Ptr, prev, b)
+				}
+			}
+			if b.EventCount < 0 {
+				report("segment %#x: %v: negative event count %d", s.Ptr, b, b.EventCount)
+			}
+			next = b.Ptr + b.Size
+			sum += b.Size
+			prev = b
+		}
+		if sum != s.Size {
+			report("segment %#x: blocks add up to %d bytes, segment is %d", s.Ptr, sum, s.Size)
+		}
+	}
+	var indexed int
+	for _, x := range idx {
+		var bytes uint64
+		x.Ascend(func(b *Block) bool {
+			indexed++
+			bytes += b.Size
+			if !b.indexed {
+				report("index holds %v not marked indexed", b)
+			}
+			if !b.Free() {
+				report("index holds %v, which is not free", b)
+			}
+			if !owned[b] {
+				report("index holds %v, which belongs to no segment", b)
+			}
+			return true
+		})
+		if bytes != x.bytes {
+			report("index counts %d bytes, its blocks add up to %d", x.bytes, bytes)
+		}
+	}
+	if indexed != t.FreeCount {
+		report("indexes hold %d blocks, segments have %d free blocks", indexed, t.FreeCount)
+	}
+	return t, errors.Join(errs...)
+}

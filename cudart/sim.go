@@ -1,0 +1,499 @@
+package cudart
+
+import (
+	"fmt"
+	"sync"
+	"time"
+)
+
+// SimConfig configures a simulated device.
+type SimConfig struct {
+	// Capacity is the device memory in bytes. Malloc fails with
+	// ErrOutOfMemory once the live allocations would exceed it.
+	Capacity uint64
+	// Index is the device ordinal reported by Info.
+	Index int
+	// Name is reported by Info; "sim" when empty.
+	Name string
+	// ManualEvents makes recorded events stay pending until the test
+	// completes them (CompleteEvent, CompleteStream, CompleteAll) or a
+	// synchronising call waits for them. When false, an event completes as
+	// soon as it is recorded, as on an idle GPU.
+	ManualEvents bool
+	// Backed gives every allocation real host memory, so that MemsetAsync,
+	// MemcpyHtoD and MemcpyDtoH move bytes. Off by default: a simulated
+	// 100 GiB replay then costs kilobytes.
+	Backed bool
+	// MallocLatency and FreeLatency are spent (spinning) in every Malloc and
+	// Free, to model cudaMalloc's cost in benchmarks.
+	MallocLatency, FreeLatency time.Duration
+}
+
+// SimCounters counts the calls a Sim has served.
+type SimCounters struct {
+	Mallocs, Frees, FailedMallocs           int64
+	StreamCreates, StreamDestroys           int64
+	EventCreates, EventDestroys             int64
+	EventRecords, EventQueries, EventSyncs  int64
+	DeviceSyncs, StreamSyncs, MemGetInfos   int64
+	LiveAllocations, LiveEvents, LiveStream int64
+}
+
+// simBase is where the simulated address space starts: a plausible device
+// address, far from zero so that a zero Ptr is never handed out.
+const (
+	simBase  Ptr    = 0x7f0000000000
+	simAlign uint64 = 2 << 20
+)
+
+type simEvent struct {
+	stream   Stream
+	recorded bool
+	done     bool
+}
+
+// Sim is a simulated Device. It is safe for concurrent use. Addresses are
+// handed out from a bump pointer aligned to 2 MiB and never reused, so two
+// allocations never overlap and a stale pointer is never valid again.
+type Sim struct {
+	cfg SimConfig
+
+	mu       sync.Mutex
+	closed   bool
+	next     Ptr
+	used     uint64
+	allocs   map[Ptr]uint64
+	memory   map[Ptr][]byte
+	streams  map[Stream]bool
+	nextStrm Stream
+	events   map[Event]*simEvent
+	nextEvt  Event
+	failAt   int64 // fail the malloc whose ordinal equals failAt (0: none)
+	failErr  error
+	calls    int64 // malloc calls so far, failed ones included
+	counters SimCounters
+}
+
+var _ Device = (*Sim)(nil)
+
+// NewSim returns a simulated device with the given configuration.
+// A zero Capacity is an error.
+func NewSim(cfg SimConfig) (*Sim, error) {
+	if cfg.Capacity == 0 {
+		return nil, fmt.Errorf("cudart: sim capacity must be positive: %w", ErrInvalidValue)
+	}
+	if cfg.Name == "" {
+		cfg.Name = "sim"
+	}
+	return &Sim{
+		cfg:      cfg,
+		next:     simBase,
+		allocs:   make(map[Ptr]uint64),
+		memory:   make(map[Ptr][]byte),
+		streams:  map[Stream]bool{DefaultStream: true},
+		nextStrm: 1,
+		events:   make(map[Event]*simEvent),
+		nextEvt:  1,
+	}, nil
+}
+
+// Info implements Device.
+func (s *Sim) Info() Info {
+	return Info{Index: s.cfg.Index, Name: s.cfg.Name, UUID: fmt.Sprintf("SIM-%08x-0000-0000-0000-000000000000", s.cfg.Index), TotalMemory: s.cfg.Capacity}
+}
+
+func spin(d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	for t0 := time.Now(); time.Since(t0) < d; {
+	}
+}
+
+// FailMalloc makes the n-th Malloc call from now (n = 1: the next one) fail
+// with err, or with an out-of-memory error when err is nil. n <= 0 clears a
+// pending fault.
+func (s *Sim) FailMalloc(n int, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if n <= 0 {
+		s.failAt = 0
+		return
+	}
+	s.failAt = s.calls + int64(n)
+	s.failErr = err
+}
+
+func (s *Sim) oom(op string) error {
+	return &CUDAError{Op: op, Code: 2, Name: "cudaErrorMemoryAllocation", Text: "out of memory"}
+}
+
+// Malloc implements Device.
+func (s *Sim) Malloc(size uint64) (Ptr, error) {
+	spin(s.cfg.MallocLatency)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return 0, fmt.Errorf("cudart: sim malloc: %w", ErrClosed)
+	}
+	s.calls++
+	if s.failAt != 0 && s.calls == s.failAt {
+		s.failAt = 0
+		s.counters.FailedMallocs++
+		if s.failErr != nil {
+			return 0, s.failErr
+		}
+		return 0, s.oom("cudaMalloc")
+	}
+	if size == 0 {
+		return 0, fmt.Errorf("cudart: sim malloc of 0 bytes: %w", ErrInvalidValue)
+	}
+	if size > s.cfg.Capacity-s.used {
+		s.counters.FailedMallocs++
+		return 0, s.oom("cudaMalloc")
+	}
+	p := s.next
+	s.next += Ptr((size + simAlign - 1) / simAlign * simAlign)
+	s.used += size
+	s.allocs[p] = size
+	if s.cfg.Backed {
+		s.memory[p] = make([]byte, size)
+	}
+	s.counters.Mallocs++
+	return p, nil
+}
+
+// Free implements Device. Like cudaFree it synchronises the device, so
+// every pending event completes.
+func (s *Sim) Free(p Ptr) error {
+	spin(s.cfg.FreeLatency)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return fmt.Errorf("cudart: sim free: %w", ErrClosed)
+	}
+	size, ok := s.allocs[p]
+	if !ok {
+		return fmt.Errorf("cudart: sim free of %#x, which is not a live allocation: %w", uint64(p), ErrInvalidValue)
+	}
+	s.completeAllLocked()
+	delete(s.allocs, p)
+	delete(s.memory, p)
+	s.used -= size
+	s.counters.Frees++
+	return nil
+}
+
+// MemGetInfo implements Device.
+func (s *Sim) MemGetInfo() (free, total uint64, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return 0, 0, fmt.Errorf("cudart: sim mem get info: %w", ErrClosed)
+	}
+	s.counters.MemGetInfos++
+	return s.cfg.Capacity - s.used, s.cfg.Capacity, nil
+}
+
+// Used returns the bytes currently allocated on the device.
+func (s *Sim) Used() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.used
+}
+
+// Synchronize implements Device: every pending event completes.
+func (s *Sim) Synchronize() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return fmt.Errorf("cudart: sim synchronize: %w", ErrClosed)
+	}
+	s.counters.DeviceSyncs++
+	s.completeAllLocked()
+	return nil
+}
+
+func (s *Sim) completeAllLocked() {
+	for _, e := range s.events {
+		if e.recorded {
+			e.done = true
+		}
+	}
+}
+
+// StreamCreate implements Device.
+func (s *Sim) StreamCreate() (Stream, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return 0, fmt.Errorf("cudart: sim stream create: %w", ErrClosed)
+	}
+	st := s.nextStrm
+	s.nextStrm++
+	s.streams[st] = true
+	s.counters.StreamCreates++
+	return st, nil
+}
+
+func (s *Sim) checkStream(op string, st Stream) error {
+	if s.closed {
+		return fmt.Errorf("cudart: sim %s: %w", op, ErrClosed)
+	}
+	if !s.streams[st] {
+		return fmt.Errorf("cudart: sim %s: unknown stream %d: %w", op, st, ErrInvalidValue)
+	}
+	return nil
+}
+
+// ValidStream reports whether st is the default stream or a live stream made
+// by StreamCreate.
+func (s *Sim) ValidStream(st Stream) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.streams[st]
+}
+
+// StreamDestroy implements Device.
+func (s *Sim) StreamDestroy(st Stream) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.checkStream("stream destroy", st); err != nil {
+		return err
+	}
+	if st == DefaultStream {
+		return fmt.Errorf("cudart: sim stream destroy: the default stream cannot be destroyed: %w", ErrInvalidValue)
+	}
+	delete(s.streams, st)
+	s.counters.StreamDestroys++
+	return nil
+}
+
+// StreamSynchronize implements Device: every event recorded on st completes.
+func (s *Sim) StreamSynchronize(st Stream) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.checkStream("stream synchronize", st); err != nil {
+		return err
+	}
+	s.counters.StreamSyncs++
+	s.completeStreamLocked(st)
+	return nil
+}
+
+func (s *Sim) completeStreamLocked(st Stream) {
+	for _, e := range s.events {
+		if e.recorded && e.stream == st {
+			e.done = true
+		}
+	}
+}
+
+// EventCreate implements Device.
+func (s *Sim) EventCreate() (Event, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return 0, fmt.Errorf("cudart: sim event create: %w", ErrClosed)
+	}
+	e := s.nextEvt
+	s.nextEvt++
+	s.events[e] = &simEvent{done: true} // an unrecorded event counts as complete, as in CUDA
+	s.counters.EventCreates++
+	return e, nil
+}
+
+func (s *Sim) event(op string, e Event) (*simEvent, error) {
+	if s.closed {
+		return nil, fmt.Errorf("cudart: sim %s: %w", op, ErrClosed)
+	}
+	ev, ok := s.events[e]
+	if !ok {
+		return nil, fmt.Errorf("cudart: sim %s: unknown event %d: %w", op, e, ErrInvalidValue)
+	}
+	return ev, nil
+}
+
+// EventRecord implements Device. With ManualEvents the event stays pending
+// until completed; otherwise it completes at once.
+func (s *Sim) EventRecord(e Event, st Stream) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ev, err := s.event("event record", e)
+	if err != nil {
+		return err
+	}
+	if err := s.checkStream("event record", st); err != nil {
+		return err
+	}
+	ev.stream, ev.recorded, ev.done = st, true, !s.cfg.ManualEvents
+	s.counters.EventRecords++
+	return nil
+}
+
+// EventQuery implements Device.
+func (s *Sim) EventQuery(e Event) (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ev, err := s.event("event query", e)
+	if err != nil {
+		return false, err
+	}
+	s.counters.EventQueries++
+	return ev.done, nil
+}
+
+// EventSynchronize implements Device: the event completes.
+func (s *Sim) EventSynchronize(e Event) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ev, err := s.event("event synchronize", e)
+	if err != nil {
+		return err
+	}
+	s.counters.EventSyncs++
+	ev.done = true
+	return nil
+}
+
+// EventDestroy implements Device.
+func (s *Sim) EventDestroy(e Event) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, err := s.event("event destroy", e); err != nil {
+		return err
+	}
+	delete(s.events, e)
+	s.counters.EventDestroys++
+	return nil
+}
+
+// CompleteEvent marks e complete, as if the GPU had reached it.
+func (s *Sim) CompleteEvent(e Event) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ev, err := s.event("complete event", e)
+	if err != nil {
+		return err
+	}
+	ev.done = true
+	return nil
+}
+
+// CompleteStream marks every event recorded on st so far complete, as if the
+// GPU had finished the work queued on st.
+func (s *Sim) CompleteStream(st Stream) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.completeStreamLocked(st)
+}
+
+// CompleteAll marks every recorded event complete.
+func (s *Sim) CompleteAll() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.completeAllLocked()
+}
+
+// PendingEvents returns the number of recorded events not yet complete.
+func (s *Sim) PendingEvents() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, e := range s.events {
+		if e.recorded && !e.done {
+			n++
+		}
+	}
+	return n
+}
+
+// region returns the backing bytes of [p, p+n), which must lie inside one
+// live allocation.
+func (s *Sim) region(op string, p Ptr, n uint64) ([]byte, error) {
+	if s.closed {
+		return nil, fmt.Errorf("cudart: sim %s: %w", op, ErrClosed)
+	}
+	for base, size := range s.allocs {
+		if p >= base && uint64(p-base)+n <= size {
+			if !s.cfg.Backed {
+				return nil, nil
+			}
+			off := uint64(p - base)
+			return s.memory[base][off : off+n], nil
+		}
+	}
+	return nil, fmt.Errorf("cudart: sim %s: [%#x, +%d) is not inside a live allocation: %w", op, uint64(p), n, ErrInvalidValue)
+}
+
+// MemsetAsync implements Device. It takes effect at once.
+func (s *Sim) MemsetAsync(p Ptr, value byte, size uint64, st Stream) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.checkStream("memset", st); err != nil {
+		return err
+	}
+	b, err := s.region("memset", p, size)
+	if err != nil {
+		return err
+	}
+	for i := range b {
+		b[i] = value
+	}
+	return nil
+}
+
+// MemcpyHtoD implements Device.
+func (s *Sim) MemcpyHtoD(dst Ptr, src []byte) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, err := s.region("memcpy host to device", dst, uint64(len(src)))
+	if err != nil {
+		return err
+	}
+	copy(b, src)
+	return nil
+}
+
+// MemcpyDtoH implements Device.
+func (s *Sim) MemcpyDtoH(dst []byte, src Ptr) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, err := s.region("memcpy device to host", src, uint64(len(dst)))
+	if err != nil {
+		return err
+	}
+	copy(dst, b)
+	return nil
+}
+
+// Counters returns a copy of the call counters.
+func (s *Sim) Counters() SimCounters {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := s.counters
+	c.LiveAllocations = int64(len(s.allocs))
+	c.LiveEvents = int64(len(s.events))
+	c.LiveStream = int64(len(s.streams) - 1)
+	return c
+}
+
+// Close implements Device. Later calls return ErrClosed.
+func (s *Sim) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return fmt.Errorf("cudart: sim close: %w", ErrClosed)
+	}
+	s.closed = true
+	return nil
+}
+
+var _ StreamChecker = (*Sim)(nil)
+
+// CheckStream implements StreamChecker.
+func (s *Sim) CheckStream(st Stream) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.checkStream("check stream", st)
+}
