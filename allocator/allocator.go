@@ -208,8 +208,9 @@ type Allocator struct {
 	reserved uint64 // bytes held from the device
 
 	stats         Stats
-	history       *history // nil unless WithHistory
-	lastDeviceErr error    // the device's last out-of-memory error
+	async         *asyncBackend // non-nil for backend:cudaMallocAsync
+	history       *history      // nil unless WithHistory
+	lastDeviceErr error         // the device's last out-of-memory error
 }
 
 // New returns an allocator for dev. It reads the device's total memory once
@@ -224,9 +225,6 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	}
 	if cfg.ExpandableSegments {
 		return nil, fmt.Errorf("allocator: expandable_segments:True is not supported yet: %w", ErrNotSupported)
-	}
-	if cfg.Backend == BackendAsync {
-		return nil, fmt.Errorf("allocator: backend:cudaMallocAsync is not supported yet: %w", ErrNotSupported)
 	}
 	o := options{log: zap.NewNop()}
 	for _, opt := range opts {
@@ -247,6 +245,11 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		total:  total,
 	}
 	a.allowed = total
+	if cfg.Backend == BackendAsync {
+		if a.async, err = newAsyncBackend(dev); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.PerProcessMemoryFraction > 0 {
 		a.capped = true
 		a.allowed = uint64(cfg.PerProcessMemoryFraction * float64(total))
@@ -378,6 +381,9 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 	if size > a.allowed || size > maxRequestSize {
 		// No release of the cache can help: fail without touching it.
 		return 0, a.oomError(size, size, nil)
+	}
+	if a.async != nil {
+		return a.asyncMalloc(size, stream)
 	}
 	if a.pending > 0 {
 		if err := a.processEvents(); err != nil {
@@ -580,6 +586,9 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 	if a.closed {
 		return fmt.Errorf("allocator: free of %#x: %w", uint64(p), ErrClosed)
 	}
+	if a.async != nil {
+		return a.asyncFree(p)
+	}
 	b := a.active.get(uint64(p))
 	if b == nil {
 		return a.unknownPointer("free", p)
@@ -671,6 +680,9 @@ func (a *Allocator) RecordStream(p cudart.Ptr, s cudart.Stream) error {
 	defer a.mu.Unlock()
 	if a.closed {
 		return fmt.Errorf("allocator: record stream: %w", ErrClosed)
+	}
+	if a.async != nil {
+		return a.asyncRecordStream(p, s)
 	}
 	b := a.active.get(uint64(p))
 	if b == nil {
@@ -941,6 +953,9 @@ func (a *Allocator) EmptyCache() error {
 		return fmt.Errorf("allocator: empty cache: %w", ErrClosed)
 	}
 	a.stats.NumEmptyCache++
+	if a.async != nil {
+		return a.asyncEmptyCache()
+	}
 	return a.releaseCachedBlocks()
 }
 
@@ -955,13 +970,17 @@ func (a *Allocator) Close() error {
 		return fmt.Errorf("allocator: close: %w", ErrClosed)
 	}
 	var errs []error
+	live, liveBytes := a.active.len(), a.stats.AllocatedBytes[PoolAll].Current
+	if a.async != nil {
+		live = len(a.async.live)
+		errs = append(errs, a.asyncClose()...)
+	}
 	if err := a.synchronizeAndFreeEvents(); err != nil {
 		errs = append(errs, err)
 		if serr := a.dev.Synchronize(); serr != nil {
 			errs = append(errs, serr)
 		}
 	}
-	live, liveBytes := a.active.len(), a.stats.AllocatedBytes[PoolAll].Current
 	for _, seg := range a.segments {
 		if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err))
@@ -1062,6 +1081,9 @@ func (a *Allocator) ResetPeakStats() {
 func (a *Allocator) Check() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if a.async != nil {
+		return a.asyncCheck()
+	}
 	t, err := blocks.Check(a.segments, a.small.free, a.large.free)
 	var errs []error
 	if err != nil {

@@ -105,7 +105,7 @@ func TestBadInput(t *testing.T) {
 		}
 	})
 	t.Run("unsupported config", func(t *testing.T) {
-		for _, conf := range []string{"expandable_segments:True", "backend:cudaMallocAsync"} {
+		for _, conf := range []string{"expandable_segments:True"} {
 			cfg, err := ParseConfig(conf)
 			if err != nil {
 				t.Fatalf("ParseConfig(%q): %v", conf, err)
@@ -381,5 +381,50 @@ func TestConcurrent(t *testing.T) {
 	mustCheck(t, a)
 	if a.MemoryAllocated() != 0 {
 		t.Errorf("allocated %d after every goroutine freed everything", a.MemoryAllocated())
+	}
+}
+
+// TestAsyncBackend: backend:cudaMallocAsync delegates to the device's
+// stream-ordered pool with the same statistics and errors.
+func TestAsyncBackend(t *testing.T) {
+	a, sim := newTestAllocator(t, giB, "backend:cudaMallocAsync", cudart.SimConfig{ManualEvents: true})
+	side, _ := sim.StreamCreate()
+	p := mustMalloc(t, a, 1000, 0)
+	q := mustMalloc(t, a, 30*miB, side)
+	s := a.Stats()
+	if s.AllocatedBytes[PoolAll].Current != int64(1000+30*miB) || s.NumDeviceAlloc != 2 || s.ReservedBytes[PoolAll].Current != int64(sim.Used()) {
+		t.Fatalf("stats after two mallocs: %+v", s)
+	}
+	if err := a.RecordStream(p, side); err != nil {
+		t.Fatal(err)
+	}
+	mustFree(t, a, p)
+	if used := sim.Used(); used != 1000+30*miB {
+		t.Errorf("memory returned before the side stream's event completed (device holds %d)", used)
+	}
+	expectUnchanged(t, a, ErrDoubleFree, func() error { return a.Free(p) })
+	expectUnchanged(t, a, ErrUnknownPointer, func() error { return a.Free(0x1234000) })
+	sim.CompleteStream(side)
+	r := mustMalloc(t, a, 512, 0) // polls the deferred free
+	if used := sim.Used(); used != 30*miB+512 {
+		t.Errorf("deferred free not issued after its event completed (device holds %d)", used)
+	}
+	if _, err := a.Malloc(2*giB, 0); !errors.Is(err, ErrOutOfMemory) {
+		t.Errorf("oversize request: %v", err)
+	}
+	sim.FailMalloc(1, nil)
+	x := mustMalloc(t, a, 4096, 0) // injected OOM, recovered by the retry
+	if a.Stats().NumAllocRetries != 1 {
+		t.Errorf("retry not counted")
+	}
+	for _, ptr := range []cudart.Ptr{q, r, x} {
+		mustFree(t, a, ptr)
+	}
+	if err := a.EmptyCache(); err != nil {
+		t.Fatal(err)
+	}
+	mustCheck(t, a)
+	if a.MemoryAllocated() != 0 || a.MemoryReserved() != 0 {
+		t.Errorf("allocated %d reserved %d after freeing all", a.MemoryAllocated(), a.MemoryReserved())
 	}
 }

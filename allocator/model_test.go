@@ -85,7 +85,11 @@ func (d *opDriver) step(op byte, v uint64) {
 		if uint64(p)%512 != 0 {
 			d.t.Fatalf("step %d: %#x is not 512-byte aligned", d.steps, uint64(p))
 		}
-		d.live = append(d.live, liveAlloc{ptr: p, size: size, rounded: a.roundSize(size), stream: s})
+		rounded := a.roundSize(size)
+		if a.async != nil {
+			rounded = size // the stream-ordered pool does its own rounding
+		}
+		d.live = append(d.live, liveAlloc{ptr: p, size: size, rounded: rounded, stream: s})
 	case 3, 4: // free
 		if len(d.live) == 0 {
 			return
@@ -213,6 +217,7 @@ func TestModelRandom(t *testing.T) {
 		"roundup_power2_divisions:4",
 		"garbage_collection_threshold:0.5,per_process_memory_fraction:0.5",
 		"max_split_size_mb:20,max_non_split_rounding_mb:30,roundup_power2_divisions:[1:2,64:4,>:8]",
+		"backend:cudaMallocAsync",
 	} {
 		t.Run("conf="+conf, func(t *testing.T) {
 			for seed := range uint64(3) {

@@ -184,3 +184,11 @@ type StreamChecker interface {
 	// ErrInvalidValue otherwise.
 	CheckStream(s Stream) error
 }
+
+// PoolReporter is implemented by AsyncAllocator devices that can report
+// their stream-ordered pool's usage.
+type PoolReporter interface {
+	// PoolUsage returns the bytes the pool holds from the device and the
+	// bytes in use by live allocations.
+	PoolUsage() (reserved, used uint64, err error)
+}

@@ -497,3 +497,40 @@ func (s *Sim) CheckStream(st Stream) error {
 	defer s.mu.Unlock()
 	return s.checkStream("check stream", st)
 }
+
+// ManualEvents reports whether recorded events wait for the test to
+// complete them (SimConfig.ManualEvents).
+func (s *Sim) ManualEvents() bool { return s.cfg.ManualEvents }
+
+var (
+	_ AsyncAllocator = (*Sim)(nil)
+	_ PoolReporter   = (*Sim)(nil)
+)
+
+// MallocAsync implements AsyncAllocator: the simulated pool is the device
+// itself, so it behaves as Malloc after checking the stream.
+func (s *Sim) MallocAsync(size uint64, st Stream) (Ptr, error) {
+	if !s.ValidStream(st) {
+		return 0, fmt.Errorf("cudart: sim malloc async: unknown stream %d: %w", st, ErrInvalidValue)
+	}
+	return s.Malloc(size)
+}
+
+// FreeAsync implements AsyncAllocator.
+func (s *Sim) FreeAsync(p Ptr, st Stream) error {
+	if !s.ValidStream(st) {
+		return fmt.Errorf("cudart: sim free async: unknown stream %d: %w", st, ErrInvalidValue)
+	}
+	return s.Free(p)
+}
+
+// TrimPool implements AsyncAllocator; the simulated pool holds nothing
+// beyond live allocations.
+func (s *Sim) TrimPool() error { return nil }
+
+// PoolUsage implements PoolReporter: reserved and used are both the live
+// allocations.
+func (s *Sim) PoolUsage() (reserved, used uint64, err error) {
+	u := s.Used()
+	return u, u, nil
+}

@@ -1,0 +1,301 @@
+package allocator
+
+import (
+	"errors"
+	"fmt"
+
+	"go.uber.org/zap"
+
+	"github.com/allocd/allocd/cudart"
+)
+
+// asyncBackend is backend:cudaMallocAsync: every Malloc and Free goes to the
+// device's stream-ordered pool (whose release threshold the device sets
+// high, as PyTorch does), and the allocator keeps only the bookkeeping for
+// statistics, RecordStream and error checking. It lives under the
+// allocator's mutex.
+type asyncBackend struct {
+	dev  cudart.AsyncAllocator
+	pool cudart.PoolReporter // nil when the device cannot report usage
+	live map[uint64]*asyncAlloc
+	// pending holds frees waiting for events on the streams that used the
+	// memory; they are issued once every event has completed.
+	pending []*asyncAlloc
+}
+
+type asyncAlloc struct {
+	ptr, size, requested uint64
+	stream               cudart.Stream
+	uses                 []cudart.Stream
+	events               []cudart.Event
+}
+
+func newAsyncBackend(dev cudart.Device) (*asyncBackend, error) {
+	ad, ok := dev.(cudart.AsyncAllocator)
+	if !ok {
+		return nil, fmt.Errorf("allocator: backend:cudaMallocAsync: device %q has no stream-ordered pool: %w", dev.Info().Name, ErrNotSupported)
+	}
+	pr, _ := dev.(cudart.PoolReporter)
+	return &asyncBackend{dev: ad, pool: pr, live: make(map[uint64]*asyncAlloc)}, nil
+}
+
+// asyncPoolOf attributes an async allocation to a pool by size, so that
+// per-pool statistics keep their meaning.
+func asyncPoolOf(size uint64) Pool {
+	if size <= smallSize {
+		return PoolSmall
+	}
+	return PoolLarge
+}
+
+func (a *Allocator) asyncMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, error) {
+	ab := a.async
+	if err := a.asyncProcess(false); err != nil {
+		return 0, err
+	}
+	ptr, err := ab.dev.MallocAsync(size, stream)
+	if err != nil && errors.Is(err, cudart.ErrOutOfMemory) {
+		// Release what the pool caches, wait for deferred frees, retry once.
+		if err = a.asyncProcess(true); err == nil {
+			if err = ab.dev.TrimPool(); err == nil {
+				a.stats.NumAllocRetries++
+				ptr, err = ab.dev.MallocAsync(size, stream)
+			}
+		}
+	}
+	if err != nil {
+		if errors.Is(err, cudart.ErrOutOfMemory) {
+			a.stats.NumOOMs++
+			oom := a.oomError(size, size, err)
+			a.log.Warn("out of memory", zap.Error(oom))
+			return 0, oom
+		}
+		return 0, fmt.Errorf("allocator: device malloc async of %d bytes: %w", size, err)
+	}
+	p := asyncPoolOf(size)
+	ab.live[uint64(ptr)] = &asyncAlloc{ptr: uint64(ptr), size: size, requested: size, stream: stream}
+	st := &a.stats
+	st.NumDeviceAlloc++
+	st.Allocation.add(p, 1)
+	st.AllocatedBytes.add(p, int64(size))
+	st.Active.add(p, 1)
+	st.ActiveBytes.add(p, int64(size))
+	st.RequestedBytes.add(p, int64(size))
+	a.asyncSyncReserved()
+	a.record(actionAlloc, uint64(ptr), size, stream)
+	return ptr, nil
+}
+
+func (a *Allocator) asyncFree(ptr cudart.Ptr) error {
+	ab := a.async
+	al := ab.live[uint64(ptr)]
+	if al == nil {
+		for _, pa := range ab.pending {
+			if pa.ptr == uint64(ptr) {
+				return fmt.Errorf("allocator: free of %#x: %w (the block is already free)", uint64(ptr), ErrDoubleFree)
+			}
+		}
+		return fmt.Errorf("allocator: free of %#x: %w", uint64(ptr), ErrUnknownPointer)
+	}
+	if len(al.uses) > 0 {
+		for _, s := range al.uses {
+			ev, err := a.getEvent()
+			if err == nil {
+				if err = a.dev.EventRecord(ev, s); err != nil {
+					a.spareEvents = append(a.spareEvents, ev)
+				}
+			}
+			if err != nil {
+				// Cannot track the use: wait for the device instead.
+				if serr := a.dev.Synchronize(); serr != nil {
+					return fmt.Errorf("allocator: free of %#x: recording an event failed (%v) and so did synchronising: %w", uint64(ptr), err, serr)
+				}
+				continue
+			}
+			al.events = append(al.events, ev)
+		}
+		al.uses = nil
+		if len(al.events) > 0 {
+			delete(ab.live, al.ptr)
+			a.asyncFreed(al)
+			ab.pending = append(ab.pending, al)
+			a.record(actionFreeRequested, al.ptr, al.size, al.stream)
+			return nil
+		}
+	}
+	if err := ab.dev.FreeAsync(ptr, al.stream); err != nil {
+		return fmt.Errorf("allocator: device free async of %#x: %w", uint64(ptr), err)
+	}
+	delete(ab.live, al.ptr)
+	a.asyncFreed(al)
+	a.asyncCompleted(al)
+	return nil
+}
+
+// asyncFreed counts the end of an allocation (free requested).
+func (a *Allocator) asyncFreed(al *asyncAlloc) {
+	p := asyncPoolOf(al.size)
+	a.stats.Allocation.sub(p, 1)
+	a.stats.AllocatedBytes.sub(p, int64(al.size))
+}
+
+// asyncCompleted counts the memory's return to the pool (free completed).
+func (a *Allocator) asyncCompleted(al *asyncAlloc) {
+	p := asyncPoolOf(al.size)
+	a.stats.Active.sub(p, 1)
+	a.stats.ActiveBytes.sub(p, int64(al.size))
+	a.stats.RequestedBytes.sub(p, int64(al.requested))
+	a.stats.NumDeviceFree++
+	a.asyncSyncReserved()
+	a.record(actionFreeCompleted, al.ptr, al.size, al.stream)
+}
+
+// asyncProcess issues the deferred frees whose events have completed; with
+// wait it first waits for all of them.
+func (a *Allocator) asyncProcess(wait bool) error {
+	ab := a.async
+	if len(ab.pending) == 0 {
+		return nil
+	}
+	if wait {
+		a.stats.NumSyncAllStreams++
+	}
+	keep := ab.pending[:0]
+	var firstErr error
+	for _, al := range ab.pending {
+		done := true
+		for _, ev := range al.events {
+			var ok bool
+			var err error
+			if wait {
+				err = a.dev.EventSynchronize(ev)
+				ok = err == nil
+			} else {
+				ok, err = a.dev.EventQuery(ev)
+			}
+			if err != nil && firstErr == nil {
+				firstErr = fmt.Errorf("allocator: waiting for a stream event: %w", err)
+			}
+			done = done && ok
+		}
+		if !done {
+			keep = append(keep, al)
+			continue
+		}
+		if err := ab.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil && firstErr == nil {
+			firstErr = fmt.Errorf("allocator: device free async of %#x: %w", al.ptr, err)
+		}
+		a.spareEvents = append(a.spareEvents, al.events...)
+		a.asyncCompleted(al)
+	}
+	for i := len(keep); i < len(ab.pending); i++ {
+		ab.pending[i] = nil
+	}
+	ab.pending = keep
+	return firstErr
+}
+
+// asyncSyncReserved refreshes reserved bytes from the pool (slow path: one
+// device query) or, when the device cannot tell, from active bytes.
+func (a *Allocator) asyncSyncReserved() {
+	var reserved uint64
+	if pr := a.async.pool; pr != nil {
+		r, _, err := pr.PoolUsage()
+		if err != nil {
+			return
+		}
+		reserved = r
+	} else {
+		reserved = uint64(a.stats.ActiveBytes[PoolAll].Current)
+	}
+	delta := int64(reserved) - int64(a.reserved)
+	a.reserved = reserved
+	// The pool does not say which size class holds its memory; count it in
+	// the large pool, where nearly all of it is.
+	adjust(&a.stats.ReservedBytes, PoolLarge, delta)
+	segs := int64(0)
+	if reserved > 0 {
+		segs = 1
+	}
+	adjust(&a.stats.Segment, PoolLarge, segs-a.stats.Segment[PoolLarge].Current)
+}
+
+func (a *Allocator) asyncRecordStream(ptr cudart.Ptr, s cudart.Stream) error {
+	al := a.async.live[uint64(ptr)]
+	if al == nil {
+		return fmt.Errorf("allocator: record stream of %#x: %w", uint64(ptr), ErrUnknownPointer)
+	}
+	if err := a.checkStream(s); err != nil {
+		return err
+	}
+	if s == al.stream {
+		return nil
+	}
+	for _, u := range al.uses {
+		if u == s {
+			return nil
+		}
+	}
+	al.uses = append(al.uses, s)
+	return nil
+}
+
+func (a *Allocator) asyncEmptyCache() error {
+	if err := a.asyncProcess(true); err != nil {
+		return err
+	}
+	if err := a.dev.Synchronize(); err != nil {
+		return fmt.Errorf("allocator: empty cache: %w", err)
+	}
+	if err := a.async.dev.TrimPool(); err != nil {
+		return fmt.Errorf("allocator: empty cache: trimming the pool: %w", err)
+	}
+	a.asyncSyncReserved()
+	return nil
+}
+
+// asyncClose frees everything still live or pending and trims the pool.
+func (a *Allocator) asyncClose() []error {
+	var errs []error
+	if err := a.asyncProcess(true); err != nil {
+		errs = append(errs, err)
+	}
+	for _, al := range a.async.live {
+		if err := a.async.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := a.dev.Synchronize(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := a.async.dev.TrimPool(); err != nil {
+		errs = append(errs, err)
+	}
+	return errs
+}
+
+func (a *Allocator) asyncCheck() error {
+	var errs []error
+	var bytes, requested int64
+	for _, al := range a.async.live {
+		bytes += int64(al.size)
+		requested += int64(al.requested)
+	}
+	if got := a.stats.AllocatedBytes[PoolAll].Current; got != bytes {
+		errs = append(errs, fmt.Errorf("stat allocated_bytes is %d, live allocations add up to %d", got, bytes))
+	}
+	if got := a.stats.Allocation[PoolAll].Current; got != int64(len(a.async.live)) {
+		errs = append(errs, fmt.Errorf("stat allocation is %d, %d live allocations", got, len(a.async.live)))
+	}
+	for _, al := range a.async.pending {
+		bytes += int64(al.size)
+		requested += int64(al.requested)
+	}
+	if got := a.stats.ActiveBytes[PoolAll].Current; got != bytes {
+		errs = append(errs, fmt.Errorf("stat active_bytes is %d, live and pending allocations add up to %d", got, bytes))
+	}
+	if got := a.stats.RequestedBytes[PoolAll].Current; got != requested {
+		errs = append(errs, fmt.Errorf("stat requested_bytes is %d, live and pending requests add up to %d", got, requested))
+	}
+	return errors.Join(errs...)
+}
