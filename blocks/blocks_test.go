@@ -1,0 +1,105 @@
+package blocks
+
+import (
+	"strings"
+	"testing"
+)
+
+// fixture builds one 8 KiB segment split into four 2 KiB blocks, the
+// middle two free (merged into one), and an index holding the free block.
+func fixture(t *testing.T) ([]*Segment, *FreeIndex, *Recycler, []*Block) {
+	t.Helper()
+	var r Recycler
+	seg := &Segment{Ptr: 0x10000, Size: 8192, Stream: 1}
+	head := r.Get()
+	head.Ptr, head.Size, head.Segment = seg.Ptr, seg.Size, seg
+	seg.Head = head
+	b1 := Split(head, 2048, &r)
+	b2 := Split(b1, 2048, &r)
+	b3 := Split(b2, 2048, &r)
+	for _, b := range []*Block{head, b1, b2, b3} {
+		b.Allocated = true
+	}
+	idx := NewFreeIndex()
+	b1.Allocated = false
+	idx.Insert(b1)
+	b2.Allocated = false
+	idx.Delete(b1)
+	if n, bytes := Merge(b2, idx, &r); n != 0 || bytes != 0 {
+		t.Fatalf("merge with an unindexed neighbour: %d %d", n, bytes)
+	}
+	idx.Insert(b1)
+	// Proper merge: b2 absorbs b1 (its free, indexed predecessor).
+	if n, bytes := Merge(b2, idx, &r); n != 1 || bytes != 2048 {
+		t.Fatalf("Merge = %d, %d; want 1, 2048", n, bytes)
+	}
+	idx.Insert(b2)
+	return []*Segment{seg}, idx, &r, []*Block{head, b2, b3}
+}
+
+func TestSplitMergeCheck(t *testing.T) {
+	segs, idx, _, bs := fixture(t)
+	tot, err := Check(segs, idx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tot.Blocks != 3 || tot.FreeBytes != 4096 || tot.AllocatedBytes != 4096 || tot.InactiveSplitCount != 1 {
+		t.Errorf("totals %+v", tot)
+	}
+	if bs[1].Ptr != 0x10000+2048 || bs[1].Size != 4096 || bs[1].Prev != bs[0] || bs[0].Next != bs[1] {
+		t.Errorf("merged block %v has wrong links or extent", bs[1])
+	}
+	if got := idx.LowerBound(1, 3000); got != bs[1] {
+		t.Errorf("LowerBound(1, 3000) = %v", got)
+	}
+	if got := idx.LowerBound(1, 5000); got != nil {
+		t.Errorf("LowerBound beyond the largest = %v", got)
+	}
+	if got := idx.LowerBound(2, 1); got != nil {
+		t.Errorf("LowerBound on another stream = %v", got)
+	}
+	if got := idx.Largest(); got != bs[1] {
+		t.Errorf("Largest = %v", got)
+	}
+}
+
+// TestCheckFindsCorruption: each corruption is reported, so Check can fail.
+func TestCheckFindsCorruption(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		corrupt func(segs []*Segment, idx *FreeIndex, bs []*Block)
+		want    string
+	}{
+		{"gap", func(_ []*Segment, _ *FreeIndex, bs []*Block) { bs[2].Ptr += 512 }, "gap or overlap"},
+		{"size mismatch", func(s []*Segment, _ *FreeIndex, _ []*Block) { s[0].Size += 512 }, "add up to"},
+		{"broken prev link", func(_ []*Segment, _ *FreeIndex, bs []*Block) { bs[2].Prev = bs[0] }, "Prev does not point"},
+		{"free block not indexed", func(_ []*Segment, _ *FreeIndex, bs []*Block) { bs[2].Allocated = false }, "not in the free index"},
+		{"unmerged neighbours", func(_ []*Segment, idx *FreeIndex, bs []*Block) { bs[2].Allocated = false; idx.Insert(bs[2]) }, "not merged"},
+		{"allocated block indexed", func(_ []*Segment, idx *FreeIndex, bs []*Block) { bs[1].Allocated = true }, "in the free index"},
+		{"odd size", func(_ []*Segment, _ *FreeIndex, bs []*Block) { bs[0].Size = 100 }, "multiple of 512"},
+		{"foreign block indexed", func(_ []*Segment, idx *FreeIndex, _ []*Block) {
+			seg := &Segment{Ptr: 0x90000, Size: 512, Stream: 1}
+			idx.Insert(&Block{Ptr: 0x90000, Size: 512, Segment: seg})
+		}, "belongs to no segment"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			segs, idx, _, bs := fixture(t)
+			tc.corrupt(segs, idx, bs)
+			_, err := Check(segs, idx)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Check = %v, want a report containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestRecyclerReuses(t *testing.T) {
+	var r Recycler
+	b := r.Get()
+	b.Size, b.StreamUses = 512, append(b.StreamUses, 7)
+	r.Put(b)
+	c := r.Get()
+	if c != b || c.Size != 0 || len(c.StreamUses) != 0 || cap(c.StreamUses) == 0 {
+		t.Fatalf("recycled block not reset or not reused: %+v", c)
+	}
+}
