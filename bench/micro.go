@@ -1,0 +1,166 @@
+package bench
+
+import (
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/cudart"
+)
+
+// PairSizes are the sizes of the pair benchmark (DESIGN.md §7).
+var PairSizes = []uint64{512, 4096, 1 << 20, 8 << 20, 64 << 20}
+
+// MixedThreads are the goroutine counts of the mixed benchmark.
+var MixedThreads = []int{1, 2, 4, 8}
+
+// Mixed benchmark parameters (DESIGN.md §7).
+const (
+	MixedSteps  = 400_000
+	MixedWindow = 4096
+)
+
+// Pair runs n malloc/free pairs of size on the default stream after one
+// warm-up pair, and returns the time per pair.
+func Pair(a *allocator.Allocator, size uint64, n int) (time.Duration, error) {
+	if err := pairOnce(a, size); err != nil {
+		return 0, err
+	}
+	t0 := time.Now()
+	for range n {
+		if err := pairOnce(a, size); err != nil {
+			return 0, err
+		}
+	}
+	return time.Since(t0) / time.Duration(max(n, 1)), nil
+}
+
+func pairOnce(a *allocator.Allocator, size uint64) error {
+	p, err := a.Malloc(size, cudart.DefaultStream)
+	if err != nil {
+		return err
+	}
+	return a.Free(p)
+}
+
+// SplitMix64 is the generator the mixed benchmark and PyTorch's anchor
+// share, so both run the same operation streams.
+type SplitMix64 struct{ s uint64 }
+
+// NewSplitMix64 returns a generator seeded with seed.
+func NewSplitMix64(seed uint64) SplitMix64 { return SplitMix64{s: seed} }
+
+// Next returns the next value.
+func (r *SplitMix64) Next() uint64 {
+	r.s += 0x9E3779B97F4A7C15
+	z := r.s
+	z = (z ^ z>>30) * 0xBF58476D1CE4E5B9
+	z = (z ^ z>>27) * 0x94D049BB133111EB
+	return z ^ z>>31
+}
+
+// MixedSize draws a request size: 80% up to 1 MiB, 18% up to 32 MiB, 2%
+// up to 256 MiB.
+func MixedSize(r *SplitMix64) uint64 {
+	c := r.Next() % 100
+	switch {
+	case c < 80:
+		return 512 + r.Next()%(1<<20)
+	case c < 98:
+		return 1<<20 + r.Next()%(31<<20)
+	}
+	return 32<<20 + r.Next()%(224<<20)
+}
+
+// MixedResult is one run of the mixed benchmark.
+type MixedResult struct {
+	Threads int
+	// Ops is the total number of steps (mallocs and frees) of all
+	// goroutines, the final frees excluded.
+	Ops     int
+	Elapsed time.Duration
+	// PeakAllocated and PeakReserved are the allocator's peaks over the run.
+	PeakAllocated, PeakReserved int64
+}
+
+// NsPerOp is wall time per step over all goroutines.
+func (m MixedResult) NsPerOp() float64 { return float64(m.Elapsed.Nanoseconds()) / float64(m.Ops) }
+
+// MopsPerSec is the aggregate throughput in millions of steps a second.
+func (m MixedResult) MopsPerSec() float64 { return float64(m.Ops) / m.Elapsed.Seconds() / 1e6 }
+
+// Mixed runs the mixed benchmark: threads goroutines, each on its own
+// stream, each taking steps steps over a window of MixedWindow/threads
+// slots with its own generator seeded 42+t; a live slot is freed, an empty
+// one allocated. At the end every live slot is freed.
+func Mixed(a *allocator.Allocator, threads, steps int) (MixedResult, error) {
+	dev := a.Device()
+	streams := make([]cudart.Stream, threads)
+	for t := range streams {
+		s, err := dev.StreamCreate()
+		if err != nil {
+			return MixedResult{}, fmt.Errorf("mixed: creating stream %d: %w", t, err)
+		}
+		streams[t] = s
+	}
+	defer func() {
+		for _, s := range streams {
+			_ = dev.StreamDestroy(s)
+		}
+	}()
+	window := MixedWindow / threads
+	errs := make([]error, threads)
+	var wg sync.WaitGroup
+	var start sync.WaitGroup
+	start.Add(1)
+	for t := range threads {
+		wg.Go(func() {
+			start.Wait()
+			errs[t] = mixedRun(a, streams[t], uint64(42+t), steps, window)
+		})
+	}
+	t0 := time.Now()
+	start.Done()
+	wg.Wait()
+	elapsed := time.Since(t0)
+	for _, err := range errs {
+		if err != nil {
+			return MixedResult{}, err
+		}
+	}
+	st := a.Stats()
+	return MixedResult{
+		Threads: threads, Ops: threads * steps, Elapsed: elapsed,
+		PeakAllocated: st.AllocatedBytes[allocator.PoolAll].Peak,
+		PeakReserved:  st.ReservedBytes[allocator.PoolAll].Peak,
+	}, nil
+}
+
+func mixedRun(a *allocator.Allocator, s cudart.Stream, seed uint64, steps, window int) error {
+	r := NewSplitMix64(seed)
+	live := make([]cudart.Ptr, window)
+	for range steps {
+		slot := r.Next() % uint64(window)
+		if p := live[slot]; p != 0 {
+			if err := a.Free(p); err != nil {
+				return err
+			}
+			live[slot] = 0
+			continue
+		}
+		p, err := a.Malloc(MixedSize(&r), s)
+		if err != nil {
+			return err
+		}
+		live[slot] = p
+	}
+	for _, p := range live {
+		if p != 0 {
+			if err := a.Free(p); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}

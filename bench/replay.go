@@ -1,0 +1,217 @@
+// Package bench holds allocd's benchmarks and its trace replay harness, so
+// that `go test -bench` and `allocd bench` / `allocd replay` run the same
+// code on the same work (DESIGN.md §6 and §7).
+package bench
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/trace"
+)
+
+// ReplayResult is what one replay of a trace measured.
+type ReplayResult struct {
+	// Ops is the number of allocations and frees replayed (a deferred
+	// free's completion is not counted separately), as the anchor counts.
+	Ops int
+	// Peak figures, from the allocator's statistics.
+	PeakAllocated, PeakReserved, PeakRequested int64
+	// DeviceMallocs and DeviceFrees count segment allocations and releases.
+	DeviceMallocs, DeviceFrees int64
+	// AllocRetries and OOMs are num_alloc_retries and num_ooms.
+	AllocRetries, OOMs int64
+	// FailedAllocs counts allocations that failed (their frees are skipped).
+	FailedAllocs int
+	// UnmatchedFrees counts frees in the trace of addresses it never
+	// allocated (recording began after the allocation).
+	UnmatchedFrees int
+	// Elapsed is the time spent in the replay loop.
+	Elapsed time.Duration
+}
+
+// NsPerOp is the mean time per replayed operation.
+func (r ReplayResult) NsPerOp() float64 {
+	if r.Ops == 0 {
+		return 0
+	}
+	return float64(r.Elapsed.Nanoseconds()) / float64(r.Ops)
+}
+
+// ReplayOptions tunes a replay.
+type ReplayOptions struct {
+	// Progress, when set, is called every ProgressEvery operations with the
+	// number done so far.
+	Progress      func(done int)
+	ProgressEvery int
+	// Observe, when set, is called after every operation with its index;
+	// it may read the allocator's statistics (for charts).
+	Observe func(i int)
+}
+
+// Replay runs ops through a, which must be fresh. Each allocation becomes a
+// Malloc on its stream (trace streams map to streams created on a's
+// device, the default stream to the default stream) and each free a Free.
+// A free whose completion the trace shows later (the block was held by
+// another stream) is reproduced with RecordStream on a side stream whose
+// event completes at the free_completed position when the device is a Sim
+// with manual events; on other devices the Free itself is delayed to that
+// position, which keeps the block out of reuse for the same span.
+//
+// Streams created for the replay are destroyed at the end; the caller owns
+// a and closes it.
+func Replay(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayResult, error) {
+	dev := a.Device()
+	sim, _ := dev.(*cudart.Sim)
+	r := &replayer{a: a, dev: dev, sim: sim, streams: map[uint64]cudart.Stream{0: cudart.DefaultStream}}
+	defer r.destroyStreams()
+	for _, s := range ops.Streams {
+		if _, err := r.stream(s); err != nil {
+			return ReplayResult{}, err
+		}
+	}
+	res, err := r.run(ops, opt)
+	res.UnmatchedFrees = ops.UnmatchedFrees
+	st := a.Stats()
+	res.PeakAllocated = st.AllocatedBytes[allocator.PoolAll].Peak
+	res.PeakReserved = st.ReservedBytes[allocator.PoolAll].Peak
+	res.PeakRequested = st.RequestedBytes[allocator.PoolAll].Peak
+	res.DeviceMallocs = st.NumDeviceAlloc
+	res.DeviceFrees = st.NumDeviceFree
+	res.AllocRetries = st.NumAllocRetries
+	res.OOMs = st.NumOOMs
+	return res, err
+}
+
+type replayer struct {
+	a       *allocator.Allocator
+	dev     cudart.Device
+	sim     *cudart.Sim
+	streams map[uint64]cudart.Stream
+	created []cudart.Stream
+	side    []cudart.Stream // idle side streams for deferred frees
+}
+
+func (r *replayer) stream(s uint64) (cudart.Stream, error) {
+	if ds, ok := r.streams[s]; ok {
+		return ds, nil
+	}
+	ds, err := r.dev.StreamCreate()
+	if err != nil {
+		return 0, fmt.Errorf("replay: creating a stream for trace stream %#x: %w", s, err)
+	}
+	r.streams[s] = ds
+	r.created = append(r.created, ds)
+	return ds, nil
+}
+
+func (r *replayer) sideStream() (cudart.Stream, error) {
+	if n := len(r.side); n > 0 {
+		s := r.side[n-1]
+		r.side = r.side[:n-1]
+		return s, nil
+	}
+	s, err := r.dev.StreamCreate()
+	if err != nil {
+		return 0, fmt.Errorf("replay: creating a side stream: %w", err)
+	}
+	r.created = append(r.created, s)
+	return s, nil
+}
+
+func (r *replayer) destroyStreams() {
+	for _, s := range r.created {
+		_ = r.dev.StreamDestroy(s)
+	}
+}
+
+// run is the replay loop. ptr[id] is the live address of allocation id;
+// side[id] the side stream holding a deferred free.
+func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) {
+	var res ReplayResult
+	ptr := make([]cudart.Ptr, ops.NumIDs)
+	failed := make([]bool, ops.NumIDs)
+	var side map[int32]cudart.Stream
+	useEvents := r.sim != nil && r.sim.ManualEvents()
+	if useEvents {
+		side = make(map[int32]cudart.Stream)
+	}
+	streamOf := make([]cudart.Stream, 0, 4)
+	keyOf := make([]uint64, 0, 4)
+	lookup := func(s uint64) cudart.Stream {
+		for i, k := range keyOf {
+			if k == s {
+				return streamOf[i]
+			}
+		}
+		ds := r.streams[s]
+		keyOf, streamOf = append(keyOf, s), append(streamOf, ds)
+		return ds
+	}
+	t0 := time.Now()
+	for i := range ops.Ops {
+		op := &ops.Ops[i]
+		if op.Kind != trace.OpFreeCompleted {
+			res.Ops++
+		}
+		switch op.Kind {
+		case trace.OpAlloc:
+			p, err := r.a.Malloc(op.Size, lookup(op.Stream))
+			if err != nil {
+				if !errors.Is(err, allocator.ErrOutOfMemory) {
+					return res, fmt.Errorf("replay: operation %d: %w", i, err)
+				}
+				failed[op.ID] = true
+				res.FailedAllocs++
+				break
+			}
+			ptr[op.ID] = p
+		case trace.OpFree:
+			if failed[op.ID] {
+				break
+			}
+			if op.Deferred {
+				if !useEvents {
+					break // freed at its OpFreeCompleted
+				}
+				s, err := r.sideStream()
+				if err != nil {
+					return res, err
+				}
+				if err := r.a.RecordStream(ptr[op.ID], s); err != nil {
+					return res, fmt.Errorf("replay: operation %d: %w", i, err)
+				}
+				side[op.ID] = s
+			}
+			if err := r.a.Free(ptr[op.ID]); err != nil {
+				return res, fmt.Errorf("replay: operation %d: %w", i, err)
+			}
+		case trace.OpFreeCompleted:
+			if failed[op.ID] {
+				break
+			}
+			if !useEvents {
+				if err := r.a.Free(ptr[op.ID]); err != nil {
+					return res, fmt.Errorf("replay: operation %d: %w", i, err)
+				}
+				break
+			}
+			if s, ok := side[op.ID]; ok {
+				r.sim.CompleteStream(s)
+				delete(side, op.ID)
+				r.side = append(r.side, s)
+			}
+		}
+		if opt.Observe != nil {
+			opt.Observe(i)
+		}
+		if opt.Progress != nil && opt.ProgressEvery > 0 && (i+1)%opt.ProgressEvery == 0 {
+			opt.Progress(i + 1)
+		}
+	}
+	res.Elapsed = time.Since(t0)
+	return res, nil
+}

@@ -1,0 +1,26 @@
+package trace
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// sharedTraces is where CI places the recorded PyTorch traces, beside the
+// checkout (DESIGN §6).
+const sharedTraces = "../../shared/traces"
+
+func BenchmarkReadGPT2MGenerate(b *testing.B) {
+	path := filepath.Join(sharedTraces, "gpt2m_generate.pickle.gz")
+	data, err := os.ReadFile(path)
+	if err != nil {
+		b.Skipf("no shared traces: %v", err)
+	}
+	b.SetBytes(int64(len(data)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := decodeBytes(data, ReadOptions{}); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

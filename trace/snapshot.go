@@ -1,0 +1,180 @@
+package trace
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Action is the kind of a trace entry, spelled as PyTorch spells it in the
+// snapshot ("alloc", "free_requested", ...).
+type Action string
+
+// The actions PyTorch's CUDA caching allocator records (TraceEntry::Action in
+// c10/cuda/CUDACachingAllocator.h). Read rejects any other action.
+const (
+	// ActionAlloc is a block handed out to the caller.
+	ActionAlloc Action = "alloc"
+	// ActionFreeRequested is the caller's free of a block.
+	ActionFreeRequested Action = "free_requested"
+	// ActionFreeCompleted is the block's return to the pool; later than
+	// ActionFreeRequested when another stream still used the block.
+	ActionFreeCompleted Action = "free_completed"
+	// ActionSegmentAlloc is a cudaMalloc of a new segment.
+	ActionSegmentAlloc Action = "segment_alloc"
+	// ActionSegmentFree is a cudaFree of a segment.
+	ActionSegmentFree Action = "segment_free"
+	// ActionSegmentMap is a mapping of pages into an expandable segment.
+	ActionSegmentMap Action = "segment_map"
+	// ActionSegmentUnmap is an unmapping of pages from an expandable segment.
+	ActionSegmentUnmap Action = "segment_unmap"
+	// ActionSnapshot marks the moment a snapshot was taken.
+	ActionSnapshot Action = "snapshot"
+	// ActionOOM is an out-of-memory failure; Entry.Addr holds the device's
+	// free bytes at that moment (the snapshot's "device_free" key).
+	ActionOOM Action = "oom"
+)
+
+// Known reports whether a is one of the actions PyTorch records.
+func (a Action) Known() bool {
+	switch a {
+	case ActionAlloc, ActionFreeRequested, ActionFreeCompleted,
+		ActionSegmentAlloc, ActionSegmentFree, ActionSegmentMap,
+		ActionSegmentUnmap, ActionSnapshot, ActionOOM:
+		return true
+	}
+	return false
+}
+
+// Entry is one event of a device trace.
+type Entry struct {
+	// Action says what happened.
+	Action Action
+	// Addr is the device address of the block or segment; for ActionOOM it
+	// is the device's free memory in bytes, as PyTorch records it.
+	Addr uint64
+	// Size is the size in bytes (the requested size for an OOM).
+	Size uint64
+	// Stream is the raw cudaStream_t value (0 for the default stream).
+	// PyTorch pickles it as a signed 64-bit integer; negative values are
+	// kept as their two's complement.
+	Stream uint64
+	// TimeUS is the time of the event in microseconds, as recorded.
+	TimeUS int64
+	// Frames is the Python stack of the event, innermost first; nil unless
+	// ReadOptions.Frames was set. Entries recorded with the same stack may
+	// share one slice: treat it as read-only.
+	Frames []Frame
+}
+
+// Frame is one frame of a recorded stack.
+type Frame struct {
+	Filename string
+	Line     int
+	Name     string
+}
+
+// Block is one block of a segment at the moment of the snapshot.
+type Block struct {
+	// Address is the block's device address.
+	Address uint64
+	// Size is the block's size in bytes.
+	Size uint64
+	// RequestedSize is the size the caller asked for.
+	RequestedSize uint64
+	// State is "active_allocated", "active_pending_free" or "inactive".
+	State string
+}
+
+// Segment is one device allocation (cudaMalloc or expandable range) at the
+// moment of the snapshot.
+type Segment struct {
+	// Device is the CUDA device index.
+	Device int
+	// Address is the segment's first device address.
+	Address uint64
+	// TotalSize is the segment's size in bytes.
+	TotalSize uint64
+	// AllocatedSize is the sum of its allocated blocks' sizes.
+	AllocatedSize uint64
+	// ActiveSize is the sum of its active (allocated or pending) blocks'
+	// sizes.
+	ActiveSize uint64
+	// RequestedSize is the sum of its active blocks' requested sizes.
+	RequestedSize uint64
+	// Stream is the raw cudaStream_t the segment belongs to.
+	Stream uint64
+	// SegmentType is "large" or "small".
+	SegmentType string
+	// IsExpandable is true for an expandable segment.
+	IsExpandable bool
+	// Blocks tile the segment in address order.
+	Blocks []Block
+}
+
+// Snapshot is a decoded memory snapshot.
+type Snapshot struct {
+	// Segments are the allocator's segments when the snapshot was taken.
+	Segments []Segment
+	// DeviceTraces holds one trace per device, indexed by device; a device
+	// with history recording off has an empty trace.
+	DeviceTraces [][]Entry
+	// AllocatorSettings is the snapshot's "allocator_settings" dict, decoded
+	// generically: strings, bool, int64 (uint64 or *big.Int when larger),
+	// float64, nil, []byte, []any (lists and tuples) and map[string]any.
+	// Nil when the snapshot has none.
+	AllocatorSettings map[string]any
+}
+
+// ReadOptions select what Read decodes beyond the essentials.
+type ReadOptions struct {
+	// Frames decodes each entry's stack into Entry.Frames. Without it the
+	// frames are skipped, which is faster and smaller.
+	Frames bool
+}
+
+// Errors returned by Read, ReadFile and WritePickle, always wrapped; test
+// with errors.Is.
+var (
+	// ErrNotSnapshot: the input is not a pickle, gzip or RMM log, or the
+	// pickle's top level is not a dict with "device_traces" or "segments".
+	ErrNotSnapshot = errors.New("not a memory snapshot")
+	// ErrTruncated: the input ends before the pickle's STOP opcode.
+	ErrTruncated = errors.New("truncated input")
+	// ErrUnsupportedOpcode: the pickle uses an opcode a snapshot never
+	// contains (objects, globals, sets, protocol 0/1 text opcodes).
+	ErrUnsupportedOpcode = errors.New("unsupported pickle opcode")
+	// ErrMalformed: the input is of a known format but broken: a missing
+	// memo key, a stack underflow, a value of the wrong type or range, a
+	// snapshot structure PyTorch never writes, a bad RMM log line.
+	ErrMalformed = errors.New("malformed input")
+	// ErrUnknownAction: a trace entry's action is not one PyTorch records.
+	ErrUnknownAction = errors.New("unknown trace action")
+)
+
+// DecodeError is the error Read returns for bad input. It wraps one of the
+// Err* sentinels.
+type DecodeError struct {
+	// Err is the sentinel: ErrTruncated, ErrUnsupportedOpcode, ...
+	Err error
+	// Offset is the byte offset in the (decompressed) input where the
+	// problem was found, or -1 when the problem has no single position.
+	Offset int64
+	// Line is the 1-based line of an RMM log, 0 for a pickle.
+	Line int
+	// Msg says what was wrong.
+	Msg string
+}
+
+// Error formats the error with its position.
+func (e *DecodeError) Error() string {
+	switch {
+	case e.Line > 0:
+		return fmt.Sprintf("trace: %v: line %d: %s", e.Err, e.Line, e.Msg)
+	case e.Offset >= 0:
+		return fmt.Sprintf("trace: %v: offset %d: %s", e.Err, e.Offset, e.Msg)
+	}
+	return fmt.Sprintf("trace: %v: %s", e.Err, e.Msg)
+}
+
+// Unwrap returns the sentinel.
+func (e *DecodeError) Unwrap() error { return e.Err }

@@ -1,0 +1,457 @@
+package trace
+
+import (
+	"encoding/binary"
+	"fmt"
+	"io"
+	"math"
+)
+
+// decoder is the pickle stack machine. See the package documentation.
+type decoder struct {
+	in    io.Reader // the (decompressed) pickle
+	buf   []byte    // window of the input: buf[pos:end] is not consumed yet
+	pos   int
+	end   int
+	start int64 // input offset of buf[0]
+	eof   bool
+	rerr  error // the reader's error, once it has returned one
+
+	op    byte  // opcode being executed
+	opOff int64 // its input offset
+	opt   ReadOptions
+
+	arena []byte // bytes of every string and bytes value (kStr, kBytes)
+
+	stack []val
+	marks []int32 // stack lengths at each MARK
+	base  int     // len(stack) at the innermost MARK (0 without one)
+
+	memo      [][]val        // chunks of memoChunk values
+	memoBig   map[uint64]val // memo keys too far past the end of memo
+	memoCount int            // distinct memo keys, the next MEMOIZE key
+
+	ctx   []openCont  // containers that may still receive items
+	conts []container // containers with a typed or generic payload
+	anys  []any       // boxed values (kAny)
+
+	pool     []rawEntry // entry dicts not yet taken by their trace
+	poolGen  uint32
+	poolLive int
+
+	intern map[string]string
+}
+
+// The input window starts small (tests and small snapshots stay cheap) and
+// doubles at each refill up to maxWindow. Holding a large snapshot whole
+// (tens of MB) would cost more to fault in than decoding it.
+const (
+	minWindow = 4 << 10
+	maxWindow = 1 << 20
+)
+
+func newDecoder(in io.Reader, opt ReadOptions) *decoder {
+	return &decoder{
+		in:     in,
+		buf:    make([]byte, minWindow),
+		opt:    opt,
+		stack:  make([]val, 0, 256),
+		marks:  make([]int32, 0, 64),
+		ctx:    make([]openCont, 0, 64),
+		pool:   make([]rawEntry, 0, 64),
+		intern: make(map[string]string),
+	}
+}
+
+// fill makes at least n unread bytes available in buf[pos:end], moving the
+// unread bytes to the front and growing buf when n exceeds it. It returns a
+// truncation error (or the reader's error) when the input ends first.
+func (d *decoder) fill(n int) error {
+	if len(d.buf) < maxWindow && d.end == len(d.buf) {
+		d.buf = append(d.buf[:d.end], make([]byte, len(d.buf))...)
+	}
+	if d.pos > 0 {
+		copy(d.buf, d.buf[d.pos:d.end])
+		d.start += int64(d.pos)
+		d.end -= d.pos
+		d.pos = 0
+	}
+	for zero := 0; d.end < n; {
+		if d.eof {
+			return d.truncated()
+		}
+		if d.end == len(d.buf) {
+			// Grow by doubling as bytes arrive, so a forged length
+			// cannot allocate more than twice the real input.
+			d.buf = append(d.buf, make([]byte, len(d.buf))...)
+		}
+		m, err := d.in.Read(d.buf[d.end:])
+		d.end += m
+		if m == 0 && err == nil {
+			if zero++; zero == 100 {
+				err = io.ErrNoProgress
+			}
+		}
+		if err == io.EOF {
+			d.eof = true
+		} else if err != nil {
+			d.eof, d.rerr = true, err
+		}
+	}
+	return nil
+}
+
+// errAt returns a *DecodeError at the current opcode.
+func (d *decoder) errAt(kind error, format string, args ...any) error {
+	return &DecodeError{Err: kind, Offset: d.opOff, Msg: fmt.Sprintf(format, args...)}
+}
+
+func (d *decoder) truncated() error {
+	if d.rerr != nil {
+		return d.rerr
+	}
+	return &DecodeError{Err: ErrTruncated, Offset: d.start + int64(d.end),
+		Msg: fmt.Sprintf("input ends inside %s at offset %d", opName(d.op), d.opOff)}
+}
+
+// need consumes and returns the next n argument bytes of the current
+// opcode; they are valid until the next need or fill.
+func (d *decoder) need(n int) ([]byte, error) {
+	if n < 0 {
+		return nil, d.errAt(ErrMalformed, "negative length %d", n)
+	}
+	if d.end-d.pos < n {
+		if err := d.fill(n); err != nil {
+			return nil, err
+		}
+	}
+	b := d.buf[d.pos : d.pos+n]
+	d.pos += n
+	return b, nil
+}
+
+// run executes opcodes up to STOP and returns the pickled value.
+func (d *decoder) run() (val, error) {
+	for {
+		// Most opcodes take at most 9 argument bytes: one check serves
+		// the common case, need() the rest.
+		if d.end-d.pos < 10 {
+			if err := d.fill(10); err != nil && d.end == d.pos {
+				if _, ok := err.(*DecodeError); ok {
+					return val{}, &DecodeError{Err: ErrTruncated, Offset: d.start + int64(d.end),
+						Msg: "input ends before the STOP opcode"}
+				}
+				return val{}, err
+			}
+		}
+		buf := d.buf[d.pos:d.end]
+		d.op, d.opOff = buf[0], d.start+int64(d.pos)
+		d.pos++
+		var err error
+		switch d.op {
+		case opLongBinGet:
+			if len(buf) < 5 {
+				return val{}, d.truncated()
+			}
+			err = d.memoGet(uint64(binary.LittleEndian.Uint32(buf[1:])))
+			d.pos += 4
+		case opBinGet:
+			if len(buf) < 2 {
+				return val{}, d.truncated()
+			}
+			err = d.memoGet(uint64(buf[1]))
+			d.pos++
+		case opMemoize:
+			err = d.memoPut(uint64(d.memoCount))
+		case opBinInt1:
+			if len(buf) < 2 {
+				return val{}, d.truncated()
+			}
+			d.stack = append(d.stack, intVal(int64(buf[1])))
+			d.pos++
+		case opBinInt2:
+			if len(buf) < 3 {
+				return val{}, d.truncated()
+			}
+			d.stack = append(d.stack, intVal(int64(binary.LittleEndian.Uint16(buf[1:]))))
+			d.pos += 2
+		case opBinInt:
+			if len(buf) < 5 {
+				return val{}, d.truncated()
+			}
+			d.stack = append(d.stack, intVal(int64(int32(binary.LittleEndian.Uint32(buf[1:])))))
+			d.pos += 4
+		case opLong1:
+			err = d.long(1)
+		case opLong4:
+			err = d.long(4)
+		case opShortBinUnicode, opShortBinString:
+			err = d.str(1, kStr)
+		case opBinUnicode, opBinString:
+			err = d.str(4, kStr)
+		case opBinUnicode8:
+			err = d.str(8, kStr)
+		case opShortBinBytes:
+			err = d.str(1, kBytes)
+		case opBinBytes:
+			err = d.str(4, kBytes)
+		case opBinBytes8:
+			err = d.str(8, kBytes)
+		case opBinFloat:
+			var b []byte
+			if b, err = d.need(8); err == nil {
+				d.stack = append(d.stack, val{kind: kFloat, n: binary.BigEndian.Uint64(b)})
+			}
+		case opNone:
+			d.stack = append(d.stack, val{kind: kNone})
+		case opNewTrue:
+			d.stack = append(d.stack, val{kind: kBool, n: 1})
+		case opNewFalse:
+			d.stack = append(d.stack, val{kind: kBool})
+		case opMark:
+			d.marks = append(d.marks, int32(len(d.stack)))
+			d.base = len(d.stack)
+		case opEmptyDict:
+			d.open(true)
+		case opEmptyList:
+			d.open(false)
+		case opEmptyTuple:
+			d.pushAny([]any{})
+		case opSetItems:
+			err = d.setItemsOp()
+		case opSetItem:
+			err = d.setItemOp()
+		case opAppends:
+			err = d.appendsOp()
+		case opAppend:
+			err = d.appendOp()
+		case opTuple1, opTuple2, opTuple3:
+			err = d.tupleN(int(d.op-opTuple1) + 1)
+		case opTuple, opList:
+			err = d.listOp()
+		case opDict:
+			err = d.dictOp()
+		case opBinPut:
+			var b []byte
+			if b, err = d.need(1); err == nil {
+				err = d.memoPut(uint64(b[0]))
+			}
+		case opLongBinPut:
+			var b []byte
+			if b, err = d.need(4); err == nil {
+				err = d.memoPut(uint64(binary.LittleEndian.Uint32(b)))
+			}
+		case opPop:
+			err = d.popOp()
+		case opPopMark:
+			var m int
+			if m, err = d.popMark(); err == nil {
+				d.truncate(m)
+			}
+		case opDup:
+			if err = d.require(1); err == nil {
+				d.stack = append(d.stack, d.stack[len(d.stack)-1])
+			}
+		case opFrame:
+			_, err = d.need(8)
+		case opProto:
+			var b []byte
+			if b, err = d.need(1); err == nil && (b[0] < 2 || b[0] > 5) {
+				err = d.errAt(ErrNotSnapshot, "pickle protocol %d (want 2 to 5)", b[0])
+			}
+		case opStop:
+			if err = d.require(1); err != nil {
+				return val{}, err
+			}
+			return d.stack[len(d.stack)-1], nil
+		default:
+			return val{}, d.errAt(ErrUnsupportedOpcode, "opcode 0x%02x (%s)", d.op, opName(d.op))
+		}
+		if err != nil {
+			return val{}, err
+		}
+	}
+}
+
+// require checks that n values lie above the innermost MARK.
+func (d *decoder) require(n int) error {
+	if len(d.stack)-d.base < n {
+		return d.errAt(ErrMalformed, "%s needs %d stack values, has %d", opName(d.op), n, len(d.stack)-d.base)
+	}
+	return nil
+}
+
+// popMark pops the innermost MARK and returns the stack length it recorded.
+func (d *decoder) popMark() (int, error) {
+	if len(d.marks) == 0 {
+		return 0, d.errAt(ErrMalformed, "%s without MARK", opName(d.op))
+	}
+	m := int(d.marks[len(d.marks)-1])
+	d.marks = d.marks[:len(d.marks)-1]
+	d.base = 0
+	if len(d.marks) > 0 {
+		d.base = int(d.marks[len(d.marks)-1])
+	}
+	return m, nil
+}
+
+// truncate shrinks the stack to n values and forgets the open containers
+// that were popped with them.
+func (d *decoder) truncate(n int) {
+	d.stack = d.stack[:n]
+	for len(d.ctx) > 0 && int(d.ctx[len(d.ctx)-1].pos) >= n {
+		d.ctx = d.ctx[:len(d.ctx)-1]
+	}
+}
+
+func (d *decoder) popOp() error {
+	if len(d.stack) > d.base {
+		d.truncate(len(d.stack) - 1)
+		return nil
+	}
+	_, err := d.popMark() // POP on an empty frame discards the MARK
+	return err
+}
+
+func (d *decoder) pushAny(x any) {
+	d.stack = append(d.stack, val{kind: kAny, n: uint64(len(d.anys))})
+	d.anys = append(d.anys, x)
+}
+
+// long pushes a LONG1 or LONG4 integer; size is the width of its length.
+func (d *decoder) long(size int) error {
+	b, err := d.need(size)
+	if err != nil {
+		return err
+	}
+	n := int(b[0])
+	if size == 4 {
+		n = int(int32(binary.LittleEndian.Uint32(b)))
+	}
+	if b, err = d.need(n); err != nil {
+		return err
+	}
+	if v, ok := decodeLong(b); ok {
+		d.stack = append(d.stack, v)
+	} else {
+		d.pushAny(bigLong(b))
+	}
+	return nil
+}
+
+// str pushes a string or bytes value whose length is a size-byte integer.
+func (d *decoder) str(size int, kind vkind) error {
+	b, err := d.need(size)
+	if err != nil {
+		return err
+	}
+	var n int
+	switch size {
+	case 1:
+		n = int(b[0])
+	case 4:
+		n = int(int32(binary.LittleEndian.Uint32(b)))
+	default:
+		u := binary.LittleEndian.Uint64(b)
+		if u > math.MaxInt32 {
+			return d.errAt(ErrMalformed, "%d-byte string", u)
+		}
+		n = int(u)
+	}
+	if b, err = d.need(n); err != nil {
+		return err
+	}
+	if ref, ok := packRef(len(d.arena), n); ok {
+		d.arena = append(d.arena, b...)
+		d.stack = append(d.stack, val{kind: kind, n: ref})
+	} else if kind == kStr {
+		d.pushAny(string(b))
+	} else {
+		d.pushAny(append([]byte(nil), b...))
+	}
+	return nil
+}
+
+// The memo is kept in chunks of memoChunk values: a snapshot memoizes
+// millions of values, and growing one slice would copy them all several
+// times. Only the first chunk starts small and doubles, so that a small
+// pickle allocates little.
+const (
+	memoChunkBits = 14
+	memoChunk     = 1 << memoChunkBits
+	// memoLimit bounds how far past its end a BINPUT may grow the memo;
+	// farther keys go to a map, so a hostile key cannot allocate gigabytes.
+	memoLimit = 1 << 16
+)
+
+// memoSize is the number of memo slots allocated.
+func (d *decoder) memoSize() uint64 {
+	if len(d.memo) == 0 {
+		return 0
+	}
+	return uint64(len(d.memo)-1)<<memoChunkBits + uint64(len(d.memo[len(d.memo)-1]))
+}
+
+// memoSlot returns the slot of key in the chunks, or nil.
+func (d *decoder) memoSlot(key uint64) *val {
+	c, i := key>>memoChunkBits, key&(memoChunk-1)
+	if c < uint64(len(d.memo)) && i < uint64(len(d.memo[c])) {
+		return &d.memo[c][i]
+	}
+	return nil
+}
+
+// growMemo allocates slots up to key.
+func (d *decoder) growMemo(key uint64) {
+	for d.memoSize() <= key {
+		switch {
+		case len(d.memo) == 0:
+			d.memo = append(d.memo, make([]val, 64))
+		case len(d.memo) == 1 && len(d.memo[0]) < memoChunk:
+			d.memo[0] = append(d.memo[0], make([]val, len(d.memo[0]))...)
+		default:
+			d.memo = append(d.memo, make([]val, memoChunk))
+		}
+	}
+}
+
+func (d *decoder) memoPut(key uint64) error {
+	if len(d.stack) <= d.base {
+		return d.errAt(ErrMalformed, "%s on an empty stack", opName(d.op))
+	}
+	v := d.stack[len(d.stack)-1]
+	slot := d.memoSlot(key)
+	if slot == nil && key < d.memoSize()+memoLimit {
+		d.growMemo(key)
+		slot = d.memoSlot(key)
+	}
+	if slot != nil {
+		if slot.kind == kInvalid {
+			d.memoCount++
+		}
+		*slot = v
+		return nil
+	}
+	if d.memoBig == nil {
+		d.memoBig = make(map[uint64]val)
+	}
+	if _, ok := d.memoBig[key]; !ok {
+		d.memoCount++
+	}
+	d.memoBig[key] = v
+	return nil
+}
+
+func (d *decoder) memoGet(key uint64) error {
+	var v val
+	if slot := d.memoSlot(key); slot != nil {
+		v = *slot
+	} else if d.memoBig != nil {
+		v = d.memoBig[key]
+	}
+	if v.kind == kInvalid {
+		return d.errAt(ErrMalformed, "memo key %d is not set", key)
+	}
+	d.stack = append(d.stack, v)
+	return nil
+}
