@@ -457,7 +457,7 @@ func (a *Allocator) grow(p *pool, stream cudart.Stream, size, rounded uint64) (*
 	if b == nil {
 		a.stats.NumOOMs++
 		oom := a.oomError(size, allocSize, a.lastDeviceErr)
-		a.record(actionOOM, 0, allocSize, stream)
+		a.record(actionOOM, oom.DeviceFree, allocSize, stream) // PyTorch records the device's free bytes as addr
 		a.log.Warn("out of memory", zap.Error(oom))
 		return nil, oom
 	}
@@ -1044,6 +1044,15 @@ func (a *Allocator) MemoryReserved() int64 {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.stats.ReservedBytes[PoolAll].Current
+}
+
+// Usage returns the current allocated, reserved and requested bytes (all
+// pools) under one lock: cheaper than Stats for callers that sample often.
+func (a *Allocator) Usage() (allocated, reserved, requested int64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	st := &a.stats
+	return st.AllocatedBytes[PoolAll].Current, st.ReservedBytes[PoolAll].Current, st.RequestedBytes[PoolAll].Current
 }
 
 // MaxMemoryAllocated returns the peak of MemoryAllocated since the last

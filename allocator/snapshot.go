@@ -26,7 +26,8 @@ type TraceEntry struct {
 	// Action is one of alloc, free_requested, free_completed,
 	// segment_alloc, segment_free, segment_map, segment_unmap, oom.
 	Action string
-	// Addr is the block or segment address (0 for oom).
+	// Addr is the block or segment address; for oom, the device's free
+	// bytes at the failure, as PyTorch records it.
 	Addr uint64
 	// Size is the block or segment size; for oom, the size asked of the
 	// device.

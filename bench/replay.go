@@ -33,6 +33,20 @@ type ReplayResult struct {
 	Elapsed time.Duration
 }
 
+// SegmentAddresses lists the segment_alloc entries of a device trace as
+// planned Sim addresses. A Sim given them hands out the addresses the
+// recorded program got, so best fit, which breaks ties by address, places
+// blocks exactly as the recorded allocator did.
+func SegmentAddresses(entries []trace.Entry) []cudart.SimAddress {
+	var out []cudart.SimAddress
+	for _, e := range entries {
+		if e.Action == trace.ActionSegmentAlloc {
+			out = append(out, cudart.SimAddress{Addr: cudart.Ptr(e.Addr), Size: e.Size})
+		}
+	}
+	return out
+}
+
 // NsPerOp is the mean time per replayed operation.
 func (r ReplayResult) NsPerOp() float64 {
 	if r.Ops == 0 {
@@ -50,6 +64,9 @@ type ReplayOptions struct {
 	// Observe, when set, is called after every operation with its index;
 	// it may read the allocator's statistics (for charts).
 	Observe func(i int)
+	// Stop, when positive, ends the replay after the first Stop operations
+	// (of ops.Ops), leaving the allocator as it was at that moment.
+	Stop int
 }
 
 // Replay runs ops through a, which must be fresh. Each allocation becomes a
@@ -151,8 +168,12 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 		keyOf, streamOf = append(keyOf, s), append(streamOf, ds)
 		return ds
 	}
+	n := len(ops.Ops)
+	if opt.Stop > 0 && opt.Stop < n {
+		n = opt.Stop
+	}
 	t0 := time.Now()
-	for i := range ops.Ops {
+	for i := range n {
 		op := &ops.Ops[i]
 		if op.Kind != trace.OpFreeCompleted {
 			res.Ops++

@@ -171,7 +171,7 @@ func (e *CUDAError) Is(target error) bool {
 	case ErrOutOfMemory:
 		return e.Code == 2 // cudaErrorMemoryAllocation, CUDA_ERROR_OUT_OF_MEMORY
 	case ErrInvalidValue:
-		return e.Code == 1 || e.Code == 400 // cudaErrorInvalidValue, invalid resource handle
+		return e.Code == 1 || e.Code == 101 || e.Code == 400 // invalid value, invalid device, invalid resource handle
 	}
 	return false
 }

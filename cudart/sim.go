@@ -27,7 +27,26 @@ type SimConfig struct {
 	// MallocLatency and FreeLatency are spent (spinning) in every Malloc and
 	// Free, to model cudaMalloc's cost in benchmarks.
 	MallocLatency, FreeLatency time.Duration
+	// Addresses plans the addresses of Malloc: the addresses a real device
+	// gave a recorded program (a trace's segment_alloc entries, in order).
+	// A Malloc takes the first unused planned address of its exact size
+	// among the next few planned entries, when that range is free;
+	// otherwise it takes a fresh address. Best fit breaks ties by address,
+	// so replaying with the recorded addresses reproduces the recorded
+	// placement exactly.
+	Addresses []SimAddress
 }
+
+// SimAddress is one planned allocation: its address and size.
+type SimAddress struct {
+	Addr Ptr
+	Size uint64
+}
+
+// planLookahead is how many planned entries past the first unused one a
+// Malloc may match, so that a replay whose policy differs a little from the
+// recording keeps most recorded addresses.
+const planLookahead = 64
 
 // SimCounters counts the calls a Sim has served.
 type SimCounters struct {
@@ -40,9 +59,10 @@ type SimCounters struct {
 }
 
 // simBase is where the simulated address space starts: a plausible device
-// address, far from zero so that a zero Ptr is never handed out.
+// address, far from zero so that a zero Ptr is never handed out, and below
+// the range CUDA hands out on Linux (0x7f...), where planned addresses lie.
 const (
-	simBase  Ptr    = 0x7f0000000000
+	simBase  Ptr    = 0x100000000000
 	simAlign uint64 = 2 << 20
 )
 
@@ -52,9 +72,10 @@ type simEvent struct {
 	done     bool
 }
 
-// Sim is a simulated Device. It is safe for concurrent use. Addresses are
-// handed out from a bump pointer aligned to 2 MiB and never reused, so two
-// allocations never overlap and a stale pointer is never valid again.
+// Sim is a simulated Device. It is safe for concurrent use. Addresses come
+// from SimConfig.Addresses when planned, and otherwise from a bump pointer
+// aligned to 2 MiB that never reuses an address; two live allocations never
+// overlap.
 type Sim struct {
 	cfg SimConfig
 
@@ -68,7 +89,9 @@ type Sim struct {
 	nextStrm Stream
 	events   map[Event]*simEvent
 	nextEvt  Event
-	failAt   int64 // fail the malloc whose ordinal equals failAt (0: none)
+	planUsed []bool // planned addresses already taken
+	planNext int    // first planned address not yet taken
+	failAt   int64  // fail the malloc whose ordinal equals failAt (0: none)
 	failErr  error
 	calls    int64 // malloc calls so far, failed ones included
 	counters SimCounters
@@ -94,6 +117,7 @@ func NewSim(cfg SimConfig) (*Sim, error) {
 		nextStrm: 1,
 		events:   make(map[Event]*simEvent),
 		nextEvt:  1,
+		planUsed: make([]bool, len(cfg.Addresses)),
 	}, nil
 }
 
@@ -152,8 +176,11 @@ func (s *Sim) Malloc(size uint64) (Ptr, error) {
 		s.counters.FailedMallocs++
 		return 0, s.oom("cudaMalloc")
 	}
-	p := s.next
-	s.next += Ptr((size + simAlign - 1) / simAlign * simAlign)
+	p, ok := s.planned(size)
+	if !ok {
+		p = s.next
+		s.next += Ptr((size + simAlign - 1) / simAlign * simAlign)
+	}
 	s.used += size
 	s.allocs[p] = size
 	if s.cfg.Backed {
@@ -161,6 +188,35 @@ func (s *Sim) Malloc(size uint64) (Ptr, error) {
 	}
 	s.counters.Mallocs++
 	return p, nil
+}
+
+// planned takes the planned address for a malloc of size, if one fits.
+func (s *Sim) planned(size uint64) (Ptr, bool) {
+	plan := s.cfg.Addresses
+	for s.planNext < len(plan) && s.planUsed[s.planNext] {
+		s.planNext++
+	}
+	for i := s.planNext; i < len(plan) && i < s.planNext+planLookahead; i++ {
+		if s.planUsed[i] || plan[i].Size != size || !s.rangeFree(plan[i].Addr, size) {
+			continue
+		}
+		s.planUsed[i] = true
+		return plan[i].Addr, true
+	}
+	return 0, false
+}
+
+// rangeFree reports whether [p, p+size) overlaps no live allocation.
+func (s *Sim) rangeFree(p Ptr, size uint64) bool {
+	if p == 0 {
+		return false
+	}
+	for base, n := range s.allocs {
+		if uint64(p) < uint64(base)+n && uint64(base) < uint64(p)+size {
+			return false
+		}
+	}
+	return true
 }
 
 // Free implements Device. Like cudaFree it synchronises the device, so

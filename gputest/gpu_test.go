@@ -129,15 +129,20 @@ func TestGPUPatternRandom(t *testing.T) {
 		}
 		checked++
 	}
+	// ALLOCD_GPU_MAX_SIZE caps request sizes (the mock CUDA of cudart's
+	// tests ignores memsets above 16 MiB).
+	maxSize := uint64(envInt("ALLOCD_GPU_MAX_SIZE", 64<<20))
 	size := func() uint64 {
+		var n uint64
 		switch c := rng.IntN(100); {
 		case c < 70:
-			return 1 + rng.Uint64N(64*kiB)
+			n = 1 + rng.Uint64N(64*kiB)
 		case c < 95:
-			return 64*kiB + rng.Uint64N(4*miB)
+			n = 64*kiB + rng.Uint64N(4*miB)
 		default:
-			return 4*miB + rng.Uint64N(60*miB)
+			n = 4*miB + rng.Uint64N(60*miB)
 		}
+		return min(n, maxSize)
 	}
 	for i := range ops {
 		if len(lives) > 0 && (rng.IntN(2) == 0 || len(lives) > 1500) {
@@ -384,7 +389,7 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 				t.Fatal(err)
 			}
 			ops := trace.BuildOps(snap.DeviceTraces[0])
-			sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: true})
+			sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: true, Addresses: bench.SegmentAddresses(snap.DeviceTraces[0])})
 			if err != nil {
 				t.Fatal(err)
 			}
