@@ -1,6 +1,7 @@
 package trace
 
 import (
+	"io"
 	"os"
 	"path/filepath"
 	"testing"
@@ -20,6 +21,19 @@ func BenchmarkReadGPT2MGenerate(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		if _, err := decodeBytes(data, ReadOptions{}); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkWriteGPT2MGenerate(b *testing.B) {
+	s, err := ReadFile(filepath.Join(sharedTraces, "gpt2m_generate.pickle.gz"), ReadOptions{})
+	if err != nil {
+		b.Skipf("no shared traces: %v", err)
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := WritePickle(io.Discard, s); err != nil {
 			b.Fatal(err)
 		}
 	}

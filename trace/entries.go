@@ -16,9 +16,9 @@ package trace
 type rawEntry struct {
 	addr, size, stream uint64
 	time               int64
-	// ref is, for a known action, 1 + the index of the frames container
-	// (0: no frames); for an unknown action, the index of its name in
-	// decoder.anys.
+	// ref is, for a known action, 1 + the index of its frames list in
+	// decoder.frameLists (0: no frames); for an unknown action, the index
+	// of its name in decoder.anys.
 	ref    uint32
 	action uint8 // index in actionCodes, or actUnknown
 }
@@ -64,7 +64,7 @@ func (d *decoder) entries(t *entryChunks) []Entry {
 			e.Action = actionCodes[r.action]
 			e.Addr, e.Size, e.Stream, e.TimeUS = r.addr, r.size, r.stream, r.time
 			if r.ref > 0 {
-				e.Frames = d.conts[r.ref-1].frms
+				e.Frames = d.frameLists[r.ref-1]
 			}
 		}
 	}

@@ -88,6 +88,15 @@ func (d *decoder) setItems(target val, kv []val) error {
 			}
 		}
 		return nil
+	case kFrame:
+		for i := 0; i < len(kv); i += 2 {
+			if key, ok := d.keyBytes(kv[i]); ok {
+				if err := d.setFrame(&d.frameDicts[target.n], string(key), kv[i+1]); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
 	case kCont:
 		c := &d.conts[target.n]
 		if !c.isDict {
@@ -119,8 +128,6 @@ func (d *decoder) setField(c *container, k, v val) error {
 		return d.setSegment(&c.seg, string(key), v)
 	case schBlock:
 		return d.setBlock(&c.blk, string(key), v)
-	case schFrame:
-		return d.setFrame(&c.frm, string(key), v)
 	}
 	return nil
 }
@@ -238,7 +245,7 @@ func (d *decoder) setEntry(e *rawEntry, k, v val) error {
 		e.time, err = d.time(v)
 	case "frames":
 		if d.opt.Frames && e.action != actUnknown {
-			if _, err = d.frames(v); err == nil {
+			if _, err = d.frames(v); err == nil && v.n < math.MaxUint32 {
 				e.ref = uint32(v.n) + 1
 			}
 		}
@@ -247,13 +254,19 @@ func (d *decoder) setEntry(e *rawEntry, k, v val) error {
 }
 
 func (d *decoder) frames(v val) ([]Frame, error) {
-	return typed(d, v, schFrames, "frames", func(c *container) []Frame { return c.frms })
+	if v.kind != kFrames {
+		return nil, d.errAt(ErrMalformed, "frames: want a %s, have %s", schFrames, d.describe(v))
+	}
+	return d.frameLists[v.n], nil
 }
 
 // appendItems appends items to the list value target.
 func (d *decoder) appendItems(target val, items []val) error {
-	if target.kind == kSkip {
+	switch target.kind {
+	case kSkip:
 		return nil
+	case kFrames:
+		return d.appendFrames(target.n, items)
 	}
 	if target.kind != kCont || d.conts[target.n].isDict {
 		return d.errAt(ErrMalformed, "%s on %s", opName(d.op), d.describe(target))
@@ -297,13 +310,18 @@ func (d *decoder) appendItem(ci uint64, it val) error {
 			ents := d.entries(&t.trace)
 			c.devs = append(c.devs, ents)
 		}
-	case schFrames:
-		var f *container
-		if f, err = d.item(it, schFrame, "frames"); err == nil {
-			c.frms = append(c.frms, f.frm)
-		}
 	}
 	return err
+}
+
+func (d *decoder) appendFrames(list uint64, items []val) error {
+	for _, it := range items {
+		if it.kind != kFrame {
+			return d.errAt(ErrMalformed, "frames item: want a %s, have %s", schFrame, d.describe(it))
+		}
+		d.frameLists[list] = append(d.frameLists[list], d.frameDicts[it.n])
+	}
+	return nil
 }
 
 // item returns the container of a list item, which must have schema want.
@@ -322,6 +340,10 @@ func (d *decoder) describe(v val) string {
 		return d.conts[v.n].sch.String()
 	case kEntry:
 		return schEntry.String()
+	case kFrames:
+		return schFrames.String()
+	case kFrame:
+		return schFrame.String()
 	case kSkip:
 		return "a container in an unexpected place"
 	case kNone:

@@ -14,8 +14,8 @@ const (
 	schDevTraces               // "device_traces": list of per-device lists
 	schTrace                   // one device's list of entry dicts
 	schEntry                   // one entry dict (lives in decoder.pool)
-	schFrames                  // a "frames" list
-	schFrame                   // one frame dict
+	schFrames                  // a "frames" list (lives in decoder.frameLists)
+	schFrame                   // one frame dict (lives in decoder.frameDicts)
 )
 
 var schemaNames = [...]string{"skipped value", "generic value", "snapshot dict",
@@ -38,8 +38,10 @@ type openCont struct {
 	closed bool // it has received its last batch
 }
 
-// container is the payload of a kCont value. Only one group of fields is used,
-// according to sch.
+// container is the payload of a kCont value: the snapshot dict, segments,
+// blocks, device traces and generic values, which are few. Only the fields of
+// its schema are used. (Entries, frames lists and frame dicts, which are
+// many, have their own small values.)
 type container struct {
 	sch    schema
 	isDict bool
@@ -69,6 +71,12 @@ func (d *decoder) open(isDict bool) {
 	case schSkip:
 	case schEntry:
 		v = d.newEntry()
+	case schFrames: // a stack per entry: kept out of the larger container
+		v = val{kind: kFrames, n: uint64(len(d.frameLists))}
+		d.frameLists = append(d.frameLists, nil)
+	case schFrame:
+		v = val{kind: kFrame, n: uint64(len(d.frameDicts))}
+		d.frameDicts = append(d.frameDicts, Frame{})
 	default:
 		ci = int32(len(d.conts))
 		d.conts = append(d.conts, container{sch: sch, isDict: isDict, parent: parent})

@@ -33,10 +33,11 @@ const (
 	rmmStream
 )
 
-// isRMMLog reports whether data starts with an RMM log header.
+// isRMMLog reports whether data starts with an RMM log header: a CSV header
+// naming at least the Action, Pointer and Size columns.
 func isRMMLog(data []byte) bool {
-	cols, ok := rmmHeader(firstLine(data))
-	return ok && cols[rmmThread] == 0
+	_, ok := rmmHeader(firstLine(data))
+	return ok
 }
 
 func firstLine(data []byte) []byte {

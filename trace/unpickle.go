@@ -35,6 +35,9 @@ type decoder struct {
 	conts []container // containers with a typed or generic payload
 	anys  []any       // boxed values (kAny)
 
+	frameLists [][]Frame // kFrames values
+	frameDicts []Frame   // kFrame values
+
 	pool     []rawEntry // entry dicts not yet taken by their trace
 	poolGen  uint32
 	poolLive int

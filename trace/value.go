@@ -20,8 +20,10 @@ const (
 	kBytes // like kStr, for bytes
 	kAny   // n indexes decoder.anys: big ints, long strings, tuples, LIST/DICT
 	kCont  // n indexes decoder.conts: an open or finished container
-	kEntry // n packs a pool generation and slot: an entry dict
-	kSkip  // a container whose contents are not kept
+	kEntry  // n packs a pool generation and slot: an entry dict
+	kFrames // n indexes decoder.frameLists: a frames list
+	kFrame  // n indexes decoder.frameDicts: a frame dict
+	kSkip   // a container whose contents are not kept
 )
 
 // val is one value on the decoder's stack or in its memo. It holds no Go

@@ -89,7 +89,7 @@ func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
 	fmt.Fprintf(stderr, "allocd: benchmarking on the %s\n", target.desc)
 	rep := benchReport{Device: target.desc, Conf: f.conf, Pair: map[string]float64{}}
 	fresh := func() (*allocator.Allocator, error) {
-		dev, err := target.device()
+		dev, err := target.device(nil)
 		if err != nil {
 			return nil, err
 		}
@@ -145,7 +145,7 @@ func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
 			return fmt.Errorf("%s: no device trace", file)
 		}
 		ops := trace.BuildOps(snap.DeviceTraces[0])
-		row, err := replayOne(target, &ops, cfg)
+		row, err := replayOne(target, &ops, bench.SegmentAddresses(snap.DeviceTraces[0]), cfg, &bench.ReplayOptions{}, nil)
 		if err != nil {
 			return fmt.Errorf("replaying %s: %w", file, err)
 		}

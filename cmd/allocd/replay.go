@@ -26,6 +26,9 @@ type replayFlags struct {
 	json        bool
 	simCapacity string
 	device      string
+	svg         string
+	snapshotOut string
+	progress    bool // set when stderr is a terminal
 }
 
 func newReplayCmd() *cobra.Command {
@@ -43,12 +46,20 @@ retries and OOMs.
 
 --device auto (the default) uses CUDA device 0 when a driver is present and the
 simulated device otherwise, and says which on stderr. Replay on the simulated
-device is exact and deterministic and needs no GPU memory.`,
+device is exact and deterministic and needs no GPU memory.
+
+--svg FILE draws allocated, reserved and requested bytes over the trace for
+every configuration in one chart. --snapshot-out FILE writes the allocator's
+snapshot (segments, blocks and the history that led there) at the moment of
+peak reserved memory, with the first configuration, as a pickle that PyTorch's
+memory viewer (torch.cuda._memory_viz, pytorch.org/memory_viz) reads. With
+several traces, the trace's name is added to each file name.`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("conf") {
 				f.confs = []string{os.Getenv("ALLOCD_CONF")}
 			}
+			f.progress = !f.json && isTerminal(cmd.ErrOrStderr())
 			return runReplay(cmd.OutOrStdout(), cmd.ErrOrStderr(), f, args)
 		},
 	}
@@ -57,6 +68,8 @@ device is exact and deterministic and needs no GPU memory.`,
 	fl.BoolVar(&f.json, "json", false, "print one JSON object per trace and configuration")
 	fl.StringVar(&f.simCapacity, "sim-capacity", "141GiB", "memory of the simulated device (bytes, or with KiB/MiB/GiB/TiB)")
 	fl.StringVar(&f.device, "device", "auto", "auto, sim, cuda or cuda:N")
+	fl.StringVar(&f.svg, "svg", "", "write a chart of allocated/reserved/requested bytes over the trace to this SVG file")
+	fl.StringVar(&f.snapshotOut, "snapshot-out", "", "write the snapshot at peak reserved memory to this pickle file (simulated device only)")
 	return cmd
 }
 
@@ -134,9 +147,11 @@ func openReplayTarget(f replayFlags, stderr io.Writer) (*replayTarget, error) {
 	return &replayTarget{cuda: dev, desc: fmt.Sprintf("CUDA device %d (%s)", info.Index, info.Name)}, nil
 }
 
-func (t *replayTarget) device() (cudart.Device, error) {
+// device returns the device for one replay: a fresh Sim that hands out the
+// trace's recorded segment addresses (plan), or the CUDA device.
+func (t *replayTarget) device(plan []cudart.SimAddress) (cudart.Device, error) {
 	if t.sim {
-		return cudart.NewSim(cudart.SimConfig{Capacity: t.capacity, ManualEvents: true})
+		return cudart.NewSim(cudart.SimConfig{Capacity: t.capacity, ManualEvents: true, Addresses: plan})
 	}
 	return t.cuda, nil
 }
@@ -160,6 +175,9 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 		return err
 	}
 	defer target.close()
+	if f.snapshotOut != "" && !target.sim {
+		return errors.New("--snapshot-out needs the simulated device (--device sim), whose replays are deterministic")
+	}
 	if !f.json {
 		fmt.Fprintf(stderr, "allocd: replaying on the %s\n", target.desc)
 	}
@@ -174,6 +192,7 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 			return fmt.Errorf("%s: the snapshot has no device trace (record with torch.cuda.memory._record_memory_history() before dumping it)", file)
 		}
 		ops := trace.BuildOps(snap.DeviceTraces[0])
+		plan := bench.SegmentAddresses(snap.DeviceTraces[0])
 		if !f.json {
 			fmt.Fprintf(stderr, "allocd: %s: %d operations read in %s", filepath.Base(file), len(ops.Ops), time.Since(t0).Round(time.Millisecond))
 			if ops.UnmatchedFrees > 0 {
@@ -181,8 +200,24 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 			}
 			fmt.Fprintln(stderr)
 		}
+		var series []chartSeries
 		for i, cfg := range cfgs {
-			row, err := replayOne(target, &ops, cfg)
+			var sampler *bench.Sampler
+			opt := bench.ReplayOptions{}
+			finish := func() {}
+			if f.progress && len(ops.Ops) >= progressMinOps {
+				bar := newProgressBar(stderr, len(ops.Ops), fmt.Sprintf("%s %s", filepath.Base(file), confLabel(f.confs[i])))
+				opt.Progress, opt.ProgressEvery = func(done int) { _ = bar.Set(done) }, len(ops.Ops)/200+1
+				finish = func() { _ = bar.Finish() }
+			}
+			newSampler := func(a *allocator.Allocator) {
+				if f.svg != "" {
+					sampler = bench.NewSampler(a, len(ops.Ops), 1500)
+					opt.Observe = sampler.Observe
+				}
+			}
+			row, err := replayOne(target, &ops, plan, cfg, &opt, newSampler)
+			finish()
 			if err != nil {
 				return fmt.Errorf("replaying %s with %q: %w", file, f.confs[i], err)
 			}
@@ -194,6 +229,20 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 					return err
 				}
 			}
+			if sampler != nil {
+				sampler.Flush(len(ops.Ops) - 1)
+				series = append(series, chartSeries{conf: f.confs[i], samples: sampler.Samples})
+			}
+		}
+		if f.svg != "" {
+			if err := writeChartFile(outName(f.svg, file, len(files)), "allocd replay of "+filepath.Base(file), series); err != nil {
+				return err
+			}
+		}
+		if f.snapshotOut != "" {
+			if err := writePeakSnapshot(outName(f.snapshotOut, file, len(files)), target, &ops, plan, cfgs[0]); err != nil {
+				return err
+			}
 		}
 	}
 	if !f.json {
@@ -202,8 +251,10 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 	return nil
 }
 
-func replayOne(target *replayTarget, ops *trace.Ops, cfg allocator.Config) (replayRow, error) {
-	dev, err := target.device()
+// replayOne replays ops on a fresh allocator; prepare, when set, is called
+// with the allocator before the replay (to attach a sampler to *opt).
+func replayOne(target *replayTarget, ops *trace.Ops, plan []cudart.SimAddress, cfg allocator.Config, opt *bench.ReplayOptions, prepare func(*allocator.Allocator)) (replayRow, error) {
+	dev, err := target.device(plan)
 	if err != nil {
 		return replayRow{}, err
 	}
@@ -211,7 +262,10 @@ func replayOne(target *replayTarget, ops *trace.Ops, cfg allocator.Config) (repl
 	if err != nil {
 		return replayRow{}, err
 	}
-	r, err := bench.Replay(ops, a, bench.ReplayOptions{})
+	if prepare != nil {
+		prepare(a)
+	}
+	r, err := bench.Replay(ops, a, *opt)
 	if cerr := a.Close(); err == nil && cerr != nil && !errors.Is(cerr, allocator.ErrLiveBlocks) {
 		err = cerr
 	}
@@ -233,20 +287,55 @@ func replayOne(target *replayTarget, ops *trace.Ops, cfg allocator.Config) (repl
 
 func mib(n int64) string { return strconv.FormatFloat(float64(n)/(1<<20), 'f', 0, 64) }
 
+func confLabel(conf string) string {
+	if conf == "" {
+		return "(default)"
+	}
+	return conf
+}
+
+// bestRows marks, per trace, the row with the lowest peak reserved among
+// those without OOMs (fewer device mallocs breaks a tie); nothing is
+// marked for a trace replayed with one configuration.
+func bestRows(rows []replayRow) map[int]bool {
+	best := map[string]int{}
+	count := map[string]int{}
+	for i, r := range rows {
+		count[r.Trace]++
+		if r.OOMs > 0 {
+			continue
+		}
+		j, ok := best[r.Trace]
+		if !ok || r.PeakReservedBytes < rows[j].PeakReservedBytes ||
+			(r.PeakReservedBytes == rows[j].PeakReservedBytes && r.DeviceMallocs < rows[j].DeviceMallocs) {
+			best[r.Trace] = i
+		}
+	}
+	marked := map[int]bool{}
+	for t, i := range best {
+		if count[t] > 1 {
+			marked[i] = true
+		}
+	}
+	return marked
+}
+
 func printReplayTable(w io.Writer, rows []replayRow) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "trace\tconf\tops\tpeak allocated MiB\tpeak reserved MiB\treserved/allocated\tdevice mallocs\tretries\tOOMs\tns/op\t")
-	for _, r := range rows {
-		conf := r.Conf
-		if conf == "" {
-			conf = "(default)"
+	fmt.Fprintln(tw, "trace\tconf\tops\tpeak allocated MiB\tpeak reserved MiB\treserved/allocated\tdevice mallocs\tretries\tOOMs\tns/op\tbest\t")
+	best := bestRows(rows)
+	for i, r := range rows {
+		conf := confLabel(r.Conf)
+		mark := ""
+		if best[i] {
+			mark = "*"
 		}
 		ratio := 0.0
 		if r.PeakAllocatedBytes > 0 {
 			ratio = float64(r.PeakReservedBytes) / float64(r.PeakAllocatedBytes)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t\n", r.Trace, conf, r.Ops,
-			mib(r.PeakAllocatedBytes), mib(r.PeakReservedBytes), ratio, r.DeviceMallocs, r.AllocRetries, r.OOMs, r.NsPerOp)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t%s\t\n", r.Trace, conf, r.Ops,
+			mib(r.PeakAllocatedBytes), mib(r.PeakReservedBytes), ratio, r.DeviceMallocs, r.AllocRetries, r.OOMs, r.NsPerOp, mark)
 	}
 	return tw.Flush()
 }

@@ -1,0 +1,194 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"encoding/xml"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+
+	"github.com/allocd/allocd/trace"
+)
+
+const demoTrace = "../../testdata/resnet50_train.pickle.gz"
+
+// runCLI runs the allocd command line in-process.
+func runCLI(t *testing.T, args ...string) (stdout, stderr string, err error) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	root := newRootCmd()
+	root.SetOut(&out)
+	root.SetErr(&errb)
+	root.SetArgs(args)
+	err = root.Execute()
+	return out.String(), errb.String(), err
+}
+
+func TestReplayJSONFields(t *testing.T) {
+	out, _, err := runCLI(t, "replay", "--device", "sim", "--json", "--conf", "", "--conf", "max_split_size_mb:128", demoTrace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != 2 {
+		t.Fatalf("want one JSON line per configuration, got %d:\n%s", len(lines), out)
+	}
+	want := []string{"alloc_retries", "conf", "device_frees", "device_mallocs", "ns_per_op", "ooms", "ops",
+		"peak_allocated_bytes", "peak_requested_bytes", "peak_reserved_bytes", "trace"}
+	for _, line := range lines {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatal(err)
+		}
+		var keys []string
+		for k := range m {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		if strings.Join(keys, ",") != strings.Join(want, ",") {
+			t.Errorf("fields %v, want exactly %v", keys, want)
+		}
+		if m["trace"] != "resnet50_train.pickle.gz" || m["peak_reserved_bytes"].(float64) != 3622<<20 && m["conf"] == "" {
+			t.Errorf("unexpected row %v", m)
+		}
+	}
+}
+
+func TestReplayTableMarksBest(t *testing.T) {
+	out, errOut, err := runCLI(t, "replay", "--device", "sim", "--conf", "", "--conf", "max_split_size_mb:128", demoTrace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(errOut, "simulated device") {
+		t.Errorf("stderr does not say which device: %q", errOut)
+	}
+	if strings.Count(out, "*") != 1 || !strings.Contains(out, "peak reserved MiB") {
+		t.Errorf("table without exactly one best mark:\n%s", out)
+	}
+}
+
+// svgDoc is the part of the chart the test reads back.
+type svgDoc struct {
+	XMLName   xml.Name `xml:"svg"`
+	Polylines []struct {
+		Config string `xml:"data-config,attr"`
+		Series string `xml:"data-series,attr"`
+		Points string `xml:"points,attr"`
+	} `xml:"polyline"`
+}
+
+func TestReplaySVG(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "chart.svg")
+	confs := []string{"", "max_split_size_mb:128", "garbage_collection_threshold:0.6,per_process_memory_fraction:0.9"}
+	args := []string{"replay", "--device", "sim", "--svg", path}
+	for _, c := range confs {
+		args = append(args, "--conf", c)
+	}
+	if _, _, err := runCLI(t, append(args, demoTrace)...); err != nil {
+		t.Fatal(err)
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc svgDoc
+	dec := xml.NewDecoder(bytes.NewReader(data))
+	if err := dec.Decode(&doc); err != nil {
+		t.Fatalf("chart is not well-formed XML: %v", err)
+	}
+	perConf := map[string]map[string]int{}
+	for _, p := range doc.Polylines {
+		if perConf[p.Config] == nil {
+			perConf[p.Config] = map[string]int{}
+		}
+		perConf[p.Config][p.Series] = len(strings.Fields(p.Points))
+	}
+	for _, c := range confs {
+		for _, s := range []string{"allocated", "reserved", "requested"} {
+			if n := perConf[c][s]; n < 100 {
+				t.Errorf("config %q series %s has %d points", c, s, n)
+			}
+		}
+	}
+	if len(perConf) != len(confs) {
+		t.Errorf("series for %d configurations, want %d", len(perConf), len(confs))
+	}
+}
+
+func TestReplaySnapshotOut(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "peak.pickle")
+	if _, _, err := runCLI(t, "replay", "--device", "sim", "--snapshot-out", path, demoTrace); err != nil {
+		t.Fatal(err)
+	}
+	snap, err := trace.ReadFile(path, trace.ReadOptions{})
+	if err != nil {
+		t.Fatalf("our own reader rejects the snapshot: %v", err)
+	}
+	var reserved uint64
+	for _, s := range snap.Segments {
+		reserved += s.TotalSize
+	}
+	if reserved != 3622<<20 {
+		t.Errorf("snapshot holds %d MiB of segments, want the peak of 3622 MiB", reserved>>20)
+	}
+	if len(snap.DeviceTraces) != 1 || len(snap.DeviceTraces[0]) == 0 {
+		t.Fatalf("snapshot has no history")
+	}
+}
+
+func TestReplayBadInput(t *testing.T) {
+	notSnapshot := filepath.Join(t.TempDir(), "x.pickle")
+	if err := os.WriteFile(notSnapshot, []byte("hello, not a pickle"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"missing file", []string{"replay", "--device", "sim", "no/such/file.pickle"}, "no such file"},
+		{"not a snapshot", []string{"replay", "--device", "sim", notSnapshot}, "not a memory snapshot"},
+		{"bad conf", []string{"replay", "--device", "sim", "--conf", "max_split_size_mb:1", demoTrace}, "max_split_size_mb"},
+		{"bad device", []string{"replay", "--device", "tpu", demoTrace}, "--device"},
+		{"bad capacity", []string{"replay", "--device", "sim", "--sim-capacity", "lots", demoTrace}, "--sim-capacity"},
+		{"no trace", []string{"replay"}, "requires at least 1 arg"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, _, err := runCLI(t, tc.args...)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("err = %v, want one mentioning %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestParseBytes(t *testing.T) {
+	for in, want := range map[string]uint64{"512": 512, "141GiB": 141 << 30, "1.5 GiB": 3 << 29, "64MiB": 64 << 20, "2TB": 2 << 40} {
+		got, err := parseBytes(in)
+		if err != nil || got != want {
+			t.Errorf("parseBytes(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "-1", "abc", "0"} {
+		if _, err := parseBytes(in); err == nil {
+			t.Errorf("parseBytes(%q) accepted", in)
+		}
+	}
+}
+
+func TestOutName(t *testing.T) {
+	if got := outName("c.svg", "x/gpt2_train.pickle.gz", 2); got != "c-gpt2_train.svg" {
+		t.Errorf("outName = %q", got)
+	}
+	if got := outName("c.svg", "x/gpt2_train.pickle.gz", 1); got != "c.svg" {
+		t.Errorf("outName = %q", got)
+	}
+}
+
+var _ = errors.Is
+var _ io.Writer
