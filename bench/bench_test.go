@@ -80,10 +80,12 @@ func BenchmarkMixed(b *testing.B) {
 	}
 	for _, threads := range MixedThreads {
 		b.Run(fmt.Sprintf("threads=%d", threads), func(b *testing.B) {
-			a := newSimAllocator(b, "", false)
 			var last MixedResult
 			b.ReportAllocs()
 			for b.Loop() {
+				b.StopTimer()
+				a := newSimAllocator(b, "", false) // fresh: each run makes new streams
+				b.StartTimer()
 				r, err := Mixed(a, threads, steps)
 				if err != nil {
 					b.Fatal(err)
