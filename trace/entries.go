@@ -16,11 +16,9 @@ package trace
 type rawEntry struct {
 	addr, size, stream uint64
 	time               int64
-	// ref is, for a known action, 1 + the index of its frames list in
-	// decoder.frameLists (0: no frames); for an unknown action, the index
-	// of its name in decoder.anys.
+	// ref is 1 + the index of its frames list in decoder.frameLists, or 0.
 	ref    uint32
-	action uint8 // index in actionCodes, or actUnknown
+	action uint8 // index in actionCodes; actUnknown: see decoder.badNames
 }
 
 // actionCodes are the known actions by code; code 0 is a missing action.
@@ -89,6 +87,7 @@ func (d *decoder) poolEntry(v val) (*rawEntry, error) {
 }
 
 func (d *decoder) recyclePool() {
+	clear(d.badNames)
 	d.pool = d.pool[:0]
 	d.poolGen++
 	d.poolLive = 0
@@ -104,14 +103,14 @@ func (d *decoder) appendEntry(c *container, it val) error {
 		return err
 	}
 	if e.action == 0 || e.action == actUnknown {
-		return d.badAction(c, e)
+		return d.badAction(c, e, it.n)
 	}
 	c.trace.add(*e)
 	d.poolLive--
 	return nil
 }
 
-func (d *decoder) badAction(c *container, e *rawEntry) error {
+func (d *decoder) badAction(c *container, e *rawEntry, id uint64) error {
 	dev := "?"
 	if c.parent >= 0 && d.conts[c.parent].sch == schDevTraces {
 		dev = itoa(len(d.conts[c.parent].devs))
@@ -119,7 +118,7 @@ func (d *decoder) badAction(c *container, e *rawEntry) error {
 	if e.action == 0 {
 		return d.errAt(ErrMalformed, "device_traces[%s][%d]: entry has no action", dev, c.trace.n)
 	}
-	return d.errAt(ErrUnknownAction, "device_traces[%s][%d]: action %q", dev, c.trace.n, d.anys[e.ref])
+	return d.errAt(ErrUnknownAction, "device_traces[%s][%d]: action %q", dev, c.trace.n, d.badNames[id])
 }
 
 func itoa(i int) string {

@@ -9,8 +9,9 @@ import (
 )
 
 // FuzzRead feeds arbitrary input to Read: it must return a snapshot or a
-// *DecodeError, never panic or hang, and a snapshot it returns must survive
-// BuildOps and WritePickle.
+// *DecodeError, never panic or hang; a snapshot it returns must survive
+// BuildOps, and WritePickle must write it so that it reads back to the same
+// snapshot (compared as the bytes written again, so that NaNs compare).
 func FuzzRead(f *testing.F) {
 	paths, _ := filepath.Glob("testdata/*.pickle*")
 	for _, p := range paths {
@@ -25,6 +26,9 @@ func FuzzRead(f *testing.F) {
 	}
 	f.Add([]byte(snap(2, func(p pk) pk { return p.entry("alloc", 1, 2, 3, 4) })))
 	f.Add([]byte(rmmSample))
+	f.Add(framesPickle())
+	f.Add(nestedPickle())
+	f.Add(settingsPickle())
 	f.Fuzz(func(t *testing.T, data []byte) {
 		for _, frames := range []bool{false, true} {
 			s, err := Read(bytes.NewReader(data), ReadOptions{Frames: frames})
@@ -37,6 +41,20 @@ func FuzzRead(f *testing.F) {
 			}
 			for _, tr := range s.DeviceTraces {
 				BuildOps(tr)
+			}
+			var w1, w2 bytes.Buffer
+			if err := WritePickle(&w1, s); err != nil {
+				t.Fatalf("WritePickle: %v", err)
+			}
+			back, err := Read(bytes.NewReader(w1.Bytes()), ReadOptions{Frames: frames})
+			if err != nil {
+				t.Fatalf("reading back: %v", err)
+			}
+			if err := WritePickle(&w2, back); err != nil {
+				t.Fatalf("WritePickle again: %v", err)
+			}
+			if !bytes.Equal(w1.Bytes(), w2.Bytes()) {
+				t.Fatalf("round trip changed the snapshot:\n%+v\n%+v", s, back)
 			}
 		}
 	})

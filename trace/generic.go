@@ -34,6 +34,7 @@ func (d *decoder) toAny(v val) (any, error) {
 		if c.sch != schGeneric {
 			break
 		}
+		c.taken = true
 		if c.isDict {
 			if c.dict == nil {
 				c.dict = map[string]any{}

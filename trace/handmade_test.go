@@ -241,13 +241,12 @@ func TestUnsupportedOpcodeMessage(t *testing.T) {
 	}
 }
 
-// TestFrames: frames are decoded only when asked, and shared lists and
-// frame dicts (memo references) decode like inline ones.
-func TestFrames(t *testing.T) {
+// framesPickle has entries with inline, shared and single-frame stacks.
+func framesPickle() []byte {
 	frame := func(p pk, name string, line int64) pk {
 		return p.op(opEmptyDict, opMemoize, opMark).str("name").str(name).str("filename").str("f.py").str("line").int(line).op(opSetItems)
 	}
-	data := snap(4, func(p pk) pk {
+	return snap(4, func(p pk) pk {
 		p = p.op(opEmptyDict, opMark).str("action").str("alloc").str("addr").int(1).str("frames").op(opEmptyList, opMemoize, opMark)
 		p = frame(p, "inner", 10) // memo 1 (the list is memo 0)
 		p = frame(p, "outer", 20) // memo 2
@@ -257,6 +256,12 @@ func TestFrames(t *testing.T) {
 		p = p.op(opEmptyDict, opMark).str("action").str("alloc").str("frames").op(opEmptyList, opBinGet, 2, opAppend, opSetItems)
 		return p.op(opEmptyDict).str("action").str("snapshot").op(opSetItem)
 	})
+}
+
+// TestFrames: frames are decoded only when asked, and shared lists and
+// frame dicts (memo references) decode like inline ones.
+func TestFrames(t *testing.T) {
+	data := framesPickle()
 	inner, outer := Frame{"f.py", 10, "inner"}, Frame{"f.py", 20, "outer"}
 	s := mustRead(t, data, ReadOptions{Frames: true})
 	tr := s.DeviceTraces[0]
@@ -272,10 +277,9 @@ func TestFrames(t *testing.T) {
 	}
 }
 
-// TestKeyOrderAndNesting: typed keys after a dict-valued and a list-valued
-// key, single-item containers (SETITEM, APPEND) and nested lists all land
-// in the right place.
-func TestKeyOrderAndNesting(t *testing.T) {
+// nestedPickle has typed keys after dict and list values, single-item
+// containers and an empty device trace.
+func nestedPickle() []byte {
 	p := newPK(4).op(opEmptyDict, opMark)
 	p = p.str("allocator_settings").op(opEmptyDict).str("roundup_power2_divisions").op(opEmptyDict).str("1").int(4).op(opSetItem, opSetItem)
 	p = p.str("external_annotations").op(opEmptyList, opEmptyDict).str("stage").str("START").op(opSetItem, opAppend)
@@ -286,6 +290,14 @@ func TestKeyOrderAndNesting(t *testing.T) {
 		op(opEmptyList, opEmptyDict).str("size").int(64).op(opSetItem, opAppend).str("total_size").int(64).
 		op(opSetItems, opAppend)
 	p = p.op(opSetItems, opStop)
+	return p
+}
+
+// TestKeyOrderAndNesting: typed keys after a dict-valued and a list-valued
+// key, single-item containers (SETITEM, APPEND) and nested lists all land
+// in the right place.
+func TestKeyOrderAndNesting(t *testing.T) {
+	p := nestedPickle()
 	s := mustRead(t, p, ReadOptions{})
 	want := &Snapshot{
 		Segments:          []Segment{{Address: 64, TotalSize: 64, Blocks: []Block{{Size: 64}}}},
@@ -297,9 +309,8 @@ func TestKeyOrderAndNesting(t *testing.T) {
 	}
 }
 
-// TestGenericSettings decodes every scalar kind in allocator_settings.
-func TestGenericSettings(t *testing.T) {
-	huge := new(big.Int).Lsh(big.NewInt(1), 80)
+// settingsPickle has allocator_settings with every scalar kind.
+func settingsPickle() []byte {
 	p := newPK(4).op(opEmptyDict, opMark).str("device_traces").op(opEmptyList).str("allocator_settings").op(opEmptyDict, opMark)
 	p = p.str("none").op(opNone).str("t").op(opNewTrue).str("f").op(opNewFalse).str("i").int(-3).str("fl").float(0.5)
 	p = p.str("big").long1(append(make([]byte, 10), 1)...).str("u").long1(0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0)
@@ -307,6 +318,13 @@ func TestGenericSettings(t *testing.T) {
 	p = p.str("empty").op(opEmptyTuple).str("list").op(opMark).int(1).op(opList)
 	p = p.str("dict").op(opMark).str("k").str("v").op(opDict)
 	p = p.op(opSetItems, opSetItems, opStop)
+	return p
+}
+
+// TestGenericSettings decodes every scalar kind in allocator_settings.
+func TestGenericSettings(t *testing.T) {
+	huge := new(big.Int).Lsh(big.NewInt(1), 80)
+	p := settingsPickle()
 	s := mustRead(t, p, ReadOptions{})
 	want := map[string]any{"none": nil, "t": true, "f": false, "i": int64(-3), "fl": 0.5,
 		"big": huge, "u": uint64(math.MaxUint64), "bytes": []byte("hi"), "tuple": []any{int64(1), int64(2)},
@@ -379,5 +397,32 @@ func TestReaderError(t *testing.T) {
 		if !errors.Is(err, boom) {
 			t.Errorf("after %d bytes: err = %v, want boom", n, err)
 		}
+	}
+}
+
+// TestDuplicateKeys: as in Python, the last value of a repeated key wins,
+// whatever the earlier one was (here an unknown action, then a known one).
+func TestDuplicateKeys(t *testing.T) {
+	data := snap(4, func(p pk) pk {
+		p = p.op(opEmptyDict, opMark).str("frames").op(opEmptyList, opEmptyDict).str("name").str("f").op(opSetItem, opAppend)
+		p = p.str("action").str("bogus").str("addr").int(1).str("action").str("free_requested").str("addr").int(2)
+		return p.op(opSetItems)
+	})
+	s := mustRead(t, data, ReadOptions{Frames: true})
+	want := Entry{Action: ActionFreeRequested, Addr: 2, Frames: []Frame{{Name: "f"}}}
+	if got := s.DeviceTraces[0][0]; !reflect.DeepEqual(got, want) {
+		t.Errorf("got %+v, want %+v", got, want)
+	}
+}
+
+// TestChangedAfterUse: a list that receives items after its parent took it
+// is an error, not a silently shorter trace.
+func TestChangedAfterUse(t *testing.T) {
+	p := newPK(4).op(opEmptyDict, opMark).str("device_traces").op(opEmptyList, opEmptyList, opMemoize)
+	p = p.entry("alloc", 1, 2, 0, 0).op(opAppend, opAppend) // the trace joins device_traces
+	p = p.op(opBinGet, 0).entry("alloc", 3, 4, 0, 0).op(opAppend, opPop)
+	p = p.op(opSetItems, opStop)
+	if _, err := decodeBytes(p, ReadOptions{}); !errors.Is(err, ErrMalformed) {
+		t.Errorf("err = %v, want ErrMalformed", err)
 	}
 }

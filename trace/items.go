@@ -83,7 +83,7 @@ func (d *decoder) setItems(target val, kv []val) error {
 			return err
 		}
 		for i := 0; i < len(kv); i += 2 {
-			if err := d.setEntry(e, kv[i], kv[i+1]); err != nil {
+			if err := d.setEntry(e, target.n, kv[i], kv[i+1]); err != nil {
 				return err
 			}
 		}
@@ -114,6 +114,9 @@ func (d *decoder) setItems(target val, kv []val) error {
 
 // setField stores one key/value pair into a typed or generic dict.
 func (d *decoder) setField(c *container, k, v val) error {
+	if c.taken {
+		return d.changedAfterUse(c)
+	}
 	if c.sch == schGeneric {
 		return d.setGeneric(c, k, v)
 	}
@@ -153,7 +156,13 @@ func typed[T any](d *decoder, v val, want schema, what string, get func(*contain
 	if v.kind != kCont || d.conts[v.n].sch != want {
 		return zero, d.errAt(ErrMalformed, "%s: want a %s, have %s", what, want, d.describe(v))
 	}
+	d.conts[v.n].taken = true
 	return get(&d.conts[v.n]), nil
+}
+
+// changedAfterUse reports a container filled after its parent copied it.
+func (d *decoder) changedAfterUse(c *container) error {
+	return d.errAt(ErrMalformed, "a %s changes after it was used; PyTorch snapshots never do that", c.sch)
 }
 
 func (d *decoder) settings(v val) (map[string]any, error) {
@@ -194,6 +203,10 @@ func (d *decoder) setSegment(s *Segment, key string, v val) error {
 		s.IsExpandable, err = d.bool(v, key)
 	case "blocks":
 		s.Blocks, err = typed(d, v, schBlocks, key, func(c *container) []Block { return c.blks })
+	case "frames":
+		if d.opt.Frames {
+			s.Frames, err = d.frames(v)
+		}
 	}
 	return err
 }
@@ -209,6 +222,10 @@ func (d *decoder) setBlock(b *Block, key string, v val) error {
 		b.RequestedSize, err = d.u64(v, key)
 	case "state":
 		b.State, err = d.string(v, key)
+	case "frames":
+		if d.opt.Frames {
+			b.Frames, err = d.frames(v)
+		}
 	}
 	return err
 }
@@ -226,7 +243,8 @@ func (d *decoder) setFrame(f *Frame, key string, v val) error {
 	return err
 }
 
-func (d *decoder) setEntry(e *rawEntry, k, v val) error {
+// setEntry sets one key of the pooled entry e, whose kEntry id is id.
+func (d *decoder) setEntry(e *rawEntry, id uint64, k, v val) error {
 	key, ok := d.keyBytes(k)
 	if !ok {
 		return nil
@@ -234,7 +252,7 @@ func (d *decoder) setEntry(e *rawEntry, k, v val) error {
 	var err error
 	switch string(key) {
 	case "action":
-		err = d.action(e, v)
+		err = d.action(e, id, v)
 	case "addr", "device_free":
 		e.addr, err = d.u64(v, "addr")
 	case "size":
@@ -244,7 +262,7 @@ func (d *decoder) setEntry(e *rawEntry, k, v val) error {
 	case "time_us":
 		e.time, err = d.time(v)
 	case "frames":
-		if d.opt.Frames && e.action != actUnknown {
+		if d.opt.Frames {
 			if _, err = d.frames(v); err == nil && v.n < math.MaxUint32 {
 				e.ref = uint32(v.n) + 1
 			}
@@ -285,6 +303,9 @@ func (d *decoder) appendItems(target val, items []val) error {
 
 func (d *decoder) appendItem(ci uint64, it val) error {
 	c := &d.conts[ci]
+	if c.taken {
+		return d.changedAfterUse(c)
+	}
 	var err error
 	switch c.sch {
 	case schGeneric:
@@ -330,6 +351,7 @@ func (d *decoder) item(it val, want schema, list string) (*container, error) {
 	if it.kind != kCont || d.conts[it.n].sch != want {
 		return nil, d.errAt(ErrMalformed, "%s item: want a %s, have %s", list, want, d.describe(it))
 	}
+	d.conts[it.n].taken = true
 	return &d.conts[it.n], nil
 }
 
@@ -395,7 +417,7 @@ func (d *decoder) string(v val, key string) (string, error) {
 
 // action sets an entry's action code; an unknown name is kept for the error
 // reported when the entry joins its trace.
-func (d *decoder) action(e *rawEntry, v val) error {
+func (d *decoder) action(e *rawEntry, id uint64, v val) error {
 	b, ok := d.keyBytes(v)
 	if !ok {
 		return d.errAt(ErrMalformed, "action: want a string, have %s", d.describe(v))
@@ -420,8 +442,11 @@ func (d *decoder) action(e *rawEntry, v val) error {
 	case "oom":
 		e.action = 9
 	default:
-		e.action, e.ref = actUnknown, uint32(len(d.anys))
-		d.anys = append(d.anys, string(b))
+		e.action = actUnknown
+		if d.badNames == nil {
+			d.badNames = make(map[uint64]string)
+		}
+		d.badNames[id] = string(b)
 	}
 	return nil
 }

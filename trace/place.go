@@ -45,6 +45,7 @@ type openCont struct {
 type container struct {
 	sch    schema
 	isDict bool
+	taken  bool  // its payload was used by a parent: it must not change
 	parent int32 // the container it was created in, or -1
 
 	seg   Segment        // schSegment

@@ -20,20 +20,22 @@ type pyExpected map[string]struct {
 
 type pySummary struct {
 	Segments []struct {
-		Device        int    `json:"device"`
-		Address       uint64 `json:"address"`
-		TotalSize     uint64 `json:"total_size"`
-		AllocatedSize uint64 `json:"allocated_size"`
-		ActiveSize    uint64 `json:"active_size"`
-		RequestedSize uint64 `json:"requested_size"`
-		Stream        uint64 `json:"stream"`
-		SegmentType   string `json:"segment_type"`
-		IsExpandable  bool   `json:"is_expandable"`
+		Device        int     `json:"device"`
+		Address       uint64  `json:"address"`
+		TotalSize     uint64  `json:"total_size"`
+		AllocatedSize uint64  `json:"allocated_size"`
+		ActiveSize    uint64  `json:"active_size"`
+		RequestedSize uint64  `json:"requested_size"`
+		Stream        uint64  `json:"stream"`
+		SegmentType   string  `json:"segment_type"`
+		IsExpandable  bool    `json:"is_expandable"`
+		Frames        [][]any `json:"frames"`
 		Blocks        []struct {
-			Address       uint64 `json:"address"`
-			Size          uint64 `json:"size"`
-			RequestedSize uint64 `json:"requested_size"`
-			State         string `json:"state"`
+			Address       uint64  `json:"address"`
+			Size          uint64  `json:"size"`
+			RequestedSize uint64  `json:"requested_size"`
+			State         string  `json:"state"`
+			Frames        [][]any `json:"frames"`
 		} `json:"blocks"`
 	} `json:"segments"`
 	DeviceTraces []struct {
@@ -98,10 +100,13 @@ func compareSummary(t *testing.T, s *Snapshot, want pySummary, frames bool) {
 			len(g.Blocks) != len(ws.Blocks) {
 			t.Fatalf("segment %d = %+v, want %+v", i, g, ws)
 		}
+		compareFrames(t, g.Frames, ws.Frames, frames, "segment")
 		for j, wb := range ws.Blocks {
-			if gb := g.Blocks[j]; gb != (Block{wb.Address, wb.Size, wb.RequestedSize, wb.State}) {
+			gb := g.Blocks[j]
+			if gb.Address != wb.Address || gb.Size != wb.Size || gb.RequestedSize != wb.RequestedSize || gb.State != wb.State {
 				t.Errorf("segment %d block %d = %+v, want %+v", i, j, gb, wb)
 			}
+			compareFrames(t, gb.Frames, wb.Frames, frames, "block")
 		}
 	}
 	if len(s.DeviceTraces) != len(want.DeviceTraces) {
@@ -134,23 +139,29 @@ func compareSummary(t *testing.T, s *Snapshot, want pySummary, frames bool) {
 				e.Stream != we.Stream || e.TimeUS != we.TimeUS {
 				t.Errorf("device %d entry %d = %+v, want %+v", dev, i, e, we)
 			}
-			wantFrames := len(we.Frames)
-			if !frames {
-				wantFrames = 0
-			}
-			if len(e.Frames) != wantFrames {
-				t.Fatalf("device %d entry %d: %d frames, want %d", dev, i, len(e.Frames), wantFrames)
-			}
-			for k, f := range e.Frames {
-				wf := Frame{we.Frames[k][0].(string), int(we.Frames[k][1].(float64)), we.Frames[k][2].(string)}
-				if f != wf {
-					t.Errorf("device %d entry %d frame %d = %+v, want %+v", dev, i, k, f, wf)
-				}
-			}
+			compareFrames(t, e.Frames, we.Frames, frames, "entry")
 		}
 	}
 	if !sameJSON(t, s.AllocatorSettings, want.AllocatorSettings) {
 		t.Errorf("allocator_settings = %v, want %v", s.AllocatorSettings, want.AllocatorSettings)
+	}
+}
+
+// compareFrames compares decoded frames with Python's [filename, line, name]
+// lists; without ReadOptions.Frames there must be none.
+func compareFrames(t *testing.T, got []Frame, want [][]any, decoded bool, what string) {
+	t.Helper()
+	if !decoded {
+		want = nil
+	}
+	if len(got) != len(want) {
+		t.Fatalf("%s: %d frames, want %d", what, len(got), len(want))
+	}
+	for k, f := range got {
+		wf := Frame{want[k][0].(string), int(want[k][1].(float64)), want[k][2].(string)}
+		if f != wf {
+			t.Errorf("%s frame %d = %+v, want %+v", what, k, f, wf)
+		}
 	}
 }
 

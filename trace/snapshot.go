@@ -83,6 +83,9 @@ type Block struct {
 	RequestedSize uint64
 	// State is "active_allocated", "active_pending_free" or "inactive".
 	State string
+	// Frames is the stack that allocated the block, innermost first; nil
+	// unless ReadOptions.Frames was set. Read-only, may be shared.
+	Frames []Frame
 }
 
 // Segment is one device allocation (cudaMalloc or expandable range) at the
@@ -109,6 +112,9 @@ type Segment struct {
 	IsExpandable bool
 	// Blocks tile the segment in address order.
 	Blocks []Block
+	// Frames is the stack that allocated the segment, innermost first; nil
+	// unless ReadOptions.Frames was set. Read-only, may be shared.
+	Frames []Frame
 }
 
 // Snapshot is a decoded memory snapshot.
@@ -127,8 +133,9 @@ type Snapshot struct {
 
 // ReadOptions select what Read decodes beyond the essentials.
 type ReadOptions struct {
-	// Frames decodes each entry's stack into Entry.Frames. Without it the
-	// frames are skipped, which is faster and smaller.
+	// Frames decodes the recorded stacks into Entry.Frames, Block.Frames
+	// and Segment.Frames. Without it the stacks are skipped, which is
+	// faster and smaller.
 	Frames bool
 }
 

@@ -38,7 +38,8 @@ type decoder struct {
 	frameLists [][]Frame // kFrames values
 	frameDicts []Frame   // kFrame values
 
-	pool     []rawEntry // entry dicts not yet taken by their trace
+	pool     []rawEntry        // entry dicts not yet taken by their trace
+	badNames map[uint64]string // unknown actions of pooled entries, by kEntry id
 	poolGen  uint32
 	poolLive int
 
@@ -365,6 +366,9 @@ func (d *decoder) str(size int, kind vkind) error {
 		return err
 	}
 	if ref, ok := packRef(len(d.arena), n); ok {
+		if len(d.arena)+n > cap(d.arena) {
+			d.arena = append(make([]byte, 0, max(2*cap(d.arena), len(d.arena)+n, 4096)), d.arena...)
+		}
 		d.arena = append(d.arena, b...)
 		d.stack = append(d.stack, val{kind: kind, n: ref})
 	} else if kind == kStr {

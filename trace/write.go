@@ -16,7 +16,8 @@ import (
 // torch.cuda.memory._snapshot() returns, with PyTorch's key names and order
 // ("segments", "device_traces", "allocator_settings",
 // "external_annotations"), every key torch.cuda._memory_viz and the
-// memory_viz web page read, empty "frames" lists where s has none, and
+// memory_viz web page read, "frames" on every segment, block and entry (an
+// empty list where s has none), and
 // "device_free" instead of "addr" for oom entries. Streams are written as
 // PyTorch writes them, as signed 64-bit integers.
 //
@@ -62,6 +63,7 @@ type pickler struct {
 	memo   uint32              // next MEMOIZE index
 	strs   map[string]uint32   // memoized strings
 	frames map[*Frame]memoList // memoized frames lists, by first element
+	empty  uint32              // 1 + memo index of the shared empty list
 	nums   [16]byte            // scratch for an opcode and its argument
 }
 
@@ -220,7 +222,7 @@ func (p *pickler) segment(s *Segment) {
 	p.str("is_expandable")
 	p.bool(s.IsExpandable)
 	p.str("frames")
-	p.op(opEmptyList)
+	p.frameList(s.Frames)
 	p.str("blocks")
 	p.list(len(s.Blocks), func(i int) { p.block(&s.Blocks[i]) })
 	p.op(opSetItems)
@@ -237,7 +239,7 @@ func (p *pickler) block(b *Block) {
 	p.str("state")
 	p.str(b.State)
 	p.str("frames")
-	p.op(opEmptyList)
+	p.frameList(b.Frames)
 	p.op(opSetItems)
 }
 
@@ -262,11 +264,23 @@ func (p *pickler) entry(e *Entry) {
 	p.op(opSetItems)
 }
 
+// emptyFrames writes the empty frames list, one memoized list shared by
+// every segment, block and entry without frames, as PyTorch writes it.
+func (p *pickler) emptyFrames() {
+	if p.empty > 0 {
+		p.get(p.empty - 1)
+		return
+	}
+	p.op(opEmptyList, opMemoize)
+	p.memo++
+	p.empty = p.memo
+}
+
 // frameList writes a stack; entries that share a Frames slice (as Read
 // returns them) share one pickled list.
 func (p *pickler) frameList(fs []Frame) {
 	if len(fs) == 0 {
-		p.op(opEmptyList)
+		p.emptyFrames()
 		return
 	}
 	if m, ok := p.frames[&fs[0]]; ok && m.n == len(fs) {

@@ -57,7 +57,8 @@ func TestWriteRoundTripTestdata(t *testing.T) {
 func TestWriteRoundTripValues(t *testing.T) {
 	s := &Snapshot{
 		Segments: []Segment{{Device: 3, Address: math.MaxUint64, TotalSize: 1 << 40, Stream: math.MaxUint64,
-			SegmentType: "large", IsExpandable: true, Blocks: []Block{{Address: 1, Size: 2, RequestedSize: 1, State: "active_pending_free"}}}},
+			SegmentType: "large", IsExpandable: true, Frames: []Frame{{Filename: "s.py", Line: 1, Name: "seg"}},
+			Blocks: []Block{{Address: 1, Size: 2, RequestedSize: 1, State: "active_pending_free", Frames: []Frame{{Filename: "b.py", Line: 2, Name: "blk"}}}}}},
 		DeviceTraces: [][]Entry{{}, {
 			{Action: ActionAlloc, Addr: 1 << 63, Size: 70000, Stream: 1 << 63, TimeUS: -1,
 				Frames: []Frame{{Filename: "a.py", Line: 1 << 40, Name: "f"}, {Filename: string(bytes.Repeat([]byte("x"), 300)), Line: -7, Name: ""}}},
@@ -148,10 +149,12 @@ out = {"segments": len(s["segments"]), "blocks": 0, "entries": [], "frames": 0, 
 for seg in s["segments"]:
     for k in segkeys:
         assert k in seg, k
+    out["frames"] += len(seg["frames"])
     for b in seg["blocks"]:
         for k in ("address", "size", "requested_size", "state", "frames"):
             assert k in b, k
         out["blocks"] += 1
+        out["frames"] += len(b["frames"])
 for d in s["device_traces"]:
     out["entries"].append(len(d))
     for e in d:
@@ -206,6 +209,10 @@ func TestWritePythonReads(t *testing.T) {
 		want.Segments, want.Blocks, want.Frames, want.Entries, want.Actions = len(s.Segments), 0, 0, nil, map[Action]int{}
 		for _, seg := range s.Segments {
 			want.Blocks += len(seg.Blocks)
+			want.Frames += len(seg.Frames)
+			for _, b := range seg.Blocks {
+				want.Frames += len(b.Frames)
+			}
 		}
 		for _, tr := range s.DeviceTraces {
 			want.Entries = append(want.Entries, len(tr))

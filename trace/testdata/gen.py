@@ -96,6 +96,10 @@ def many(n=2001):
             "device_traces": [tr], "segments": []}
 
 
+def frames(d):
+    return [[f["filename"], f["line"], f["name"]] for f in d.get("frames", [])]
+
+
 def summary(s):
     """What the Go test checks, computed with Python's pickle."""
     def u64(x):
@@ -107,14 +111,16 @@ def summary(s):
             "allocated_size": seg["allocated_size"], "active_size": seg["active_size"],
             "requested_size": seg["requested_size"], "stream": u64(seg["stream"]),
             "segment_type": seg["segment_type"], "is_expandable": seg["is_expandable"],
+            "frames": frames(seg),
             "blocks": [{"address": b["address"], "size": b["size"],
-                        "requested_size": b["requested_size"], "state": b["state"]}
+                        "requested_size": b["requested_size"], "state": b["state"],
+                        "frames": frames(b)}
                        for b in seg["blocks"]]})
     for d in s["device_traces"]:
         entries = [{
             "action": e["action"], "addr": u64(e.get("addr", e.get("device_free", 0))),
             "size": e["size"], "stream": u64(e["stream"]), "time_us": int(e["time_us"]),
-            "frames": [[f["filename"], f["line"], f["name"]] for f in e.get("frames", [])],
+            "frames": frames(e),
         } for e in d]
         actions = {}
         for e in entries:
