@@ -1,15 +1,372 @@
 package main
 
 import (
+	"context"
 	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"sync/atomic"
+	"syscall"
+	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
+	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/stats"
 )
 
+// defaultListen is serve's address: loopback only, so that nothing is
+// exposed unless asked for. Port 9612 was marked free in the Prometheus
+// wiki's default port allocations when chosen (docs/operations.md).
+const defaultListen = "127.0.0.1:9612"
+
+// serveExitCode is the exit status after a second SIGINT or SIGTERM, as a
+// shell reports a process killed by SIGINT.
+const serveExitCode = 130
+
+// serveExit ends the process on a second signal; tests replace it.
+var serveExit = os.Exit
+
+// serveFlags are the flags of `allocd serve`.
+type serveFlags struct {
+	device          string
+	listen          string
+	conf            string
+	confSet         bool
+	simCapacity     string
+	replay          string
+	synthetic       bool
+	loop            bool
+	rate            float64
+	history         int
+	dev             bool
+	logLevel        string
+	readyFile       string
+	shutdownTimeout time.Duration
+	drainDelay      time.Duration
+}
+
 func newServeCmd() *cobra.Command {
-	return &cobra.Command{
-		Use:   "serve",
-		Short: "not built yet",
-		RunE:  func(*cobra.Command, []string) error { return errors.New("serve: not built yet") },
+	var f serveFlags
+	cmd := &cobra.Command{
+		Use:   "serve [flags]",
+		Short: "Serve an allocator's Prometheus metrics and debug views over HTTP",
+		Long: `Serve opens a device, creates an allocator on it and serves, on --listen:
+
+  /metrics         Prometheus metrics (text or OpenMetrics)
+  /healthz         200 while the process runs
+  /readyz          200 once the allocator is ready, 503 while shutting down
+  /debug/summary   the torch.cuda.memory_summary() table
+  /debug/stats     torch.cuda.memory_stats() keys as JSON
+  /debug/snapshot  segments and blocks as JSON (?format=pickle for memory_viz)
+
+On the simulated device, --replay TRACE drives the allocator with a PyTorch
+memory snapshot (torch.cuda.memory._dump_snapshot()), once or, with --loop,
+over and over; --synthetic drives it with DESIGN.md's mixed workload instead.
+--replay-rate paces either (operations per second, 0: as fast as possible).
+
+SIGINT or SIGTERM shuts down gracefully: /readyz turns 503, in-flight requests
+finish, the workload stops and every segment goes back to the device. A second
+signal exits at once with status 130. Logs are JSON lines on stderr (--dev:
+console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			f.confSet = cmd.Flags().Changed("conf")
+			sigs := make(chan os.Signal, 2)
+			signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+			defer signal.Stop(sigs)
+			ctx := cmd.Context()
+			if ctx == nil {
+				ctx = context.Background()
+			}
+			return runServe(ctx, f, cmd.ErrOrStderr(), sigs)
+		},
 	}
+	fl := cmd.Flags()
+	fl.StringVar(&f.device, "device", "cuda", "sim, cuda or cuda:N")
+	fl.StringVar(&f.listen, "listen", defaultListen, "address to serve HTTP on (host:port; port 0 picks a free one)")
+	fl.StringVar(&f.conf, "conf", "", "allocator configuration in ALLOCD_CONF grammar (default: $ALLOCD_CONF)")
+	fl.StringVar(&f.simCapacity, "sim-capacity", "141GiB", "memory of the simulated device (bytes, or with KiB/MiB/GiB/TiB)")
+	fl.StringVar(&f.replay, "replay", "", "replay this PyTorch memory snapshot through the allocator (--device sim only)")
+	fl.BoolVar(&f.synthetic, "synthetic", false, "drive the allocator with the mixed benchmark workload (--device sim only)")
+	fl.BoolVar(&f.loop, "loop", false, "with --replay: start the trace over when it ends, until shutdown")
+	fl.Float64Var(&f.rate, "replay-rate", 10000, "operations per second for --replay and --synthetic (0: as fast as possible)")
+	fl.IntVar(&f.history, "history", 0, "record the last N allocator events for /debug/snapshot (0: off)")
+	fl.BoolVar(&f.dev, "dev", false, "log human-readable console lines instead of JSON")
+	fl.StringVar(&f.logLevel, "log-level", "info", "log level: "+logLevels)
+	fl.StringVar(&f.readyFile, "ready-file", "", "once serving, write the listening address to this file")
+	fl.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 10*time.Second, "how long shutdown waits for in-flight requests and the workload")
+	fl.DurationVar(&f.drainDelay, "drain-delay", 0, "on shutdown, keep serving with /readyz at 503 for this long first")
+	return cmd
+}
+
+// serveDaemon is a running `allocd serve`.
+type serveDaemon struct {
+	log   *zap.Logger
+	dev   cudart.Device
+	a     *allocator.Allocator
+	reg   *prometheus.Registry
+	ready atomic.Bool
+}
+
+// checkServeFlags parses the device flags and checks them against the
+// workload flags: replay and the synthetic workload need the simulated
+// device.
+func checkServeFlags(f serveFlags) (deviceSpec, uint64, error) {
+	spec, err := parseDeviceSpec(f.device)
+	if err != nil {
+		return spec, 0, err
+	}
+	capacity, err := parseBytes(f.simCapacity)
+	if err != nil {
+		return spec, 0, fmt.Errorf("--sim-capacity: %w", err)
+	}
+	switch {
+	case f.replay != "" && f.synthetic:
+		return spec, 0, errors.New("--replay and --synthetic are exclusive: pick one workload")
+	case (f.replay != "" || f.synthetic) && !spec.sim:
+		return spec, 0, errors.New("--replay and --synthetic drive the simulated device only (--device sim)")
+	case f.loop && f.replay == "":
+		return spec, 0, errors.New("--loop repeats a --replay trace; it needs --replay")
+	case f.rate < 0:
+		return spec, 0, fmt.Errorf("--replay-rate %g: expected operations per second, 0 for unlimited", f.rate)
+	case f.history < 0:
+		return spec, 0, fmt.Errorf("--history %d: expected a number of events, 0 for off", f.history)
+	}
+	return spec, capacity, nil
+}
+
+// openServeDevice opens the device. For a replay, the simulated device
+// gets manual events, so that frees deferred by other streams happen at
+// the trace's positions, and the trace's segment addresses, so that the
+// first pass places blocks exactly as the recorded program's allocator did
+// (as `allocd replay` does).
+func openServeDevice(spec deviceSpec, capacity uint64, load *serveWorkload) (cudart.Device, error) {
+	cfg := cudart.SimConfig{Capacity: capacity}
+	if load != nil && load.ops != nil {
+		cfg.ManualEvents, cfg.Addresses = true, load.addresses
+	}
+	return openDevice(spec, cfg)
+}
+
+// runServe runs the daemon until ctx ends or a signal arrives on sigs, then
+// shuts down. A second signal calls serveExit.
+func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan os.Signal) error {
+	log, err := newLoggerTo(stderr, f.dev, f.logLevel)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = log.Sync() }()
+	cfg, err := parseConf(resolveConf(f.conf, f.confSet))
+	if err != nil {
+		return err
+	}
+	spec, capacity, err := checkServeFlags(f)
+	if err != nil {
+		return err
+	}
+	var load *serveWorkload
+	if f.replay != "" || f.synthetic {
+		// Read the trace before anything starts, so that a bad file fails
+		// the command rather than a background goroutine.
+		if load, err = newServeWorkload(f); err != nil {
+			return err
+		}
+	}
+	dev, err := openServeDevice(spec, capacity, load)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = dev.Close() }()
+	info := dev.Info()
+	log.Info("allocd serve starting",
+		zap.String("version", buildVersion()), zap.Int("device", info.Index), zap.String("device_name", info.Name),
+		zap.String("uuid", info.UUID), zap.Uint64("device_total_bytes", info.TotalMemory),
+		zap.String("conf", cfg.String()), zap.String("listen", f.listen), zap.Int("pid", os.Getpid()))
+
+	opts := []allocator.Option{allocator.WithLogger(log.Named("allocator"))}
+	if f.history > 0 {
+		opts = append(opts, allocator.WithHistory(f.history))
+	}
+	a, err := allocator.New(dev, cfg, opts...)
+	if err != nil {
+		return err
+	}
+	d := &serveDaemon{log: log, dev: dev, a: a, reg: prometheus.NewRegistry()}
+	if err := d.register(); err != nil {
+		_ = a.Close()
+		return err
+	}
+
+	ln, err := net.Listen("tcp", f.listen)
+	if err != nil {
+		_ = a.Close()
+		return fmt.Errorf("--listen: %w", err)
+	}
+	srv := &http.Server{
+		Handler:           d.routes(),
+		ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout:       10 * time.Second,
+		WriteTimeout:      time.Minute,
+		IdleTimeout:       time.Minute,
+		ErrorLog:          zap.NewStdLog(log.Named("http")),
+	}
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.Serve(ln) }()
+	addr := ln.Addr().String()
+	d.ready.Store(true)
+	log.Info("listening", zap.String("addr", addr), zap.String("metrics", "http://"+addr+"/metrics"))
+	if f.readyFile != "" {
+		if err := writeReadyFile(f.readyFile, addr+"\n"); err != nil {
+			log.Error("writing --ready-file", zap.Error(err))
+		}
+	}
+
+	loadCtx, stopLoad := context.WithCancel(context.Background())
+	defer stopLoad()
+	loadDone := make(chan struct{})
+	go func() {
+		defer close(loadDone)
+		if load == nil {
+			return
+		}
+		if err := load.run(loadCtx, a, log.Named("workload")); err != nil {
+			log.Error("workload stopped", zap.Error(err))
+		}
+	}()
+
+	var exitErr error
+	select {
+	case sig := <-sigs:
+		log.Info("shutting down", zap.String("signal", sig.String()))
+	case <-ctx.Done():
+		log.Info("shutting down", zap.String("reason", context.Cause(ctx).Error()))
+	case err := <-serveErr:
+		log.Error("HTTP server failed; shutting down", zap.Error(err))
+		exitErr = fmt.Errorf("serving %s: %w", addr, err)
+	}
+	d.ready.Store(false)
+
+	// A second signal while shutting down exits at once. (serveExit
+	// returns only in tests; forced then cuts the drain delay short.)
+	shutdownDone, forced := make(chan struct{}), make(chan struct{})
+	defer close(shutdownDone)
+	go func() {
+		select {
+		case sig := <-sigs:
+			log.Warn("second signal: exiting without cleanup", zap.String("signal", sig.String()), zap.Int("exit_code", serveExitCode))
+			_ = log.Sync()
+			serveExit(serveExitCode)
+			close(forced)
+		case <-shutdownDone:
+		}
+	}()
+
+	if f.drainDelay > 0 {
+		log.Info("draining: /readyz answers 503", zap.Duration("for", f.drainDelay))
+		select {
+		case <-time.After(f.drainDelay):
+		case <-forced:
+		}
+	}
+	shutCtx, cancel := context.WithTimeout(context.Background(), f.shutdownTimeout)
+	defer cancel()
+	if err := srv.Shutdown(shutCtx); err != nil {
+		log.Warn("in-flight requests did not finish in time; closing their connections",
+			zap.Duration("shutdown_timeout", f.shutdownTimeout), zap.Error(err))
+		_ = srv.Close()
+	}
+	log.Info("HTTP server stopped")
+
+	stopLoad()
+	select {
+	case <-loadDone:
+	case <-shutCtx.Done():
+		log.Warn("the workload did not stop in time; closing the allocator under it")
+	}
+	if err := d.closeAllocator(); err != nil && exitErr == nil {
+		exitErr = err
+	}
+	log.Info("shutdown complete")
+	return exitErr
+}
+
+// register adds the daemon's collectors to its own registry: the
+// allocator's metrics, build info, and the Go runtime and process
+// collectors (which a library user's registry need not carry).
+func (d *serveDaemon) register() error {
+	c, err := stats.NewCollector(d.a)
+	if err != nil {
+		return err
+	}
+	for _, col := range []prometheus.Collector{
+		c,
+		stats.BuildInfo(buildVersion()),
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+	} {
+		if err := d.reg.Register(col); err != nil {
+			return fmt.Errorf("registering metrics: %w", err)
+		}
+	}
+	return nil
+}
+
+// closeAllocator returns every segment to the device and logs what it
+// released. Blocks still allocated are released with their segments and
+// counted; they are not an error for the daemon.
+func (d *serveDaemon) closeAllocator() error {
+	before := d.a.Stats()
+	err := d.a.Close()
+	after := d.a.Stats()
+	held := before.Segment[allocator.PoolAll].Current
+	released := after.NumDeviceFree - before.NumDeviceFree
+	fields := []zap.Field{
+		zap.Int64("segments_held", held), zap.Int64("segments_released", released),
+		zap.Int64("bytes_released", before.ReservedBytes[allocator.PoolAll].Current),
+		zap.Int64("live_blocks", before.Allocation[allocator.PoolAll].Current),
+	}
+	if sim, ok := d.dev.(*cudart.Sim); ok {
+		fields = append(fields, zap.Uint64("device_used_bytes", sim.Used()))
+	}
+	if errors.Is(err, allocator.ErrLiveBlocks) {
+		err = nil // reported in live_blocks; the memory went back all the same
+	}
+	if err != nil || released != held {
+		d.log.Error("allocator closed, but not every segment went back to the device", append(fields, zap.Error(err))...)
+		if err == nil {
+			err = fmt.Errorf("closing the allocator: %d of %d segments released", released, held)
+		}
+		return err
+	}
+	d.log.Info("allocator closed: every segment returned to the device", fields...)
+	return nil
+}
+
+// writeReadyFile writes s to path through a temporary file and a rename,
+// so that a reader never sees it half written.
+func writeReadyFile(path, s string) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".allocd-ready-*")
+	if err != nil {
+		return err
+	}
+	if _, err := tmp.WriteString(s); err != nil {
+		tmp.Close()
+		os.Remove(tmp.Name())
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		os.Remove(tmp.Name())
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
 }
