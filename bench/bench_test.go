@@ -1,6 +1,8 @@
 package bench
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -227,5 +229,46 @@ func TestReplayEventsMatchDelayedFrees(t *testing.T) {
 	}
 	if peaks[0] != peaks[1] {
 		t.Errorf("%d deferred frees: peak reserved with events %d, with delayed frees %d", deferred, peaks[0], peaks[1])
+	}
+}
+
+// TestReplayStopsAndReusesStreams: a cancelled context stops a replay, and
+// a caller-owned stream map is reused across passes instead of creating
+// new streams each time.
+func TestReplayStopsAndReusesStreams(t *testing.T) {
+	path := filepath.Join(sharedTraces, "multistream_prefetch.pickle.gz")
+	if _, err := os.Stat(path); err != nil {
+		t.Skip(err)
+	}
+	ops, plan := loadOps(t, path)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := Replay(ops, newSimAllocator(t, "", true, plan...), ReplayOptions{Ctx: ctx}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled replay: %v", err)
+	}
+	a := newSimAllocator(t, "", true, plan...)
+	streams := map[uint64]cudart.Stream{}
+	if _, err := Replay(ops, a, ReplayOptions{Streams: streams}); err != nil {
+		t.Fatal(err)
+	}
+	first := len(streams)
+	sim := a.Device().(*cudart.Sim)
+	created := sim.Counters().StreamCreates
+	for _, st := range streams {
+		if !sim.ValidStream(st) {
+			t.Fatalf("caller-owned stream %d was destroyed", st)
+		}
+	}
+	if _, err := Replay(ops, a, ReplayOptions{Streams: streams}); err != nil {
+		t.Fatal(err)
+	}
+	if len(streams) != first || first < 2 {
+		t.Errorf("stream map grew from %d to %d", first, len(streams))
+	}
+	// Live streams: the trace's own (the default stream is not counted);
+	// side streams of deferred frees are destroyed after each pass.
+	if c := sim.Counters(); c.LiveStream != int64(first-1) {
+		t.Errorf("%d live streams after two passes, want %d (side streams leaked?); %d created before the second pass, %d after",
+			c.LiveStream, first-1, created, c.StreamCreates)
 	}
 }

@@ -4,6 +4,7 @@
 package bench
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"time"
@@ -67,6 +68,14 @@ type ReplayOptions struct {
 	// Stop, when positive, ends the replay after the first Stop operations
 	// (of ops.Ops), leaving the allocator as it was at that moment.
 	Stop int
+	// Ctx, when set, is checked every few thousand operations; once it is
+	// done the replay stops and returns its error.
+	Ctx context.Context
+	// Streams, when non-nil, maps trace streams to device streams across
+	// replays: streams found there are used, streams created are added, and
+	// none of them is destroyed at the end (the caller owns them). Replays
+	// that loop over a trace reuse their streams this way.
+	Streams map[uint64]cudart.Stream
 }
 
 // Replay runs ops through a, which must be fresh. Each allocation becomes a
@@ -83,8 +92,13 @@ type ReplayOptions struct {
 func Replay(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayResult, error) {
 	dev := a.Device()
 	sim, _ := dev.(*cudart.Sim)
-	r := &replayer{a: a, dev: dev, sim: sim, streams: map[uint64]cudart.Stream{0: cudart.DefaultStream}}
-	defer r.destroyStreams()
+	r := &replayer{a: a, dev: dev, sim: sim, streams: opt.Streams}
+	if r.streams == nil {
+		r.streams = map[uint64]cudart.Stream{}
+		defer func() { r.destroy(r.created) }()
+	}
+	defer func() { r.destroy(r.sideCreated) }()
+	r.streams[0] = cudart.DefaultStream
 	for _, s := range ops.Streams {
 		if _, err := r.stream(s); err != nil {
 			return ReplayResult{}, err
@@ -104,12 +118,13 @@ func Replay(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayRe
 }
 
 type replayer struct {
-	a       *allocator.Allocator
-	dev     cudart.Device
-	sim     *cudart.Sim
-	streams map[uint64]cudart.Stream
-	created []cudart.Stream
-	side    []cudart.Stream // idle side streams for deferred frees
+	a           *allocator.Allocator
+	dev         cudart.Device
+	sim         *cudart.Sim
+	streams     map[uint64]cudart.Stream
+	created     []cudart.Stream // trace streams this replay created
+	sideCreated []cudart.Stream // side streams this replay created
+	side        []cudart.Stream // idle side streams for deferred frees
 }
 
 func (r *replayer) stream(s uint64) (cudart.Stream, error) {
@@ -135,12 +150,12 @@ func (r *replayer) sideStream() (cudart.Stream, error) {
 	if err != nil {
 		return 0, fmt.Errorf("replay: creating a side stream: %w", err)
 	}
-	r.created = append(r.created, s)
+	r.sideCreated = append(r.sideCreated, s)
 	return s, nil
 }
 
-func (r *replayer) destroyStreams() {
-	for _, s := range r.created {
+func (r *replayer) destroy(streams []cudart.Stream) {
+	for _, s := range streams {
 		_ = r.dev.StreamDestroy(s)
 	}
 }
@@ -174,6 +189,12 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 	}
 	t0 := time.Now()
 	for i := range n {
+		if opt.Ctx != nil && i%4096 == 0 {
+			if err := opt.Ctx.Err(); err != nil {
+				res.Elapsed = time.Since(t0)
+				return res, fmt.Errorf("replay: stopped at operation %d: %w", i, err)
+			}
+		}
 		op := &ops.Ops[i]
 		if op.Kind != trace.OpFreeCompleted {
 			res.Ops++

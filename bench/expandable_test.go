@@ -1,0 +1,95 @@
+package bench
+
+import (
+	"errors"
+	"math"
+	"testing"
+
+	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/trace"
+)
+
+// pytorchExpandable holds PyTorch's peak reserved MiB on each shared trace
+// with expandable_segments:True (../shared/traces/ANCHORS.md).
+var pytorchExpandable = map[string]float64{
+	"gpt2_train":           7886,
+	"gpt2_train_varlen":    9694,
+	"gpt2m_generate":       2446,
+	"multistream_prefetch": 502,
+	"resnet50_train":       3096,
+}
+
+// replayExpandable replays a trace with expandable_segments:True on a fresh
+// 141 GiB Sim with manual events and checks the allocator's invariants.
+func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) ReplayResult {
+	t.Helper()
+	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := allocator.ParseConfig("expandable_segments:True")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := allocator.New(sim, cfg, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := Replay(ops, a, ReplayOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	if r.FailedAllocs != 0 {
+		t.Errorf("%d allocations failed", r.FailedAllocs)
+	}
+	// The traces end with a few allocations never freed (the model).
+	if err := a.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {
+		t.Errorf("Close: %v", err)
+	}
+	if used := sim.Used(); used != 0 {
+		t.Errorf("after Close the device holds %d bytes", used)
+	}
+	if c := sim.VMMCounters(); c.LiveReservations != 0 || c.LiveHandles != 0 || c.LiveMappings != 0 {
+		t.Errorf("after Close the device holds %d reservations, %d handles, %d mappings", c.LiveReservations, c.LiveHandles, c.LiveMappings)
+	}
+	return r
+}
+
+func mib(n int64) float64 { return math.Round(float64(n) / (1 << 20)) }
+
+// TestReplayExpandable replays every shared trace with
+// expandable_segments:True. allocd's policy reserves no more than PyTorch
+// does, with its default configuration or with expandable segments; with
+// WithPyTorchExpandable the peaks equal PyTorch's expandable figures to the
+// MiB, as ANCHORS.md gives them.
+func TestReplayExpandable(t *testing.T) {
+	for _, path := range sharedTraceFiles(t) {
+		name := traceName(path)
+		t.Run(name, func(t *testing.T) {
+			if testing.Short() && name == "gpt2m_generate" {
+				t.Skip("long trace")
+			}
+			native, ok := pytorchNative[name]
+			exp := pytorchExpandable[name]
+			ops, _ := loadOps(t, path)
+			ours := replayExpandable(t, ops)
+			exact := replayExpandable(t, ops, allocator.WithPyTorchExpandable())
+			t.Logf("%s: peak reserved MiB: allocd expandable %.0f (maps %d, unmaps %d), as PyTorch %.0f (maps %d), PyTorch native %.0f, PyTorch expandable %.0f; peak allocated %.0f",
+				name, mib(ours.PeakReserved), ours.DeviceMallocs, ours.DeviceFrees, mib(exact.PeakReserved), exact.DeviceMallocs,
+				native.reservedMiB, exp, mib(ours.PeakAllocated))
+			if !ok {
+				return
+			}
+			if got := mib(ours.PeakReserved); got > native.reservedMiB || got > exp {
+				t.Errorf("peak reserved %.0f MiB exceeds PyTorch's (native %.0f, expandable %.0f)", got, native.reservedMiB, exp)
+			}
+			if got := mib(exact.PeakReserved); got != exp {
+				t.Errorf("with WithPyTorchExpandable, peak reserved %.0f MiB; PyTorch's expandable segments reserve %.0f", got, exp)
+			}
+		})
+	}
+}
