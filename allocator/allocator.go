@@ -15,6 +15,8 @@
 // other streams (RecordStream) returns to the pool only once an event
 // recorded on each of them has completed. When the device says no, cached
 // blocks are released and the device asked once more before an OOMError.
+// With expandable_segments:True, segments are virtual ranges that grow by
+// mapping pages at their end (expandable.go).
 //
 // # Concurrency and cost
 //
@@ -143,8 +145,9 @@ func FormatSize(n uint64) string {
 type Option func(*options)
 
 type options struct {
-	log          *zap.Logger
-	historyLimit int
+	log               *zap.Logger
+	historyLimit      int
+	pytorchExpandable bool // WithPyTorchExpandable
 }
 
 // WithLogger sets the logger for segment growth and release, OOMs and
@@ -209,6 +212,7 @@ type Allocator struct {
 
 	stats         Stats
 	async         *asyncBackend // non-nil for backend:cudaMallocAsync
+	exp           *expandable   // non-nil for expandable_segments:True
 	history       *history      // nil unless WithHistory
 	lastDeviceErr error         // the device's last out-of-memory error
 }
@@ -223,8 +227,12 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	var exp *expandable
 	if cfg.ExpandableSegments {
-		return nil, fmt.Errorf("allocator: expandable_segments:True is not supported yet: %w", ErrNotSupported)
+		var err error
+		if exp, err = newExpandable(dev, cfg); err != nil {
+			return nil, err
+		}
 	}
 	o := options{log: zap.NewNop()}
 	for _, opt := range opts {
@@ -243,6 +251,10 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		large:  pool{free: blocks.NewFreeIndex(), stat: PoolLarge},
 		active: newPtrMap(1024),
 		total:  total,
+		exp:    exp,
+	}
+	if exp != nil {
+		exp.reclaim = !o.pytorchExpandable
 	}
 	a.allowed = total
 	if cfg.Backend == BackendAsync {
@@ -415,6 +427,9 @@ func (a *Allocator) getFreeBlock(p *pool, stream, size uint64) *blocks.Block {
 	if b == nil {
 		return nil
 	}
+	if b.Segment.Expandable {
+		b = expandableFit(p, b)
+	}
 	maxSplit := a.cfg.MaxSplitSize
 	if size < maxSplit && b.Size >= maxSplit {
 		return nil
@@ -438,6 +453,9 @@ func (a *Allocator) gcEnabled() bool {
 // configured), ask the device, release oversize cached blocks and ask
 // again, release every cached segment and ask a last time.
 func (a *Allocator) grow(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+	if a.exp != nil {
+		return a.growExpandable(p, stream, size, rounded)
+	}
 	if a.gcEnabled() {
 		a.garbageCollect()
 	}
@@ -536,7 +554,7 @@ func (a *Allocator) allocBlock(p *pool, stream cudart.Stream, allocSize uint64, 
 
 func shouldSplit(p *pool, b *blocks.Block, size, maxSplit uint64) bool {
 	remaining := b.Size - size
-	if p.small {
+	if p.small || b.Segment.Expandable {
 		return remaining >= minBlockSize
 	}
 	return size < maxSplit && remaining > smallSize
@@ -550,13 +568,15 @@ func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested ui
 	if shouldSplit(p, b, size, a.cfg.MaxSplitSize) {
 		rest := blocks.Split(b, size, &a.recycler)
 		p.free.Insert(rest)
-		if wasSplit {
+		switch {
+		case b.Segment.Expandable: // PyTorch leaves them out of inactive_split
+		case wasSplit:
 			st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
-		} else {
+		default:
 			st.InactiveSplitBytes.add(p.stat, int64(rest.Size))
 			st.InactiveSplit.add(p.stat, 1)
 		}
-	} else if wasSplit {
+	} else if wasSplit && !b.Segment.Expandable {
 		st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
 		st.InactiveSplit.sub(p.stat, 1)
 	}
@@ -655,8 +675,10 @@ func (a *Allocator) freeBlock(b *blocks.Block) {
 		netBytes += int64(b.Size)
 	}
 	st := &a.stats
-	adjust(&st.InactiveSplit, p.stat, netCount)
-	adjust(&st.InactiveSplitBytes, p.stat, netBytes)
+	if !b.Segment.Expandable {
+		adjust(&st.InactiveSplit, p.stat, netCount)
+		adjust(&st.InactiveSplitBytes, p.stat, netBytes)
+	}
 	st.Active.sub(p.stat, 1)
 	st.ActiveBytes.sub(p.stat, int64(size))
 	st.RequestedBytes.sub(p.stat, int64(requested))
@@ -857,6 +879,9 @@ func (a *Allocator) releaseCachedBlocks() error {
 	if err := a.synchronizeAndFreeEvents(); err != nil {
 		return err
 	}
+	if a.exp != nil {
+		return a.releaseExpandable() // every segment is expandable
+	}
 	if err := a.releaseAll(a.collectWhole(&a.large)); err != nil {
 		return err
 	}
@@ -982,12 +1007,16 @@ func (a *Allocator) Close() error {
 		}
 	}
 	for _, seg := range a.segments {
+		if seg.Expandable {
+			continue // closeExpandable
+		}
 		if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err))
 			continue
 		}
 		a.stats.NumDeviceFree++
 	}
+	errs = append(errs, a.closeExpandable()...)
 	for _, ev := range a.spareEvents {
 		if err := a.dev.EventDestroy(ev); err != nil {
 			errs = append(errs, err)
@@ -1104,7 +1133,8 @@ func (a *Allocator) Check() error {
 			errs = append(errs, fmt.Errorf("stat %s is %d, structures say %d", name, got, exp))
 		}
 	}
-	want("segment", st.Segment[PoolAll].Current, int64(t.Segments))
+	// segment counts device allocations: expandable ranges do not count.
+	want("segment", st.Segment[PoolAll].Current, int64(t.Segments-t.ExpandableSegments))
 	want("reserved_bytes", st.ReservedBytes[PoolAll].Current, int64(t.SegmentBytes))
 	want("reserved", int64(a.reserved), int64(t.SegmentBytes))
 	want("allocation", st.Allocation[PoolAll].Current, int64(t.AllocatedCount))
@@ -1128,6 +1158,7 @@ func (a *Allocator) Check() error {
 		}
 	}
 	want("pending events", int64(a.pending), int64(events))
+	errs = append(errs, a.checkExpandable()...)
 	for i, p := range []*pool{&a.small, &a.large} {
 		p.free.Ascend(func(b *blocks.Block) bool {
 			if b.Segment.Small != p.small {

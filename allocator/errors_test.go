@@ -105,13 +105,20 @@ func TestBadInput(t *testing.T) {
 		}
 	})
 	t.Run("unsupported config", func(t *testing.T) {
-		for _, conf := range []string{"expandable_segments:True"} {
-			cfg, err := ParseConfig(conf)
+		noVMM := struct{ cudart.Device }{sim} // hides the Sim's virtual memory
+		for _, tc := range []struct {
+			conf string
+			dev  cudart.Device
+		}{
+			{"expandable_segments:True", noVMM},
+			{"expandable_segments:True,backend:cudaMallocAsync", sim},
+		} {
+			cfg, err := ParseConfig(tc.conf)
 			if err != nil {
-				t.Fatalf("ParseConfig(%q): %v", conf, err)
+				t.Fatalf("ParseConfig(%q): %v", tc.conf, err)
 			}
-			if _, err := New(sim, cfg); !errors.Is(err, ErrNotSupported) {
-				t.Errorf("New with %q: %v, want ErrNotSupported", conf, err)
+			if _, err := New(tc.dev, cfg); !errors.Is(err, ErrNotSupported) {
+				t.Errorf("New with %q: %v, want ErrNotSupported", tc.conf, err)
 			}
 		}
 	})

@@ -218,6 +218,9 @@ func TestModelRandom(t *testing.T) {
 		"garbage_collection_threshold:0.5,per_process_memory_fraction:0.5",
 		"max_split_size_mb:20,max_non_split_rounding_mb:30,roundup_power2_divisions:[1:2,64:4,>:8]",
 		"backend:cudaMallocAsync",
+		"expandable_segments:True",
+		"expandable_segments:True,max_split_size_mb:40",
+		"expandable_segments:True,roundup_power2_divisions:4,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5",
 	} {
 		t.Run("conf="+conf, func(t *testing.T) {
 			for seed := range uint64(3) {

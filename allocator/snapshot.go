@@ -4,6 +4,7 @@ import (
 	"sort"
 	"time"
 
+	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
 )
 
@@ -102,8 +103,11 @@ type SegmentInfo struct {
 	AllocatedSize uint64
 	ActiveSize    uint64
 	RequestedSize uint64
-	IsExpandable  bool
-	Blocks        []BlockInfo
+	// IsExpandable marks one contiguous mapped range of an expandable
+	// segment; Address and TotalSize are the range's, and unmapped address
+	// space is not listed, as in PyTorch's snapshots.
+	IsExpandable bool
+	Blocks       []BlockInfo
 }
 
 // Snapshot is the allocator's state in the shape of
@@ -123,24 +127,14 @@ func (a *Allocator) Snapshot() Snapshot {
 	defer a.mu.Unlock()
 	snap := Snapshot{Segments: make([]SegmentInfo, 0, len(a.segments)), Config: a.cfg.String()}
 	for _, s := range a.segments {
-		si := SegmentInfo{Device: a.info.Index, Address: s.Ptr, TotalSize: s.Size, Stream: s.Stream, SegmentType: "large"}
-		if s.Small {
-			si.SegmentType = "small"
+		if s.Expandable {
+			snap.Segments = a.appendExpandableInfo(snap.Segments, s)
+			continue
 		}
+		si := a.segmentInfo(s, s.Ptr)
+		si.TotalSize = s.Size
 		for b := s.Head; b != nil; b = b.Next {
-			bi := BlockInfo{Address: b.Ptr, Size: b.Size, RequestedSize: b.Requested, State: "inactive"}
-			switch {
-			case b.Allocated:
-				bi.State = "active_allocated"
-				si.AllocatedSize += b.Size
-				si.ActiveSize += b.Size
-				si.RequestedSize += b.Requested
-			case b.EventCount > 0:
-				bi.State = "active_pending_free"
-				si.ActiveSize += b.Size
-				si.RequestedSize += b.Requested
-			}
-			si.Blocks = append(si.Blocks, bi)
+			si.addBlock(b)
 		}
 		snap.Segments = append(snap.Segments, si)
 	}
@@ -151,4 +145,30 @@ func (a *Allocator) Snapshot() Snapshot {
 	}
 	snap.DeviceTraces = [][]TraceEntry{traces}
 	return snap
+}
+
+// segmentInfo describes segment s from address addr on, without blocks.
+func (a *Allocator) segmentInfo(s *blocks.Segment, addr uint64) SegmentInfo {
+	si := SegmentInfo{Device: a.info.Index, Address: addr, Stream: s.Stream, SegmentType: "large", IsExpandable: s.Expandable}
+	if s.Small {
+		si.SegmentType = "small"
+	}
+	return si
+}
+
+// addBlock appends b to the segment's blocks and adds up its sizes.
+func (si *SegmentInfo) addBlock(b *blocks.Block) {
+	bi := BlockInfo{Address: b.Ptr, Size: b.Size, RequestedSize: b.Requested, State: "inactive"}
+	switch {
+	case b.Allocated:
+		bi.State = "active_allocated"
+		si.AllocatedSize += b.Size
+		si.ActiveSize += b.Size
+		si.RequestedSize += b.Requested
+	case b.EventCount > 0:
+		bi.State = "active_pending_free"
+		si.ActiveSize += b.Size
+		si.RequestedSize += b.Requested
+	}
+	si.Blocks = append(si.Blocks, bi)
 }

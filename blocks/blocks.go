@@ -11,6 +11,13 @@
 // neighbours are merged as soon as both are free, so a segment never holds
 // two free blocks side by side.
 //
+// An expandable segment (Segment.Expandable) is a reserved range of virtual
+// addresses into which physical pages are mapped on demand. Its blocks tile
+// the whole range; those over unmapped pages are marked Unmapped. An
+// unmapped block is never allocated nor indexed, starts and ends on page
+// boundaries, and merges only with unmapped neighbours: a mapped free block
+// and an unmapped block may sit side by side.
+//
 // Nothing here locks; the allocator serialises access.
 package blocks
 
@@ -42,6 +49,10 @@ type Block struct {
 	// GCBase is the allocator's free-search count when the block was last
 	// handed out; the garbage collector ages blocks by it.
 	GCBase uint64
+	// Unmapped is true for a block of an expandable segment whose pages
+	// are not backed by physical memory. It is always false in an
+	// ordinary segment.
+	Unmapped bool
 	// indexed is true while the block is in a FreeIndex.
 	indexed bool
 }
@@ -67,6 +78,8 @@ func (b *Block) String() string {
 		state = "allocated"
 	case b.EventCount > 0:
 		state = "pending"
+	case b.Unmapped:
+		state = "unmapped"
 	}
 	return fmt.Sprintf("block[%#x +%d %s]", b.Ptr, b.Size, state)
 }
@@ -87,6 +100,16 @@ type Segment struct {
 	// Index is the segment's position in its owner's list (maintained by
 	// the owner, used for O(1) removal).
 	Index int
+	// Expandable marks a reserved virtual range whose pages are mapped on
+	// demand (expandable_segments:True). Ptr and Size are then the whole
+	// reservation, and only Mapped bytes of it are backed by memory.
+	Expandable bool
+	// PageSize is the mapping granularity of an expandable segment (2 MiB
+	// in the small pool, 20 MiB in the large); 0 otherwise.
+	PageSize uint64
+	// Mapped is the number of bytes of an expandable segment backed by
+	// physical pages (the sum of its blocks that are not Unmapped).
+	Mapped uint64
 }
 
 // Whole reports whether the segment is a single free block, i.e. can be
@@ -163,6 +186,37 @@ func Merge(b *Block, idx *FreeIndex, r *Recycler) (n int, bytes uint64) {
 	}
 	if q := b.Next; q != nil && q.indexed {
 		idx.Delete(q)
+		b.Size += q.Size
+		b.Next = q.Next
+		if q.Next != nil {
+			q.Next.Prev = b
+		}
+		n, bytes = n+1, bytes+q.Size
+		r.Put(q)
+	}
+	return n, bytes
+}
+
+// MergeUnmapped absorbs b's unmapped neighbours into b, returning their
+// structs to r. b must be an unmapped block of an expandable segment. It
+// returns how many neighbours were absorbed and their total size.
+func MergeUnmapped(b *Block, r *Recycler) (n int, bytes uint64) {
+	if !b.Unmapped {
+		panic(fmt.Sprintf("blocks: MergeUnmapped of mapped %v", b))
+	}
+	if p := b.Prev; p != nil && p.Unmapped {
+		b.Ptr = p.Ptr
+		b.Size += p.Size
+		b.Prev = p.Prev
+		if p.Prev != nil {
+			p.Prev.Next = b
+		} else {
+			b.Segment.Head = b
+		}
+		n, bytes = n+1, bytes+p.Size
+		r.Put(p)
+	}
+	if q := b.Next; q != nil && q.Unmapped {
 		b.Size += q.Size
 		b.Next = q.Next
 		if q.Next != nil {

@@ -103,3 +103,113 @@ func TestRecyclerReuses(t *testing.T) {
 		t.Fatalf("recycled block not reset or not reused: %+v", c)
 	}
 }
+
+// expandableFixture builds an expandable segment of four 2 KiB pages,
+// pages 0 and 2 mapped: [1 KiB allocated][1 KiB free] [unmapped page]
+// [2 KiB free] [unmapped page]. A free block beside an unmapped one is
+// not merged with it.
+func expandableFixture(t *testing.T) (*Segment, *FreeIndex, *Recycler, []*Block) {
+	t.Helper()
+	var r Recycler
+	seg := &Segment{Ptr: 0x40000, Size: 8192, Stream: 1, Expandable: true, PageSize: 2048, Mapped: 4096}
+	head := r.Get()
+	head.Ptr, head.Size, head.Segment = seg.Ptr, seg.Size, seg
+	seg.Head = head
+	b1 := Split(head, 1024, &r)
+	b2 := Split(b1, 1024, &r)
+	b3 := Split(b2, 2048, &r)
+	b4 := Split(b3, 2048, &r)
+	head.Allocated = true
+	b2.Unmapped, b4.Unmapped = true, true
+	idx := NewFreeIndex()
+	idx.Insert(b1)
+	idx.Insert(b3)
+	return seg, idx, &r, []*Block{head, b1, b2, b3, b4}
+}
+
+func TestCheckExpandable(t *testing.T) {
+	seg, idx, _, _ := expandableFixture(t)
+	tot, err := Check([]*Segment{seg}, idx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tot.ExpandableSegments != 1 || tot.SegmentBytes != 4096 || tot.AddressSpace != 8192 || tot.UnmappedCount != 2 ||
+		tot.UnmappedBytes != 4096 || tot.FreeCount != 2 || tot.FreeBytes != 3072 || tot.InactiveSplitCount != 0 {
+		t.Errorf("totals %+v", tot)
+	}
+	for _, tc := range []struct {
+		name    string
+		corrupt func(seg *Segment, idx *FreeIndex, r *Recycler, bs []*Block)
+		want    string
+	}{
+		{"unmapped block indexed", func(_ *Segment, idx *FreeIndex, _ *Recycler, bs []*Block) { idx.Insert(bs[2]) }, "unmapped block[0x40800 +2048 unmapped] is in the free index"},
+		{"unmapped neighbours", func(_ *Segment, _ *FreeIndex, r *Recycler, bs []*Block) {
+			Split(bs[4], 1024, r).Unmapped = true
+		}, "not merged"},
+		{"unmapped off the page grid", func(_ *Segment, _ *FreeIndex, _ *Recycler, bs []*Block) {
+			bs[3].Size -= 512
+			bs[4].Ptr -= 512
+			bs[4].Size += 512
+		}, "page boundaries"},
+		{"mapped bytes", func(seg *Segment, _ *FreeIndex, _ *Recycler, _ []*Block) { seg.Mapped = 2048 }, "mapped blocks add up to 4096"},
+		{"unmapped and allocated", func(_ *Segment, _ *FreeIndex, _ *Recycler, bs []*Block) { bs[2].Allocated = true }, "unmapped but allocated"},
+		{"page size", func(seg *Segment, _ *FreeIndex, _ *Recycler, _ []*Block) { seg.PageSize = 3000 }, "whole number"},
+		{"free neighbours", func(_ *Segment, idx *FreeIndex, r *Recycler, bs []*Block) {
+			idx.Delete(bs[3])
+			idx.Insert(Split(bs[3], 1024, r))
+			idx.Insert(bs[3])
+		}, "not merged"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			seg, idx, r, bs := expandableFixture(t)
+			tc.corrupt(seg, idx, r, bs)
+			_, err := Check([]*Segment{seg}, idx)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Check = %v, want a report containing %q", err, tc.want)
+			}
+		})
+	}
+	// An unmapped block in an ordinary segment is an error.
+	segs, idx2, _, bs := fixture(t)
+	bs[2].Allocated, bs[2].Unmapped = false, true
+	if _, err := Check(segs, idx2); err == nil || !strings.Contains(err.Error(), "unmapped in an ordinary segment") {
+		t.Errorf("Check = %v", err)
+	}
+}
+
+func TestMergeUnmapped(t *testing.T) {
+	seg, idx, r, bs := expandableFixture(t)
+	// Unmap the free page between the two unmapped ones: all three merge.
+	idx.Delete(bs[3])
+	bs[3].Unmapped = true
+	if n, bytes := MergeUnmapped(bs[3], r); n != 2 || bytes != 4096 {
+		t.Fatalf("MergeUnmapped = %d, %d; want 2, 4096", n, bytes)
+	}
+	seg.Mapped -= 2048
+	if bs[3].Ptr != 0x40800 || bs[3].Size != 6144 || bs[3].Prev != bs[1] || bs[3].Next != nil || bs[1].Next != bs[3] {
+		t.Errorf("merged block %v has wrong links or extent", bs[3])
+	}
+	if _, err := Check([]*Segment{seg}, idx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestFreeIndexAfter(t *testing.T) {
+	var r Recycler
+	idx := NewFreeIndex()
+	mk := func(stream, ptr, size uint64) *Block {
+		b := r.Get()
+		b.Ptr, b.Size, b.Segment = ptr, size, &Segment{Stream: stream}
+		idx.Insert(b)
+		return b
+	}
+	a := mk(1, 0x1000, 512)
+	b := mk(1, 0x2000, 1024)
+	c := mk(1, 0x3000, 1024)
+	d := mk(2, 0x4000, 512)
+	for _, tc := range []struct{ from, want *Block }{{a, b}, {b, c}, {c, nil}, {d, nil}} {
+		if got := idx.After(tc.from); got != tc.want {
+			t.Errorf("After(%v) = %v, want %v", tc.from, got, tc.want)
+		}
+	}
+}

@@ -8,8 +8,20 @@ import (
 // Totals are the byte and block counts Check derives by walking segments;
 // the allocator compares them with its statistics.
 type Totals struct {
-	Segments       int
-	SegmentBytes   uint64
+	// Segments counts every segment, ExpandableSegments the expandable
+	// ones among them.
+	Segments           int
+	ExpandableSegments int
+	// SegmentBytes is the memory the segments hold from the device: an
+	// ordinary segment's size, an expandable segment's mapped bytes.
+	SegmentBytes uint64
+	// AddressSpace is the virtual address space of the expandable
+	// segments (their reservations, mapped or not).
+	AddressSpace uint64
+	// UnmappedCount and UnmappedBytes count the unmapped blocks of
+	// expandable segments (neither free nor allocated).
+	UnmappedCount  int
+	UnmappedBytes  uint64
 	Blocks         int
 	AllocatedCount int
 	AllocatedBytes uint64
@@ -21,8 +33,8 @@ type Totals struct {
 	PendingBytes uint64
 	FreeCount    int
 	FreeBytes    uint64
-	// InactiveSplit counts free blocks in split segments, as PyTorch's
-	// inactive_split does.
+	// InactiveSplit counts free blocks in split ordinary segments, as
+	// PyTorch's inactive_split does (it leaves expandable segments out).
 	InactiveSplitCount int
 	InactiveSplitBytes uint64
 }
@@ -42,7 +54,12 @@ const maxReported = 32
 //   - every free block is indexed, and every indexed block is free and
 //     belongs to one of the segments;
 //   - no two free blocks are neighbours (they would have been merged);
-//   - the index's byte count equals the sum of its blocks.
+//   - the index's byte count equals the sum of its blocks;
+//   - in an expandable segment, unmapped blocks are free, not indexed,
+//     start and end on page boundaries and never neighbour each other (a
+//     mapped free block beside an unmapped one is fine), and the mapped
+//     blocks add up to the segment's Mapped bytes, a whole number of pages;
+//     an ordinary segment has no unmapped block.
 //
 // idx is the free index of each pool; a segment's free blocks may be in any
 // of them.
@@ -57,7 +74,17 @@ func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
 	owned := make(map[*Block]bool)
 	for i, s := range segments {
 		t.Segments++
-		t.SegmentBytes += s.Size
+		if s.Expandable {
+			t.ExpandableSegments++
+			t.AddressSpace += s.Size
+			t.SegmentBytes += s.Mapped
+			if s.PageSize == 0 || s.PageSize%512 != 0 || s.Size%s.PageSize != 0 {
+				report("expandable segment %#x: size %d is not a whole number of %d-byte pages", s.Ptr, s.Size, s.PageSize)
+				continue
+			}
+		} else {
+			t.SegmentBytes += s.Size
+		}
 		if s.Index != i {
 			report("segment %#x: index %d, found at %d", s.Ptr, s.Index, i)
 		}
@@ -69,7 +96,7 @@ func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
 			report("segment %#x: head %v has a predecessor", s.Ptr, s.Head)
 		}
 		next := s.Ptr
-		var sum uint64
+		var sum, mapped uint64
 		var prev *Block
 		for b := s.Head; b != nil; b = b.Next {
 			if owned[b] {
@@ -91,6 +118,23 @@ func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
 				report("segment %#x: %v: size is not a positive multiple of 512", s.Ptr, b)
 			}
 			switch {
+			case b.Unmapped:
+				t.UnmappedCount++
+				t.UnmappedBytes += b.Size
+				switch {
+				case !s.Expandable:
+					report("segment %#x: %v is unmapped in an ordinary segment", s.Ptr, b)
+				case b.Allocated || b.EventCount != 0:
+					report("segment %#x: %v is unmapped but allocated or pending", s.Ptr, b)
+				case (b.Ptr-s.Ptr)%s.PageSize != 0 || b.Size%s.PageSize != 0:
+					report("segment %#x: unmapped %v does not start and end on %d-byte page boundaries", s.Ptr, b, s.PageSize)
+				}
+				if b.indexed {
+					report("segment %#x: unmapped %v is in the free index", s.Ptr, b)
+				}
+				if prev != nil && prev.Unmapped {
+					report("segment %#x: unmapped %v and %v are neighbours, not merged", s.Ptr, prev, b)
+				}
 			case b.Allocated:
 				t.AllocatedCount++
 				t.AllocatedBytes += b.Size
@@ -108,14 +152,14 @@ func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
 			default:
 				t.FreeCount++
 				t.FreeBytes += b.Size
-				if b.IsSplit() {
+				if b.IsSplit() && !s.Expandable {
 					t.InactiveSplitCount++
 					t.InactiveSplitBytes += b.Size
 				}
 				if !b.indexed {
 					report("segment %#x: free %v is not in the free index", s.Ptr, b)
 				}
-				if prev != nil && prev.Free() {
+				if prev != nil && prev.Free() && !prev.Unmapped {
 					report("segment %#x: free %v and %v are neighbours, not merged", s.Ptr, prev, b)
 				}
 			}
@@ -124,10 +168,16 @@ func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
 			}
 			next = b.Ptr + b.Size
 			sum += b.Size
+			if !b.Unmapped {
+				mapped += b.Size
+			}
 			prev = b
 		}
 		if sum != s.Size {
 			report("segment %#x: blocks add up to %d bytes, segment is %d", s.Ptr, sum, s.Size)
+		}
+		if s.Expandable && (mapped != s.Mapped || mapped%s.PageSize != 0) {
+			report("expandable segment %#x: mapped blocks add up to %d bytes, segment says %d mapped in %d-byte pages", s.Ptr, mapped, s.Mapped, s.PageSize)
 		}
 	}
 	var indexed int

@@ -82,6 +82,25 @@ func (x *FreeIndex) LowerBound(stream, size uint64) *Block {
 	return found
 }
 
+// After returns the block that follows b, which must be indexed, in
+// (stream, size, address) order when it belongs to b's stream, or nil.
+func (x *FreeIndex) After(b *Block) *Block {
+	if !b.indexed {
+		panic(fmt.Sprintf("blocks: After(%v), which is not indexed", b))
+	}
+	var found *Block
+	x.tree.AscendGreaterOrEqual(b, func(c *Block) bool {
+		if c == b {
+			return true
+		}
+		if c.Segment.Stream == b.Segment.Stream {
+			found = c
+		}
+		return false
+	})
+	return found
+}
+
 // DescendStream calls fn for the blocks of stream whose size is below
 // limit, largest first, until fn returns false.
 func (x *FreeIndex) DescendStream(stream, limit uint64, fn func(*Block) bool) {

@@ -61,9 +61,13 @@ type SimCounters struct {
 // simBase is where the simulated address space starts: a plausible device
 // address, far from zero so that a zero Ptr is never handed out, and below
 // the range CUDA hands out on Linux (0x7f...), where planned addresses lie.
+// Each simulated device index gets its own 1 TiB of address space, so that
+// several Sims in one process never hand out the same address and a pointer
+// freed on the wrong device's allocator is recognised as foreign.
 const (
-	simBase  Ptr    = 0x100000000000
-	simAlign uint64 = 2 << 20
+	simBase        Ptr    = 0x100000000000
+	simAlign       uint64 = 2 << 20
+	simDeviceShift        = 40
 )
 
 type simEvent struct {
@@ -95,6 +99,7 @@ type Sim struct {
 	failErr  error
 	calls    int64 // malloc calls so far, failed ones included
 	counters SimCounters
+	vmm      simVMM // virtual memory (sim_vmm.go)
 }
 
 var _ Device = (*Sim)(nil)
@@ -110,7 +115,7 @@ func NewSim(cfg SimConfig) (*Sim, error) {
 	}
 	return &Sim{
 		cfg:      cfg,
-		next:     simBase,
+		next:     simBase + Ptr(cfg.Index)<<simDeviceShift,
 		allocs:   make(map[Ptr]uint64),
 		memory:   make(map[Ptr][]byte),
 		streams:  map[Stream]bool{DefaultStream: true},
@@ -136,7 +141,7 @@ func spin(d time.Duration) {
 
 // FailMalloc makes the n-th Malloc call from now (n = 1: the next one) fail
 // with err, or with an out-of-memory error when err is nil. n <= 0 clears a
-// pending fault.
+// pending fault. A Create (VirtualMemory) counts as a Malloc call.
 func (s *Sim) FailMalloc(n int, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -206,9 +211,10 @@ func (s *Sim) planned(size uint64) (Ptr, bool) {
 	return 0, false
 }
 
-// rangeFree reports whether [p, p+size) overlaps no live allocation.
+// rangeFree reports whether [p, p+size) overlaps no live allocation and
+// no reservation.
 func (s *Sim) rangeFree(p Ptr, size uint64) bool {
-	if p == 0 {
+	if p == 0 || s.vmm.overlapsReservation(p, size) {
 		return false
 	}
 	for base, n := range s.allocs {
@@ -251,7 +257,8 @@ func (s *Sim) MemGetInfo() (free, total uint64, err error) {
 	return s.cfg.Capacity - s.used, s.cfg.Capacity, nil
 }
 
-// Used returns the bytes currently allocated on the device.
+// Used returns the bytes currently allocated on the device: live Malloc
+// allocations and physical memory made by Create.
 func (s *Sim) Used() uint64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -489,12 +496,14 @@ func (s *Sim) MemsetAsync(p Ptr, value byte, size uint64, st Stream) error {
 	if err := s.checkStream("memset", st); err != nil {
 		return err
 	}
-	b, err := s.region("memset", p, size)
+	bs, err := s.regions("memset", p, size)
 	if err != nil {
 		return err
 	}
-	for i := range b {
-		b[i] = value
+	for _, b := range bs {
+		for i := range b {
+			b[i] = value
+		}
 	}
 	return nil
 }
@@ -503,11 +512,13 @@ func (s *Sim) MemsetAsync(p Ptr, value byte, size uint64, st Stream) error {
 func (s *Sim) MemcpyHtoD(dst Ptr, src []byte) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	b, err := s.region("memcpy host to device", dst, uint64(len(src)))
+	bs, err := s.regions("memcpy host to device", dst, uint64(len(src)))
 	if err != nil {
 		return err
 	}
-	copy(b, src)
+	for _, b := range bs {
+		src = src[copy(b, src):]
+	}
 	return nil
 }
 
@@ -515,11 +526,13 @@ func (s *Sim) MemcpyHtoD(dst Ptr, src []byte) error {
 func (s *Sim) MemcpyDtoH(dst []byte, src Ptr) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	b, err := s.region("memcpy device to host", src, uint64(len(dst)))
+	bs, err := s.regions("memcpy device to host", src, uint64(len(dst)))
 	if err != nil {
 		return err
 	}
-	copy(dst, b)
+	for _, b := range bs {
+		dst = dst[copy(dst, b):]
+	}
 	return nil
 }
 

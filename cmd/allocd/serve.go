@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -59,20 +60,27 @@ func newServeCmd() *cobra.Command {
 	var f serveFlags
 	cmd := &cobra.Command{
 		Use:   "serve [flags]",
-		Short: "Serve an allocator's Prometheus metrics and debug views over HTTP",
-		Long: `Serve opens a device, creates an allocator on it and serves, on --listen:
+		Short: "Serve allocators' Prometheus metrics and debug views over HTTP",
+		Long: `Serve opens one or several devices, creates an allocator on each and serves,
+on --listen:
 
-  /metrics         Prometheus metrics (text or OpenMetrics)
+  /metrics         Prometheus metrics (text or OpenMetrics), one gpu label per device
   /healthz         200 while the process runs
-  /readyz          200 once the allocator is ready, 503 while shutting down
-  /debug/summary   the torch.cuda.memory_summary() table
-  /debug/stats     torch.cuda.memory_stats() keys as JSON
-  /debug/snapshot  segments and blocks as JSON (?format=pickle for memory_viz)
+  /readyz          200 once the allocators are ready, 503 while shutting down
+  /debug/summary   the torch.cuda.memory_summary() table of each device (?gpu=N: one)
+  /debug/stats     torch.cuda.memory_stats() keys as JSON (?gpu=N: one device's)
+  /debug/snapshot  segments and blocks as JSON (?gpu=N: one device's;
+                   ?format=pickle for memory_viz)
 
-On the simulated device, --replay TRACE drives the allocator with a PyTorch
+--device picks the devices: sim (one simulated device), sim:N (N of them,
+indexes 0..N-1, each of --sim-capacity), cuda (CUDA device 0), cuda:N, or
+cuda:all (every CUDA device this process can see).
+
+On simulated devices, --replay TRACE drives each allocator with a PyTorch
 memory snapshot (torch.cuda.memory._dump_snapshot()), once or, with --loop,
-over and over; --synthetic drives it with DESIGN.md's mixed workload instead.
---replay-rate paces either (operations per second, 0: as fast as possible).
+over and over; --synthetic drives each with DESIGN.md's mixed workload
+instead. Each device gets its own goroutine. --replay-rate paces either
+(operations per second on each device, 0: as fast as possible).
 
 SIGINT or SIGTERM shuts down gracefully: /readyz turns 503, in-flight requests
 finish, the workload stops and every segment goes back to the device. A second
@@ -92,14 +100,14 @@ console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
 		},
 	}
 	fl := cmd.Flags()
-	fl.StringVar(&f.device, "device", "cuda", "sim, cuda or cuda:N")
+	fl.StringVar(&f.device, "device", "cuda", "sim, sim:N (N simulated devices), cuda, cuda:N or cuda:all (every CUDA device)")
 	fl.StringVar(&f.listen, "listen", defaultListen, "address to serve HTTP on (host:port; port 0 picks a free one)")
 	fl.StringVar(&f.conf, "conf", "", "allocator configuration in ALLOCD_CONF grammar (default: $ALLOCD_CONF)")
-	fl.StringVar(&f.simCapacity, "sim-capacity", "141GiB", "memory of the simulated device (bytes, or with KiB/MiB/GiB/TiB)")
-	fl.StringVar(&f.replay, "replay", "", "replay this PyTorch memory snapshot through the allocator (--device sim only)")
-	fl.BoolVar(&f.synthetic, "synthetic", false, "drive the allocator with the mixed benchmark workload (--device sim only)")
+	fl.StringVar(&f.simCapacity, "sim-capacity", "141GiB", "memory of each simulated device (bytes, or with KiB/MiB/GiB/TiB)")
+	fl.StringVar(&f.replay, "replay", "", "replay this PyTorch memory snapshot through each allocator (--device sim or sim:N only)")
+	fl.BoolVar(&f.synthetic, "synthetic", false, "drive each allocator with the mixed benchmark workload (--device sim or sim:N only)")
 	fl.BoolVar(&f.loop, "loop", false, "with --replay: start the trace over when it ends, until shutdown")
-	fl.Float64Var(&f.rate, "replay-rate", 10000, "operations per second for --replay and --synthetic (0: as fast as possible)")
+	fl.Float64Var(&f.rate, "replay-rate", 10000, "operations per second on each device for --replay and --synthetic (0: as fast as possible)")
 	fl.IntVar(&f.history, "history", 0, "record the last N allocator events for /debug/snapshot (0: off)")
 	fl.BoolVar(&f.dev, "dev", false, "log human-readable console lines instead of JSON")
 	fl.StringVar(&f.logLevel, "log-level", "info", "log level: "+logLevels)
@@ -109,20 +117,47 @@ console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
 	return cmd
 }
 
-// serveDaemon is a running `allocd serve`.
+// serveDaemon is a running `allocd serve`: one allocator per device.
 type serveDaemon struct {
 	log   *zap.Logger
-	dev   cudart.Device
-	a     *allocator.Allocator
+	devs  *allocator.Devices
+	gpus  []serveGPU // ascending device index
 	reg   *prometheus.Registry
 	ready atomic.Bool
 }
 
+// serveGPU is one device the daemon serves and its allocator.
+type serveGPU struct {
+	index int
+	dev   cudart.Device
+	a     *allocator.Allocator
+}
+
+// newServeDaemon returns a daemon over devs's allocators, not yet ready,
+// with an empty registry.
+func newServeDaemon(log *zap.Logger, devs *allocator.Devices) *serveDaemon {
+	d := &serveDaemon{log: log, devs: devs, reg: prometheus.NewRegistry()}
+	for _, a := range devs.All() {
+		d.gpus = append(d.gpus, serveGPU{index: a.Device().Info().Index, dev: a.Device(), a: a})
+	}
+	return d
+}
+
+// gpu returns the daemon's device with index i.
+func (d *serveDaemon) gpu(i int) (serveGPU, bool) {
+	for _, g := range d.gpus {
+		if g.index == i {
+			return g, true
+		}
+	}
+	return serveGPU{}, false
+}
+
 // checkServeFlags parses the device flags and checks them against the
-// workload flags: replay and the synthetic workload need the simulated
-// device.
+// workload flags: replay and the synthetic workload need simulated
+// devices.
 func checkServeFlags(f serveFlags) (deviceSpec, uint64, error) {
-	spec, err := parseDeviceSpec(f.device)
+	spec, err := parseDevicesSpec(f.device)
 	if err != nil {
 		return spec, 0, err
 	}
@@ -134,7 +169,7 @@ func checkServeFlags(f serveFlags) (deviceSpec, uint64, error) {
 	case f.replay != "" && f.synthetic:
 		return spec, 0, errors.New("--replay and --synthetic are exclusive: pick one workload")
 	case (f.replay != "" || f.synthetic) && !spec.sim:
-		return spec, 0, errors.New("--replay and --synthetic drive the simulated device only (--device sim)")
+		return spec, 0, errors.New("--replay and --synthetic drive simulated devices only (--device sim or sim:N)")
 	case f.loop && f.replay == "":
 		return spec, 0, errors.New("--loop repeats a --replay trace; it needs --replay")
 	case f.rate < 0:
@@ -145,17 +180,18 @@ func checkServeFlags(f serveFlags) (deviceSpec, uint64, error) {
 	return spec, capacity, nil
 }
 
-// openServeDevice opens the device. For a replay, the simulated device
+// openServeDevices opens the devices. For a replay, each simulated device
 // gets manual events, so that frees deferred by other streams happen at
-// the trace's positions, and the trace's segment addresses, so that the
-// first pass places blocks exactly as the recorded program's allocator did
-// (as `allocd replay` does).
-func openServeDevice(spec deviceSpec, capacity uint64, load *serveWorkload) (cudart.Device, error) {
+// the trace's positions, and the trace's segment addresses (moved per
+// device so that no two devices share an address), so that the first pass
+// places blocks exactly as the recorded program's allocator did (as
+// `allocd replay` does).
+func openServeDevices(spec deviceSpec, capacity uint64, load *serveWorkload) ([]cudart.Device, error) {
 	cfg := cudart.SimConfig{Capacity: capacity}
 	if load != nil && load.ops != nil {
 		cfg.ManualEvents, cfg.Addresses = true, load.addresses
 	}
-	return openDevice(spec, cfg)
+	return openDevices(spec, cfg)
 }
 
 // runServe runs the daemon until ctx ends or a signal arrives on sigs, then
@@ -182,34 +218,37 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 			return err
 		}
 	}
-	dev, err := openServeDevice(spec, capacity, load)
+	devs, err := openServeDevices(spec, capacity, load)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = dev.Close() }()
-	info := dev.Info()
+	defer closeDevices(devs)
 	log.Info("allocd serve starting",
-		zap.String("version", buildVersion()), zap.Int("device", info.Index), zap.String("device_name", info.Name),
-		zap.String("uuid", info.UUID), zap.Uint64("device_total_bytes", info.TotalMemory),
+		zap.String("version", buildVersion()), zap.String("device_spec", spec.String()), zap.Int("devices", len(devs)),
 		zap.String("conf", cfg.String()), zap.String("listen", f.listen), zap.Int("pid", os.Getpid()))
+	for _, dev := range devs {
+		info := dev.Info()
+		log.Info("device opened", zap.Int("gpu", info.Index), zap.String("device_name", info.Name),
+			zap.String("uuid", info.UUID), zap.Uint64("device_total_bytes", info.TotalMemory))
+	}
 
 	opts := []allocator.Option{allocator.WithLogger(log.Named("allocator"))}
 	if f.history > 0 {
 		opts = append(opts, allocator.WithHistory(f.history))
 	}
-	a, err := allocator.New(dev, cfg, opts...)
+	allocs, err := allocator.NewDevices(devs, cfg, opts...)
 	if err != nil {
 		return err
 	}
-	d := &serveDaemon{log: log, dev: dev, a: a, reg: prometheus.NewRegistry()}
+	d := newServeDaemon(log, allocs)
 	if err := d.register(); err != nil {
-		_ = a.Close()
+		_ = allocs.Close()
 		return err
 	}
 
 	ln, err := net.Listen("tcp", f.listen)
 	if err != nil {
-		_ = a.Close()
+		_ = allocs.Close()
 		return fmt.Errorf("--listen: %w", err)
 	}
 	srv := &http.Server{
@@ -234,14 +273,21 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 	loadCtx, stopLoad := context.WithCancel(context.Background())
 	defer stopLoad()
 	loadDone := make(chan struct{})
-	go func() {
-		defer close(loadDone)
+	var loads sync.WaitGroup
+	for _, g := range d.gpus {
 		if load == nil {
-			return
+			break
 		}
-		if err := load.run(loadCtx, a, log.Named("workload")); err != nil {
-			log.Error("workload stopped", zap.Error(err))
-		}
+		loads.Go(func() {
+			wlog := log.Named("workload").With(zap.Int("gpu", g.index))
+			if err := load.run(loadCtx, g.a, g.index, wlog); err != nil {
+				wlog.Error("workload stopped", zap.Error(err))
+			}
+		})
+	}
+	go func() {
+		loads.Wait()
+		close(loadDone)
 	}()
 
 	var exitErr error
@@ -291,9 +337,9 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 	select {
 	case <-loadDone:
 	case <-shutCtx.Done():
-		log.Warn("the workload did not stop in time; closing the allocator under it")
+		log.Warn("the workload did not stop in time; closing the allocators under it")
 	}
-	if err := d.closeAllocator(); err != nil && exitErr == nil {
+	if err := d.closeAllocators(); err != nil && exitErr == nil {
 		exitErr = err
 	}
 	log.Info("shutdown complete")
@@ -301,10 +347,15 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 }
 
 // register adds the daemon's collectors to its own registry: the
-// allocator's metrics, build info, and the Go runtime and process
-// collectors (which a library user's registry need not carry).
+// allocators' metrics (one collector over them all, each device under its
+// own gpu label), build info, and the Go runtime and process collectors
+// (which a library user's registry need not carry).
 func (d *serveDaemon) register() error {
-	c, err := stats.NewCollector(d.a)
+	sources := make([]stats.Source, len(d.gpus))
+	for i, g := range d.gpus {
+		sources[i] = g.a
+	}
+	c, err := stats.NewCollector(sources...)
 	if err != nil {
 		return err
 	}
@@ -321,21 +372,34 @@ func (d *serveDaemon) register() error {
 	return nil
 }
 
-// closeAllocator returns every segment to the device and logs what it
-// released. Blocks still allocated are released with their segments and
-// counted; they are not an error for the daemon.
-func (d *serveDaemon) closeAllocator() error {
-	before := d.a.Stats()
-	err := d.a.Close()
-	after := d.a.Stats()
+// closeAllocators closes every device's allocator (closeAllocator) and
+// returns their errors joined.
+func (d *serveDaemon) closeAllocators() error {
+	var errs []error
+	for _, g := range d.gpus {
+		if err := d.closeAllocator(g); err != nil {
+			errs = append(errs, fmt.Errorf("gpu %d: %w", g.index, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// closeAllocator returns every segment of g's allocator to its device and
+// logs what it released. Blocks still allocated are released with their
+// segments and counted; they are not an error for the daemon.
+func (d *serveDaemon) closeAllocator(g serveGPU) error {
+	before := g.a.Stats()
+	err := g.a.Close()
+	after := g.a.Stats()
 	held := before.Segment[allocator.PoolAll].Current
 	released := after.NumDeviceFree - before.NumDeviceFree
 	fields := []zap.Field{
+		zap.Int("gpu", g.index),
 		zap.Int64("segments_held", held), zap.Int64("segments_released", released),
 		zap.Int64("bytes_released", before.ReservedBytes[allocator.PoolAll].Current),
 		zap.Int64("live_blocks", before.Allocation[allocator.PoolAll].Current),
 	}
-	if sim, ok := d.dev.(*cudart.Sim); ok {
+	if sim, ok := g.dev.(*cudart.Sim); ok {
 		fields = append(fields, zap.Uint64("device_used_bytes", sim.Used()))
 	}
 	if errors.Is(err, allocator.ErrLiveBlocks) {

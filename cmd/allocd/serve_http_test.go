@@ -10,7 +10,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
 	"go.uber.org/zap"
 
@@ -23,28 +22,47 @@ import (
 // allocations, and an HTTP server for its routes.
 func newServeTestDaemon(t *testing.T, opts ...allocator.Option) (*serveDaemon, *httptest.Server) {
 	t.Helper()
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 4 << 30})
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := allocator.New(dev, allocator.DefaultConfig(), opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = a.Close() })
-	for _, size := range []uint64{4096, 1 << 20, 3 << 20, 64 << 20} {
-		if _, err := a.Malloc(size, cudart.DefaultStream); err != nil {
+	return newServeTestDaemonOn(t, 1, opts...)
+}
+
+// newServeTestDaemonOn is newServeTestDaemon over n Sims (indexes 0..n-1).
+// Device i holds the same allocations as the single device does, plus i
+// more of 1 MiB + 1, so that the devices differ.
+func newServeTestDaemonOn(t *testing.T, n int, opts ...allocator.Option) (*serveDaemon, *httptest.Server) {
+	t.Helper()
+	var devs []cudart.Device
+	for i := range n {
+		dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 4 << 30, Index: i})
+		if err != nil {
 			t.Fatal(err)
 		}
+		devs = append(devs, dev)
 	}
-	p, err := a.Malloc(8<<20, cudart.DefaultStream)
+	allocs, err := allocator.NewDevices(devs, allocator.DefaultConfig(), opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := a.Free(p); err != nil {
-		t.Fatal(err)
+	t.Cleanup(func() { _ = allocs.Close() })
+	for i, a := range allocs.All() {
+		for _, size := range []uint64{4096, 1 << 20, 3 << 20, 64 << 20} {
+			if _, err := a.Malloc(size, cudart.DefaultStream); err != nil {
+				t.Fatal(err)
+			}
+		}
+		p, err := a.Malloc(8<<20, cudart.DefaultStream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := a.Free(p); err != nil {
+			t.Fatal(err)
+		}
+		for range i {
+			if _, err := a.Malloc(1<<20+1, cudart.DefaultStream); err != nil {
+				t.Fatal(err)
+			}
+		}
 	}
-	d := &serveDaemon{log: zap.NewNop(), dev: dev, a: a, reg: prometheus.NewRegistry()}
+	d := newServeDaemon(zap.NewNop(), allocs)
 	if err := d.register(); err != nil {
 		t.Fatal(err)
 	}
@@ -164,7 +182,7 @@ func TestServeDebugSummary(t *testing.T) {
 	if resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/plain") {
 		t.Fatalf("/debug/summary = %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
 	}
-	if want := stats.Summary(d.a.Stats(), 0); body != want {
+	if want := stats.Summary(d.gpus[0].a.Stats(), 0); body != want {
 		t.Errorf("/debug/summary:\n%s\nwant:\n%s", body, want)
 	}
 }
@@ -179,7 +197,7 @@ func TestServeDebugStats(t *testing.T) {
 	if err := json.Unmarshal([]byte(body), &got); err != nil {
 		t.Fatal(err)
 	}
-	st := d.a.Stats()
+	st := d.gpus[0].a.Stats()
 	want := st.Flat()
 	if len(got) != len(want) {
 		t.Errorf("%d keys, want %d", len(got), len(want))

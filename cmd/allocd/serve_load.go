@@ -15,11 +15,12 @@ import (
 	"github.com/allocd/allocd/trace"
 )
 
-// serveWorkload drives the daemon's allocator so that its metrics move: a
-// trace replayed with bench.Replay (--replay, --loop) or the mixed
+// serveWorkload drives the daemon's allocators so that their metrics move:
+// a trace replayed with bench.Replay (--replay, --loop) or the mixed
 // benchmark's random workload (--synthetic), paced at rate operations a
-// second (0: unpaced). It owns every allocation it makes and frees them
-// when it stops.
+// second (0: unpaced). The daemon runs it once per device, each in its own
+// goroutine (run); it is read-only once made, so the runs share it. Each
+// run owns every allocation it makes and frees them when it stops.
 type serveWorkload struct {
 	name      string
 	ops       *trace.Ops          // nil: synthetic
@@ -51,13 +52,17 @@ func newServeWorkload(f serveFlags) (*serveWorkload, error) {
 	return w, nil
 }
 
-// run drives a until ctx ends (or, without loop, until the trace ends and
-// then ctx ends), then frees what the workload still holds.
-func (w *serveWorkload) run(ctx context.Context, a *allocator.Allocator, log *zap.Logger) error {
+// run drives a, the allocator of device index gpu, until ctx ends (or,
+// without loop, until the trace ends and then ctx ends), then frees what
+// the workload still holds. The synthetic workload's generator is seeded
+// 42+gpu, as the mixed benchmark seeds its threads, so that devices differ.
+func (w *serveWorkload) run(ctx context.Context, a *allocator.Allocator, gpu int, log *zap.Logger) error {
 	p := newServePacer(ctx, w.rate)
 	if w.ops == nil {
-		log.Info("synthetic workload started", zap.Int("window", syntheticWindow), zap.Float64("ops_per_second", w.rate))
-		return runSyntheticWorkload(ctx, a, p)
+		seed := uint64(42 + gpu)
+		log.Info("synthetic workload started", zap.Int("window", syntheticWindow), zap.Uint64("seed", seed),
+			zap.Float64("ops_per_second", w.rate))
+		return runSyntheticWorkload(ctx, a, p, seed)
 	}
 	log.Info("replay started", zap.String("trace", w.name), zap.Int("ops", len(w.ops.Ops)),
 		zap.Int("streams", len(w.ops.Streams)), zap.Int("unmatched_frees", w.ops.UnmatchedFrees),
@@ -107,11 +112,12 @@ func freeLiveAllocations(a *allocator.Allocator) error {
 }
 
 // runSyntheticWorkload runs the mixed benchmark's steps (DESIGN.md §7) on the
-// default stream until ctx ends: a random slot of the window is freed when
-// live and allocated otherwise. Allocations the device cannot satisfy are
-// skipped (the allocator counts them as OOMs).
-func runSyntheticWorkload(ctx context.Context, a *allocator.Allocator, p *servePacer) error {
-	r := bench.NewSplitMix64(42)
+// default stream until ctx ends, with a generator seeded seed: a random
+// slot of the window is freed when live and allocated otherwise.
+// Allocations the device cannot satisfy are skipped (the allocator counts
+// them as OOMs).
+func runSyntheticWorkload(ctx context.Context, a *allocator.Allocator, p *servePacer, seed uint64) error {
+	r := bench.NewSplitMix64(seed)
 	live := make([]cudart.Ptr, syntheticWindow)
 	var err error
 	for i := 0; ctx.Err() == nil; i++ {

@@ -76,7 +76,7 @@ func TestSyntheticWorkload(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
-	if err := w.run(ctx, a, zap.NewNop()); err != nil {
+	if err := w.run(ctx, a, 0, zap.NewNop()); err != nil {
 		t.Fatal(err)
 	}
 	st := a.Stats()
@@ -103,7 +103,7 @@ func TestReplayWorkloadLoops(t *testing.T) {
 	perPass := w.ops.NumIDs
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- w.run(ctx, a, zap.NewNop()) }()
+	go func() { done <- w.run(ctx, a, 0, zap.NewNop()) }()
 	deadline := time.After(2 * time.Minute)
 	for a.Stats().Allocation[allocator.PoolAll].Allocated < int64(2*perPass) {
 		select {
@@ -141,7 +141,7 @@ func TestReplayWorkloadOnce(t *testing.T) {
 	a := newLoadAllocator(t, true)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- w.run(ctx, a, zap.NewNop()) }()
+	go func() { done <- w.run(ctx, a, 0, zap.NewNop()) }()
 	total := int64(w.ops.NumIDs)
 	deadline := time.After(time.Minute)
 	for a.Stats().Allocation[allocator.PoolAll].Allocated < total {
@@ -177,8 +177,12 @@ func TestServeFlagErrors(t *testing.T) {
 	}{
 		{serveFlags{device: "gpu", simCapacity: "1GiB"}, "--device"},
 		{serveFlags{device: "sim", simCapacity: "lots"}, "--sim-capacity"},
-		{serveFlags{device: "cuda", simCapacity: "1GiB", replay: "x"}, "simulated device only"},
-		{serveFlags{device: "cuda:1", simCapacity: "1GiB", synthetic: true}, "simulated device only"},
+		{serveFlags{device: "cuda", simCapacity: "1GiB", replay: "x"}, "simulated devices only"},
+		{serveFlags{device: "cuda:1", simCapacity: "1GiB", synthetic: true}, "simulated devices only"},
+		{serveFlags{device: "cuda:all", simCapacity: "1GiB", synthetic: true}, "simulated devices only"},
+		{serveFlags{device: "sim:0", simCapacity: "1GiB"}, "1 to 64"},
+		{serveFlags{device: "sim:65", simCapacity: "1GiB"}, "1 to 64"},
+		{serveFlags{device: "cuda:some", simCapacity: "1GiB"}, "cuda:N"},
 		{serveFlags{device: "sim", simCapacity: "1GiB", replay: "x", synthetic: true}, "exclusive"},
 		{serveFlags{device: "sim", simCapacity: "1GiB", loop: true}, "--loop"},
 		{serveFlags{device: "sim", simCapacity: "1GiB", rate: -1}, "--replay-rate"},
@@ -212,25 +216,51 @@ func TestServeReplayDevice(t *testing.T) {
 	if len(w.addresses) == 0 {
 		t.Fatal("no segment addresses read from the trace")
 	}
-	dev, err := openServeDevice(spec, capacity, w)
+	devs, err := openServeDevices(spec, capacity, w)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer dev.Close()
+	defer closeDevices(devs)
+	dev := devs[0]
 	sim := dev.(*cudart.Sim)
-	if !sim.ManualEvents() {
-		t.Error("replay device without manual events")
+	if len(devs) != 1 || !sim.ManualEvents() {
+		t.Errorf("replay devices: %d, manual events %v; want 1 with manual events", len(devs), sim.ManualEvents())
 	}
 	first := w.addresses[0]
 	if p, err := dev.Malloc(first.Size); err != nil || p != first.Addr {
 		t.Errorf("first Malloc = %#x, %v; want the trace's %#x", uint64(p), err, uint64(first.Addr))
 	}
-	syn, err := openServeDevice(spec, capacity, &serveWorkload{})
+	syn, err := openServeDevices(spec, capacity, &serveWorkload{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer syn.Close()
-	if syn.(*cudart.Sim).ManualEvents() {
+	defer closeDevices(syn)
+	if syn[0].(*cudart.Sim).ManualEvents() {
 		t.Error("synthetic workload's device has manual events")
+	}
+
+	// On sim:3 every device replays with manual events, and device i gets
+	// the trace's addresses moved by i TiB: no two devices share one.
+	spec3, _, err := checkServeFlags(serveFlags{device: "sim:3", simCapacity: "141GiB", replay: serveTestTrace})
+	if err != nil {
+		t.Fatal(err)
+	}
+	devs3, err := openServeDevices(spec3, capacity, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeDevices(devs3)
+	if len(devs3) != 3 {
+		t.Fatalf("sim:3 opened %d devices", len(devs3))
+	}
+	for i, dev := range devs3 {
+		sim := dev.(*cudart.Sim)
+		if dev.Info().Index != i || !sim.ManualEvents() {
+			t.Errorf("device %d: index %d, manual events %v", i, dev.Info().Index, sim.ManualEvents())
+		}
+		want := first.Addr + cudart.Ptr(i)<<40
+		if p, err := dev.Malloc(first.Size); err != nil || p != want {
+			t.Errorf("device %d: first Malloc = %#x, %v; want %#x", i, uint64(p), err, uint64(want))
+		}
 	}
 }

@@ -217,6 +217,7 @@ func TestServeBinary(t *testing.T) {
 	bin := buildServeBinary(t)
 	t.Run("EndToEnd", func(t *testing.T) { testServeEndToEnd(t, bin) })
 	t.Run("SecondSignalExitsAtOnce", func(t *testing.T) { testServeSecondSignal(t, bin) })
+	t.Run("SeveralSimulatedGPUs", func(t *testing.T) { testServeSeveralGPUs(t, bin) })
 }
 
 // testServeEndToEnd runs the binary on the simulated device driven by the

@@ -1,0 +1,745 @@
+package allocator
+
+// Expandable segments (expandable_segments:True), after PyTorch's
+// ExpandableSegment (c10/cuda/CUDACachingAllocator.cpp).
+//
+// # Design
+//
+// Instead of one device allocation per segment, the allocator reserves a
+// range of virtual addresses per (stream, pool), large enough to map the
+// whole device (1⅛ × its total memory, rounded to pages, as PyTorch sizes
+// it), and maps physical pages into it on demand: 2 MiB pages in the small
+// pool, 20 MiB pages in the large one. The range is one blocks.Segment with
+// Expandable set; its blocks tile the whole reservation, and the blocks over
+// unmapped pages carry Unmapped. An unmapped block is free but never in a
+// free index, starts and ends on page boundaries, and merges only with
+// unmapped neighbours; a mapped block never merges with an unmapped one.
+// The segment's Mapped bytes are what it holds from the device.
+//
+// A request is first served, as always, from the pool's free index (best
+// fit within the stream), with one twist (PyTorch's expandable_size): a free
+// block followed by unmapped pages can grow into them, so for best fit its
+// size counts as its own plus theirs, and the next larger block is taken
+// while that sum is smaller. That keeps the free block at the mapped end of
+// a segment, which can grow, for requests nothing else serves.
+//
+// A miss (PyTorch's try_allocate_expandable_block) looks, in address order,
+// for the first unmapped block of the stream and pool that, together with
+// a free block just before it and the free or unmapped blocks after it, has
+// room for the request; normally that is the segment's unmapped tail and
+// the free block at the end of the mapped part. It maps just enough whole
+// pages at the start of the unmapped block, merges the new pages with the
+// free neighbours and hands out the result; the segment grows at its end
+// instead of a new segment being allocated. Only when no segment of the
+// stream and pool has room is a new range reserved. Blocks of an expandable
+// segment split whenever the remainder is at least 512 bytes, in both pools.
+//
+// # Beyond PyTorch: reclaim before growth
+//
+// PyTorch unmaps free pages only on out of memory and in empty_cache, so a
+// free hole in the middle of a segment that a large request does not fit
+// stays mapped while the segment grows at its end: on the gpt2_train trace
+// a 785 MiB request grows the segment past a 393 MiB hole and PyTorch's
+// expandable peak (7886 MiB) ends above its default one (7708 MiB). allocd
+// moves the physical memory instead: when a mapping would raise reserved
+// memory more than one large page (20 MiB) above its high-water mark, the
+// whole free pages of other free blocks are unmapped first (the smallest
+// block that covers the excess, else the largest first), then the request
+// is mapped. The high-water mark is the largest reserved figure so far (not
+// reset by ResetPeakStats). The 20 MiB margin keeps a steady-state loop
+// from unmapping and remapping every iteration; on the shared traces it
+// costs 0 to 8 unmaps (one device synchronisation each) over a whole run
+// and lowers every peak to PyTorch's expandable figure or below.
+// WithPyTorchExpandable turns it off, and replays then reproduce PyTorch's
+// expandable_segments:True peaks exactly.
+//
+// Physical memory is one handle per page (Create, then Map); a failed
+// Create releases the handles made for the request and reports out of
+// memory, which takes the usual path: release cached memory, retry once,
+// then an OOMError. EmptyCache (and that release) unmaps every whole page
+// inside a free block, PyTorch's release_blocks/unmap_block: the free
+// block's page-aligned middle becomes unmapped and merges with unmapped
+// neighbours; the partial pages at either end stay mapped as free blocks.
+// A range that is wholly unmapped is released. Before the first unmap of a
+// release the device is synchronised: unlike cudaFree, unmapping does not
+// wait for work still using the memory. Close unmaps and releases
+// everything.
+//
+// # Statistics, as PyTorch keeps them
+//
+//   - reserved_bytes is mapped bytes; it grows by each mapping and shrinks
+//     by each unmapping.
+//   - segment and oversize_segments count device allocations (cudaMalloc)
+//     only: expandable ranges do not count, as in PyTorch.
+//   - num_device_alloc counts mappings (one per map_block, however many
+//     pages it maps), num_device_free unmappings; history records them as
+//     segment_map and segment_unmap.
+//   - inactive_split and inactive_split_bytes leave expandable segments
+//     out: their free pages can always be returned.
+//
+// Snapshot reports each contiguous mapped range of an expandable segment as
+// a segment with IsExpandable set, listing its (mapped) blocks; unmapped
+// address space is not listed, as in PyTorch's snapshot.
+//
+// With expandable segments every block is expandable, so the paths that
+// release whole cached segments do nothing here, as in PyTorch:
+// release_available_cached_blocks (max_split_size) and the garbage
+// collector (garbage_collection_threshold) release only ordinary segments.
+// release_lock_on_cudamalloc does not apply to mapping, as in PyTorch.
+//
+// None of this touches the default path: with expandable segments off, no
+// segment is Expandable and no block Unmapped.
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/cudart"
+)
+
+// expandable is the allocator's expandable-segment state.
+type expandable struct {
+	vm   cudart.VirtualMemory
+	gran uint64
+	// segs are the live expandable segments in address order.
+	segs []*expSegment
+	// orphans are handles whose Release failed after their pages were
+	// unmapped; Close retries them.
+	orphans []cudart.Handle
+	scratch []*blocks.Block
+	chain   []*blocks.Block
+	handles []cudart.Handle
+	// reclaim is on unless WithPyTorchExpandable; mark is the largest
+	// reserved figure so far.
+	reclaim bool
+	mark    uint64
+}
+
+// WithPyTorchExpandable makes expandable segments grow exactly as
+// PyTorch's do: free pages are unmapped only by EmptyCache and on out of
+// memory, never to keep reserved memory near its high-water mark (see
+// "Beyond PyTorch" in expandable.go). It has no effect without
+// expandable_segments:True.
+func WithPyTorchExpandable() Option {
+	return func(o *options) { o.pytorchExpandable = true }
+}
+
+// expSegment is one reserved range and the physical page behind each of
+// its mapped pages.
+type expSegment struct {
+	seg *blocks.Segment
+	// handles[i] backs page i when mapped[i]; both grow on demand.
+	handles []cudart.Handle
+	mapped  []bool
+}
+
+// newExpandable checks that dev can serve expandable segments: it must
+// implement cudart.VirtualMemory with a granularity that divides the page
+// sizes.
+func newExpandable(dev cudart.Device, cfg Config) (*expandable, error) {
+	if cfg.Backend != BackendNative {
+		return nil, fmt.Errorf("allocator: expandable_segments:True applies to backend:native, not backend:%s: %w", cfg.Backend, ErrNotSupported)
+	}
+	vm, ok := dev.(cudart.VirtualMemory)
+	if !ok {
+		return nil, fmt.Errorf("allocator: expandable_segments:True: device %q has no virtual memory management: %w", dev.Info().Name, ErrNotSupported)
+	}
+	gran, err := vm.Granularity()
+	if err != nil {
+		return nil, fmt.Errorf("allocator: expandable_segments:True: device %q: %w: %w", dev.Info().Name, ErrNotSupported, err)
+	}
+	if gran == 0 || smallBuffer%gran != 0 || largeBuffer%gran != 0 {
+		return nil, fmt.Errorf("allocator: expandable_segments:True: the device's mapping granularity %d bytes does not divide the %d-byte and %d-byte pages: %w", gran, smallBuffer, largeBuffer, ErrNotSupported)
+	}
+	return &expandable{vm: vm, gran: gran, reclaim: true}, nil
+}
+
+// pageSize is the mapping unit of a pool's expandable segments.
+func pageSize(p *pool) uint64 {
+	if p.small {
+		return smallBuffer
+	}
+	return largeBuffer
+}
+
+// of returns the expSegment of seg.
+func (e *expandable) of(seg *blocks.Segment) *expSegment {
+	for _, es := range e.segs {
+		if es.seg == seg {
+			return es
+		}
+	}
+	panic(fmt.Sprintf("allocator: expandable segment %#x is not registered", seg.Ptr))
+}
+
+func (es *expSegment) addr(page uint64) uint64 { return es.seg.Ptr + page*es.seg.PageSize }
+
+// expandableSize is the size a free block can grow to: its own and the
+// unmapped pages right after it.
+func expandableSize(b *blocks.Block) uint64 {
+	if b.Next != nil && b.Next.Unmapped {
+		return b.Size + b.Next.Size
+	}
+	return b.Size
+}
+
+// expandableFit is get_free_block's walk for expandable segments: from the
+// best fit b, move to the next block of the stream in size order while its
+// expandable size is smaller than the current one's.
+func expandableFit(p *pool, b *blocks.Block) *blocks.Block {
+	for b.Segment.Expandable {
+		next := p.free.After(b)
+		if next == nil || expandableSize(next) >= expandableSize(b) {
+			break
+		}
+		b = next
+	}
+	return b
+}
+
+// growExpandable is grow for expandable segments: map pages for the
+// request; if the device says no, release cached memory (unmap free pages)
+// and try once more; then fail with an OOMError.
+func (a *Allocator) growExpandable(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+	allocSize := allocationSize(rounded)
+	b, err := a.allocExpandable(p, stream, rounded, allocSize, false)
+	if b == nil && err == nil {
+		if err = a.releaseCachedBlocks(); err == nil {
+			b, err = a.allocExpandable(p, stream, rounded, allocSize, true)
+		}
+	}
+	if err != nil {
+		return nil, err
+	}
+	if b == nil {
+		a.stats.NumOOMs++
+		oom := a.oomError(size, allocSize, a.lastDeviceErr)
+		a.record(actionOOM, oom.DeviceFree, allocSize, stream)
+		a.log.Warn("out of memory", zap.Error(oom))
+		return nil, oom
+	}
+	return b, nil
+}
+
+// allocExpandable is alloc_block with expandable segments: the per-process
+// cap is checked against the request's segment size, as PyTorch does, then
+// try_allocate_expandable_block. It returns (nil, nil) when the device is
+// out of memory or the cap is reached.
+func (a *Allocator) allocExpandable(p *pool, stream cudart.Stream, rounded, allocSize uint64, isRetry bool) (*blocks.Block, error) {
+	if isRetry {
+		a.stats.NumAllocRetries++
+	}
+	a.lastDeviceErr = nil
+	if a.capped && a.reserved+allocSize > a.allowed {
+		return nil, nil
+	}
+	c, err := a.findExpandableBlock(p, uint64(stream), rounded)
+	if err != nil {
+		return nil, err
+	}
+	if a.exp.reclaim {
+		if excess := a.growthExcess(c, rounded); excess > largeBuffer {
+			if err := a.reclaimPages(excess); err != nil {
+				return nil, err
+			}
+			// Unmapping moved blocks around: look again.
+			if c, err = a.findExpandableBlock(p, uint64(stream), rounded); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if c.Unmapped {
+		if ok, err := a.mapBlock(p, c, min(c.Size, rounded)); !ok {
+			return nil, err
+		}
+	}
+	for c.Size < rounded {
+		next := c.Next
+		if next == nil || !next.Unmapped {
+			return nil, fmt.Errorf("allocator: expandable segment %#x: %v is followed by %v, not by unmapped pages", c.Segment.Ptr, c, next)
+		}
+		if ok, err := a.mapBlock(p, next, min(rounded-c.Size, next.Size)); !ok {
+			return nil, err
+		}
+		c = next // it absorbed c
+	}
+	p.free.Delete(c)
+	return c, nil
+}
+
+// findExpandableBlock is find_expandable_block: the lowest-addressed
+// unmapped block of the stream and pool which, with a free block just
+// before it and the free or unmapped blocks after it, has room for size
+// bytes (returning that free block when there is one), or else the
+// unmapped block of a newly reserved range.
+func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.Block, error) {
+	for _, es := range a.exp.segs {
+		s := es.seg
+		if s.Stream != stream || s.Small != p.small {
+			continue
+		}
+		for b := s.Head; b != nil; b = b.Next {
+			if !b.Unmapped {
+				continue
+			}
+			c := b
+			if c.Prev != nil && c.Prev.Free() {
+				c = c.Prev
+			}
+			var room uint64
+			for x := c; x != nil && room < size && x.Free(); x = x.Next {
+				room += x.Size
+			}
+			if room >= size {
+				return c, nil
+			}
+		}
+	}
+	return a.reserveExpandable(p, stream)
+}
+
+// reserveExpandable reserves a new range for the stream and pool and
+// returns its single unmapped block.
+func (a *Allocator) reserveExpandable(p *pool, stream uint64) (*blocks.Block, error) {
+	page := pageSize(p)
+	size := (a.total + a.total/8 + page - 1) / page * page
+	ptr, err := a.exp.vm.Reserve(size)
+	if err != nil {
+		return nil, fmt.Errorf("allocator: reserving %d bytes of address space for an expandable segment: %w", size, err)
+	}
+	seg := &blocks.Segment{Ptr: uint64(ptr), Size: size, Stream: stream, Small: p.small,
+		Index: len(a.segments), Expandable: true, PageSize: page}
+	b := a.recycler.Get()
+	b.Ptr, b.Size, b.Segment, b.Unmapped = seg.Ptr, size, seg, true
+	seg.Head = b
+	a.segments = append(a.segments, seg)
+	es := &expSegment{seg: seg}
+	i := sort.Search(len(a.exp.segs), func(i int) bool { return a.exp.segs[i].seg.Ptr > seg.Ptr })
+	a.exp.segs = append(a.exp.segs, nil)
+	copy(a.exp.segs[i+1:], a.exp.segs[i:])
+	a.exp.segs[i] = es
+	a.log.Debug("expandable segment reserved", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", size),
+		zap.Uint64("page_bytes", page), zap.Bool("small_pool", p.small), zap.Uint64("stream", stream))
+	return b, nil
+}
+
+// mapBlock is map_block: map the whole pages covering the first size bytes
+// of the unmapped block b, split off the rest (still unmapped), merge b
+// with free neighbours and index it. It reports false, with a nil error
+// when the device is out of memory; nothing changes then.
+func (a *Allocator) mapBlock(p *pool, b *blocks.Block, size uint64) (bool, error) {
+	seg := b.Segment
+	es := a.exp.of(seg)
+	page := seg.PageSize
+	begin := (b.Ptr - seg.Ptr) / page
+	end := (b.Ptr - seg.Ptr + size + page - 1) / page
+	t0 := time.Now()
+	if ok, err := a.mapPages(es, begin, end); !ok {
+		return false, err
+	}
+	elapsed := time.Since(t0)
+	start, n := b.Ptr, (end-begin)*page
+	b.Unmapped = false
+	if n < b.Size {
+		rest := blocks.Split(b, n, &a.recycler)
+		rest.Unmapped = true
+	}
+	blocks.Merge(b, p.free, &a.recycler)
+	p.free.Insert(b)
+	seg.Mapped += n
+	a.reserved += n
+	a.exp.mark = max(a.exp.mark, a.reserved)
+	a.stats.ReservedBytes.add(p.stat, int64(n))
+	a.stats.NumDeviceAlloc++
+	a.stats.DeviceMallocLatency.observe(elapsed)
+	a.record(actionSegmentMap, start, n, cudart.Stream(seg.Stream))
+	a.log.Debug("expandable segment mapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
+		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.reserved), zap.Duration("took", elapsed))
+	return true, nil
+}
+
+// mapPages creates a handle per page and maps pages [begin, end) of es.
+// On out of memory it releases what it made and returns (false, nil); on
+// another failure it undoes what it did and returns the error.
+func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
+	vm, page := a.exp.vm, es.seg.PageSize
+	hs := a.exp.handles[:0]
+	undo := func(mapped int) {
+		for k := range mapped {
+			if err := vm.Unmap(cudart.Ptr(es.addr(begin+uint64(k))), page); err != nil {
+				a.log.Error("undoing a mapping failed", zap.Uint64("addr", es.addr(begin+uint64(k))), zap.Error(err))
+			}
+		}
+		for _, h := range hs {
+			a.releaseHandle(h)
+		}
+	}
+	for i := begin; i < end; i++ {
+		h, err := vm.Create(page)
+		if err != nil {
+			undo(0)
+			if errors.Is(err, cudart.ErrOutOfMemory) {
+				a.lastDeviceErr = err
+				return false, nil
+			}
+			return false, fmt.Errorf("allocator: creating a %d-byte page for expandable segment %#x: %w", page, es.seg.Ptr, err)
+		}
+		hs = append(hs, h)
+	}
+	for k, h := range hs {
+		addr := es.addr(begin + uint64(k))
+		if err := vm.Map(cudart.Ptr(addr), page, h); err != nil {
+			undo(k)
+			if errors.Is(err, cudart.ErrOutOfMemory) {
+				a.lastDeviceErr = err
+				return false, nil
+			}
+			return false, fmt.Errorf("allocator: mapping a %d-byte page at %#x: %w", page, addr, err)
+		}
+	}
+	for uint64(len(es.mapped)) < end {
+		es.mapped = append(es.mapped, false)
+		es.handles = append(es.handles, 0)
+	}
+	for k, h := range hs {
+		es.handles[begin+uint64(k)], es.mapped[begin+uint64(k)] = h, true
+	}
+	a.exp.handles = hs[:0]
+	return true, nil
+}
+
+// releaseHandle releases a handle whose page is unmapped; one the device
+// refuses is kept for Close to retry.
+func (a *Allocator) releaseHandle(h cudart.Handle) {
+	if err := a.exp.vm.Release(h); err != nil {
+		a.exp.orphans = append(a.exp.orphans, h)
+		a.log.Error("releasing a physical page failed; retrying at Close", zap.Uint64("handle", uint64(h)), zap.Error(err))
+	}
+}
+
+// unmapPages unmaps pages [begin, end) of es and releases their handles.
+// If an unmap fails, the pages already unmapped are mapped again and the
+// error is returned.
+func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
+	vm, page := a.exp.vm, es.seg.PageSize
+	for i := begin; i < end; i++ {
+		if err := vm.Unmap(cudart.Ptr(es.addr(i)), page); err != nil {
+			for j := begin; j < i; j++ {
+				if rerr := vm.Map(cudart.Ptr(es.addr(j)), page, es.handles[j]); rerr != nil {
+					a.log.Error("mapping a page again after a failed unmap failed", zap.Uint64("addr", es.addr(j)), zap.Error(rerr))
+				}
+			}
+			return fmt.Errorf("allocator: unmapping the %d-byte page at %#x: %w", page, es.addr(i), err)
+		}
+	}
+	for i := begin; i < end; i++ {
+		a.releaseHandle(es.handles[i])
+		es.handles[i], es.mapped[i] = 0, false
+	}
+	return nil
+}
+
+// unmapBlock is unmap_block: unmap the whole pages inside the free block
+// b. The page-aligned middle becomes an unmapped block, merged with its
+// unmapped neighbours and returned; partial pages at either end stay
+// mapped as free blocks. It returns nil when b covers no whole page.
+func (a *Allocator) unmapBlock(b *blocks.Block) (*blocks.Block, error) {
+	seg := b.Segment
+	es := a.exp.of(seg)
+	page := seg.PageSize
+	begin := (b.Ptr - seg.Ptr + page - 1) / page
+	end := (b.Ptr - seg.Ptr + b.Size) / page
+	if begin >= end {
+		return nil, nil
+	}
+	if err := a.unmapPages(es, begin, end); err != nil {
+		return nil, err
+	}
+	p := a.poolOf(b)
+	p.free.Delete(b)
+	start, n := es.addr(begin), (end-begin)*page
+	if before := start - b.Ptr; before > 0 {
+		mid := blocks.Split(b, before, &a.recycler)
+		p.free.Insert(b)
+		b = mid
+	}
+	if b.Size > n {
+		p.free.Insert(blocks.Split(b, n, &a.recycler))
+	}
+	b.Unmapped = true
+	blocks.MergeUnmapped(b, &a.recycler)
+	seg.Mapped -= n
+	a.reserved -= n
+	a.stats.ReservedBytes.sub(p.stat, int64(n))
+	a.stats.NumDeviceFree++
+	a.record(actionSegmentUnmap, start, n, cudart.Stream(seg.Stream))
+	a.log.Debug("expandable segment unmapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
+		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.reserved))
+	return b, nil
+}
+
+// wholePages returns the bytes of the whole pages inside the block.
+func wholePages(b *blocks.Block) uint64 {
+	seg := b.Segment
+	off := b.Ptr - seg.Ptr
+	begin, end := (off+seg.PageSize-1)/seg.PageSize, (off+b.Size)/seg.PageSize
+	if begin >= end {
+		return 0
+	}
+	return (end - begin) * seg.PageSize
+}
+
+// growthExcess is how far serving size bytes from the candidate c would
+// raise reserved memory above its high-water mark, 0 when not at all. It
+// also leaves c and the blocks after it that the request would use in
+// a.exp.chain.
+func (a *Allocator) growthExcess(c *blocks.Block, size uint64) uint64 {
+	chain := a.exp.chain[:0]
+	var need uint64
+	rem := size
+	for x := c; x != nil && rem > 0; x = x.Next {
+		chain = append(chain, x)
+		if !x.Unmapped {
+			rem -= min(rem, x.Size)
+			continue
+		}
+		page := x.Segment.PageSize
+		m := min((min(rem, x.Size)+page-1)/page*page, x.Size)
+		need += m
+		if m < x.Size {
+			break
+		}
+		rem -= min(rem, x.Size)
+	}
+	a.exp.chain = chain
+	if a.reserved+need <= a.exp.mark {
+		return 0
+	}
+	return a.reserved + need - a.exp.mark
+}
+
+// reclaimPages unmaps the whole pages of free blocks outside a.exp.chain
+// until want bytes are unmapped or none are left: the smallest block whose
+// pages cover want, else the largest blocks first.
+func (a *Allocator) reclaimPages(want uint64) error {
+	list := a.exp.scratch[:0]
+	for _, p := range [2]*pool{&a.large, &a.small} {
+		p.free.Ascend(func(b *blocks.Block) bool {
+			if b.Segment.Expandable && wholePages(b) > 0 && !slices.Contains(a.exp.chain, b) {
+				list = append(list, b)
+			}
+			return true
+		})
+	}
+	a.exp.scratch = list[:0]
+	sort.SliceStable(list, func(i, j int) bool { return wholePages(list[i]) > wholePages(list[j]) })
+	for i := len(list) - 1; i >= 0; i-- {
+		if wholePages(list[i]) >= want {
+			list = list[i : i+1] // the smallest that covers want
+			break
+		}
+	}
+	var got uint64
+	for _, b := range list {
+		if got >= want {
+			break
+		}
+		if got == 0 {
+			if err := a.dev.Synchronize(); err != nil {
+				return fmt.Errorf("allocator: synchronising the device before unmapping: %w", err)
+			}
+		}
+		before := a.reserved
+		if _, err := a.unmapBlock(b); err != nil {
+			return err
+		}
+		got += before - a.reserved
+	}
+	return nil
+}
+
+// releaseExpandable is release_blocks for expandable segments: in each
+// pool (large, then small) unmap the whole pages of every free block, in
+// the free index's order, and release ranges left wholly unmapped.
+func (a *Allocator) releaseExpandable() error {
+	synced := false
+	for _, p := range [2]*pool{&a.large, &a.small} {
+		list := a.exp.scratch[:0]
+		p.free.Ascend(func(b *blocks.Block) bool {
+			if b.Segment.Expandable {
+				list = append(list, b)
+			}
+			return true
+		})
+		a.exp.scratch = list[:0]
+		for _, b := range list {
+			if wholePages(b) == 0 {
+				continue
+			}
+			if !synced {
+				if err := a.dev.Synchronize(); err != nil {
+					return fmt.Errorf("allocator: synchronising the device before unmapping: %w", err)
+				}
+				synced = true
+			}
+			u, err := a.unmapBlock(b)
+			if err != nil {
+				return err
+			}
+			if u != nil && u.Prev == nil && u.Next == nil {
+				if err := a.releaseExpandableSegment(a.exp.of(u.Segment)); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// releaseExpandableSegment returns a wholly unmapped range to the device.
+func (a *Allocator) releaseExpandableSegment(es *expSegment) error {
+	seg := es.seg
+	if err := a.exp.vm.ReleaseRange(cudart.Ptr(seg.Ptr), seg.Size); err != nil {
+		return fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", seg.Ptr, err)
+	}
+	last := a.segments[len(a.segments)-1]
+	a.segments[seg.Index] = last
+	last.Index = seg.Index
+	a.segments[len(a.segments)-1] = nil
+	a.segments = a.segments[:len(a.segments)-1]
+	for i, x := range a.exp.segs {
+		if x == es {
+			a.exp.segs = append(a.exp.segs[:i], a.exp.segs[i+1:]...)
+			break
+		}
+	}
+	a.log.Debug("expandable segment released", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", seg.Size))
+	a.recycler.Put(seg.Head)
+	return nil
+}
+
+// closeExpandable unmaps every mapped page, releases every handle and
+// every range. Each contiguous mapped run counts as one device free.
+func (a *Allocator) closeExpandable() []error {
+	if a.exp == nil {
+		return nil
+	}
+	var errs []error
+	vm := a.exp.vm
+	if a.reserved > 0 {
+		if err := a.dev.Synchronize(); err != nil {
+			errs = append(errs, fmt.Errorf("allocator: synchronising the device before unmapping: %w", err))
+		}
+	}
+	for _, es := range a.exp.segs {
+		page := es.seg.PageSize
+		for i := 0; i < len(es.mapped); {
+			if !es.mapped[i] {
+				i++
+				continue
+			}
+			for ; i < len(es.mapped) && es.mapped[i]; i++ {
+				if err := vm.Unmap(cudart.Ptr(es.addr(uint64(i))), page); err != nil {
+					errs = append(errs, fmt.Errorf("allocator: unmapping the page at %#x: %w", es.addr(uint64(i)), err))
+					continue
+				}
+				if err := vm.Release(es.handles[i]); err != nil {
+					errs = append(errs, fmt.Errorf("allocator: releasing the page at %#x: %w", es.addr(uint64(i)), err))
+				}
+				es.mapped[i] = false
+			}
+			a.stats.NumDeviceFree++
+		}
+		if err := vm.ReleaseRange(cudart.Ptr(es.seg.Ptr), es.seg.Size); err != nil {
+			errs = append(errs, fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", es.seg.Ptr, err))
+		}
+	}
+	for _, h := range a.exp.orphans {
+		if err := vm.Release(h); err != nil {
+			errs = append(errs, fmt.Errorf("allocator: releasing physical page handle %#x: %w", uint64(h), err))
+		}
+	}
+	a.exp.segs, a.exp.orphans = nil, nil
+	return errs
+}
+
+// appendExpandableInfo adds one SegmentInfo per contiguous mapped range of
+// the expandable segment s, as PyTorch's snapshot does.
+func (a *Allocator) appendExpandableInfo(out []SegmentInfo, s *blocks.Segment) []SegmentInfo {
+	open := false
+	for b := s.Head; b != nil; b = b.Next {
+		if b.Unmapped {
+			open = false
+			continue
+		}
+		if !open {
+			out = append(out, a.segmentInfo(s, b.Ptr))
+			open = true
+		}
+		si := &out[len(out)-1]
+		si.TotalSize += b.Size
+		si.addBlock(b)
+	}
+	return out
+}
+
+// checkExpandable compares the expandable segments' pages with their
+// blocks: a page is mapped exactly when a mapped block covers part of it.
+func (a *Allocator) checkExpandable() []error {
+	var errs []error
+	n := 0
+	for _, s := range a.segments {
+		if s.Expandable {
+			n++
+		}
+	}
+	if a.exp == nil {
+		if n > 0 {
+			errs = append(errs, fmt.Errorf("%d expandable segments without expandable_segments:True", n))
+		}
+		return errs
+	}
+	if n != len(a.exp.segs) {
+		errs = append(errs, fmt.Errorf("%d expandable segments in the segment list, %d registered", n, len(a.exp.segs)))
+	}
+	for i, es := range a.exp.segs {
+		s := es.seg
+		if i > 0 && a.exp.segs[i-1].seg.Ptr >= s.Ptr {
+			errs = append(errs, fmt.Errorf("expandable segments out of address order at %#x", s.Ptr))
+		}
+		if s.Index >= len(a.segments) || a.segments[s.Index] != s {
+			errs = append(errs, fmt.Errorf("expandable segment %#x is not in the segment list", s.Ptr))
+			continue
+		}
+		if s.PageSize == 0 || s.Size%s.PageSize != 0 {
+			continue // blocks.Check reports it
+		}
+		mapped := func(i uint64) bool { return i < uint64(len(es.mapped)) && es.mapped[i] }
+		var pages uint64
+		for i := range es.mapped {
+			if es.mapped[i] {
+				pages++
+			}
+		}
+		if pages*s.PageSize != s.Mapped {
+			errs = append(errs, fmt.Errorf("expandable segment %#x: %d pages mapped, %d bytes in mapped blocks", s.Ptr, pages, s.Mapped))
+		}
+		for b := s.Head; b != nil; b = b.Next {
+			off := b.Ptr - s.Ptr
+			first, last := off/s.PageSize, (off+b.Size+s.PageSize-1)/s.PageSize
+			for i := first; i < last; i++ {
+				if mapped(i) == b.Unmapped {
+					errs = append(errs, fmt.Errorf("expandable segment %#x: page %d (at %#x) is mapped=%v under %v", s.Ptr, i, es.addr(i), mapped(i), b))
+					break
+				}
+			}
+		}
+	}
+	return errs
+}

@@ -1,0 +1,371 @@
+package cudart
+
+import (
+	"fmt"
+	"sort"
+)
+
+// The Sim's virtual memory management, which expandable segments build on.
+// It follows the driver's calls (cuMemAddressReserve, cuMemCreate, cuMemMap
+// with cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree), checking
+// their arguments more strictly than the driver does, so that a test finds
+// an allocator's mistake where a GPU would fault later:
+//
+//   - Reserve hands out address space from the same bump pointer as
+//     Malloc: a reservation never overlaps an allocation or another
+//     reservation. Address space costs nothing against Capacity.
+//   - Create allocates physical memory, counted against Capacity (Used and
+//     MemGetInfo include it). It counts as a malloc call for FailMalloc.
+//   - Map maps a whole handle (from its offset 0) at a granularity-aligned
+//     address inside one reservation, over no existing mapping; a handle is
+//     mapped at most once at a time.
+//   - Unmap takes a range covering whole mappings exactly.
+//   - Release refuses a handle that is still mapped, ReleaseRange a
+//     reservation with anything mapped inside.
+//
+// With SimConfig.Backed, a handle gets host memory and MemsetAsync,
+// MemcpyHtoD and MemcpyDtoH reach mapped ranges, across mappings that lie
+// side by side.
+
+// simGranularity is the Sim's mapping granularity, as on current GPUs.
+const simGranularity uint64 = 2 << 20
+
+// SimVMMCounters counts the virtual memory calls a Sim has served.
+type SimVMMCounters struct {
+	Reserves, ReleaseRanges int64
+	Creates, FailedCreates  int64
+	Releases                int64
+	Maps, Unmaps            int64
+	// Live values at the time of the call.
+	LiveReservations, LiveHandles, LiveMappings int64
+	// ReservedBytes is the address space reserved; MappedBytes the bytes
+	// mapped into it; HandleBytes the physical memory made by Create.
+	ReservedBytes, MappedBytes, HandleBytes uint64
+}
+
+type simHandle struct {
+	size   uint64
+	mem    []byte // with Backed
+	mapped Ptr    // where it is mapped, 0 when not
+}
+
+type simMapping struct {
+	addr   Ptr
+	size   uint64
+	handle Handle
+}
+
+// simVMM is the Sim's virtual memory state, guarded by Sim.mu.
+type simVMM struct {
+	reservations map[Ptr]uint64 // start → size
+	handles      map[Handle]*simHandle
+	mappings     map[Ptr]*simMapping // start → mapping
+	granules     map[Ptr]*simMapping // every mapped granule → its mapping
+	nextHandle   Handle
+	mapped       uint64
+	counters     SimVMMCounters
+}
+
+func (v *simVMM) init() {
+	if v.handles == nil {
+		v.reservations = make(map[Ptr]uint64)
+		v.handles = make(map[Handle]*simHandle)
+		v.mappings = make(map[Ptr]*simMapping)
+		v.granules = make(map[Ptr]*simMapping)
+		v.nextHandle = 1
+	}
+}
+
+// overlapsReservation reports whether [p, p+size) overlaps a reservation.
+func (v *simVMM) overlapsReservation(p Ptr, size uint64) bool {
+	for base, n := range v.reservations {
+		if uint64(p) < uint64(base)+n && uint64(base) < uint64(p)+size {
+			return true
+		}
+	}
+	return false
+}
+
+// reservationOf returns the reservation holding [p, p+size), if one does.
+func (v *simVMM) reservationOf(p Ptr, size uint64) (Ptr, bool) {
+	for base, n := range v.reservations {
+		if p >= base && uint64(p-base)+size <= n {
+			return base, true
+		}
+	}
+	return 0, false
+}
+
+var _ VirtualMemory = (*Sim)(nil)
+
+func (s *Sim) vmmCheck(op string, size uint64) error {
+	if s.closed {
+		return fmt.Errorf("cudart: sim %s: %w", op, ErrClosed)
+	}
+	if size == 0 || size%simGranularity != 0 {
+		return fmt.Errorf("cudart: sim %s: size %d is not a positive multiple of the granularity %d: %w", op, size, simGranularity, ErrInvalidValue)
+	}
+	s.vmm.init()
+	return nil
+}
+
+// Granularity implements VirtualMemory: 2 MiB.
+func (s *Sim) Granularity() (uint64, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return 0, fmt.Errorf("cudart: sim granularity: %w", ErrClosed)
+	}
+	return simGranularity, nil
+}
+
+// Reserve implements VirtualMemory. The range comes from the bump pointer
+// that Malloc uses, aligned to 2 MiB; it never overlaps an allocation or
+// another reservation, and costs nothing against Capacity.
+func (s *Sim) Reserve(size uint64) (Ptr, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.vmmCheck("reserve", size); err != nil {
+		return 0, err
+	}
+	p := s.next
+	s.next += Ptr((size + simAlign - 1) / simAlign * simAlign)
+	s.vmm.reservations[p] = size
+	s.vmm.counters.Reserves++
+	return p, nil
+}
+
+// ReleaseRange implements VirtualMemory. p and size must be a reservation's
+// exactly, and nothing may be mapped inside it.
+func (s *Sim) ReleaseRange(p Ptr, size uint64) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.vmmCheck("release range", size); err != nil {
+		return err
+	}
+	n, ok := s.vmm.reservations[p]
+	if !ok || n != size {
+		return fmt.Errorf("cudart: sim release range [%#x, +%d): not a reservation: %w", uint64(p), size, ErrInvalidValue)
+	}
+	for _, m := range s.vmm.mappings {
+		if m.addr >= p && uint64(m.addr-p) < size {
+			return fmt.Errorf("cudart: sim release range [%#x, +%d): [%#x, +%d) is still mapped: %w", uint64(p), size, uint64(m.addr), m.size, ErrInvalidValue)
+		}
+	}
+	delete(s.vmm.reservations, p)
+	s.vmm.counters.ReleaseRanges++
+	return nil
+}
+
+// Create implements VirtualMemory. The memory counts against Capacity; past
+// it, or when FailMalloc says so (a Create counts as a malloc call), it
+// fails with an error wrapping ErrOutOfMemory.
+func (s *Sim) Create(size uint64) (Handle, error) {
+	spin(s.cfg.MallocLatency)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return 0, fmt.Errorf("cudart: sim create: %w", ErrClosed)
+	}
+	s.calls++
+	if s.failAt != 0 && s.calls == s.failAt {
+		s.failAt = 0
+		s.vmm.counters.FailedCreates++
+		if s.failErr != nil {
+			return 0, s.failErr
+		}
+		return 0, createOOM()
+	}
+	if err := s.vmmCheck("create", size); err != nil {
+		return 0, err
+	}
+	if size > s.cfg.Capacity-s.used {
+		s.vmm.counters.FailedCreates++
+		return 0, createOOM()
+	}
+	h := s.vmm.nextHandle
+	s.vmm.nextHandle++
+	sh := &simHandle{size: size}
+	if s.cfg.Backed {
+		sh.mem = make([]byte, size)
+	}
+	s.vmm.handles[h] = sh
+	s.used += size
+	s.vmm.counters.Creates++
+	return h, nil
+}
+
+func createOOM() error {
+	return &CUDAError{Op: "cuMemCreate", Code: 2, Name: "CUDA_ERROR_OUT_OF_MEMORY", Text: "out of memory"}
+}
+
+// Release implements VirtualMemory. A handle still mapped is refused.
+func (s *Sim) Release(h Handle) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return fmt.Errorf("cudart: sim release: %w", ErrClosed)
+	}
+	s.vmm.init()
+	sh, ok := s.vmm.handles[h]
+	if !ok {
+		return fmt.Errorf("cudart: sim release of handle %#x, which is not live: %w", uint64(h), ErrInvalidValue)
+	}
+	if sh.mapped != 0 {
+		return fmt.Errorf("cudart: sim release of handle %#x, still mapped at %#x: %w", uint64(h), uint64(sh.mapped), ErrInvalidValue)
+	}
+	delete(s.vmm.handles, h)
+	s.used -= sh.size
+	s.vmm.counters.Releases++
+	return nil
+}
+
+// Map implements VirtualMemory: the whole of h (size must be its size) is
+// mapped at p, which must be granularity-aligned inside one reservation and
+// overlap no mapping. A handle is mapped at most once at a time.
+func (s *Sim) Map(p Ptr, size uint64, h Handle) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.vmmCheck("map", size); err != nil {
+		return err
+	}
+	v := &s.vmm
+	sh, ok := v.handles[h]
+	switch {
+	case !ok:
+		return fmt.Errorf("cudart: sim map of handle %#x, which is not live: %w", uint64(h), ErrInvalidValue)
+	case sh.size != size:
+		return fmt.Errorf("cudart: sim map of %d bytes of handle %#x, which holds %d: %w", size, uint64(h), sh.size, ErrInvalidValue)
+	case sh.mapped != 0:
+		return fmt.Errorf("cudart: sim map of handle %#x, already mapped at %#x: %w", uint64(h), uint64(sh.mapped), ErrInvalidValue)
+	case uint64(p)%simGranularity != 0:
+		return fmt.Errorf("cudart: sim map at %#x, which is not %d-byte aligned: %w", uint64(p), simGranularity, ErrInvalidValue)
+	}
+	if _, ok := v.reservationOf(p, size); !ok {
+		return fmt.Errorf("cudart: sim map at [%#x, +%d): not inside one reservation: %w", uint64(p), size, ErrInvalidValue)
+	}
+	for g := p; uint64(g-p) < size; g += Ptr(simGranularity) {
+		if m := v.granules[g]; m != nil {
+			return fmt.Errorf("cudart: sim map at [%#x, +%d): overlaps the mapping [%#x, +%d): %w", uint64(p), size, uint64(m.addr), m.size, ErrInvalidValue)
+		}
+	}
+	m := &simMapping{addr: p, size: size, handle: h}
+	v.mappings[p] = m
+	for g := p; uint64(g-p) < size; g += Ptr(simGranularity) {
+		v.granules[g] = m
+	}
+	sh.mapped = p
+	v.mapped += size
+	v.counters.Maps++
+	return nil
+}
+
+// Unmap implements VirtualMemory: [p, p+size) must cover one or more whole
+// mappings exactly, with no gap.
+func (s *Sim) Unmap(p Ptr, size uint64) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.vmmCheck("unmap", size); err != nil {
+		return err
+	}
+	v := &s.vmm
+	for g := p; uint64(g-p) < size; {
+		m := v.granules[g]
+		switch {
+		case m == nil:
+			return fmt.Errorf("cudart: sim unmap of [%#x, +%d): %#x is not mapped: %w", uint64(p), size, uint64(g), ErrInvalidValue)
+		case m.addr != g || uint64(m.addr-p)+m.size > size:
+			return fmt.Errorf("cudart: sim unmap of [%#x, +%d): covers part of the mapping [%#x, +%d): %w", uint64(p), size, uint64(m.addr), m.size, ErrInvalidValue)
+		}
+		g += Ptr(m.size)
+	}
+	for g := p; uint64(g-p) < size; {
+		m := v.granules[g]
+		for x := m.addr; uint64(x-m.addr) < m.size; x += Ptr(simGranularity) {
+			delete(v.granules, x)
+		}
+		delete(v.mappings, m.addr)
+		v.handles[m.handle].mapped = 0
+		v.mapped -= m.size
+		g += Ptr(m.size)
+	}
+	v.counters.Unmaps++
+	return nil
+}
+
+// VMMCounters returns a copy of the virtual memory call counters.
+func (s *Sim) VMMCounters() SimVMMCounters {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := s.vmm.counters
+	c.LiveReservations = int64(len(s.vmm.reservations))
+	c.LiveHandles = int64(len(s.vmm.handles))
+	c.LiveMappings = int64(len(s.vmm.mappings))
+	for _, n := range s.vmm.reservations {
+		c.ReservedBytes += n
+	}
+	for _, h := range s.vmm.handles {
+		c.HandleBytes += h.size
+	}
+	c.MappedBytes = s.vmm.mapped
+	return c
+}
+
+// Mappings returns the mapped ranges, [address, size] pairs in address
+// order: what a test compares with an allocator's expandable segments.
+func (s *Sim) Mappings() [][2]uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([][2]uint64, 0, len(s.vmm.mappings))
+	for _, m := range s.vmm.mappings {
+		out = append(out, [2]uint64{uint64(m.addr), m.size})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i][0] < out[j][0] })
+	return out
+}
+
+// mappedRegions returns the backing bytes of [p, p+n) when the range lies
+// in mappings side by side (one slice per mapping; nil slices without
+// Backed), and false when it does not.
+func (s *Sim) mappedRegions(p Ptr, n uint64) ([][]byte, bool) {
+	v := &s.vmm
+	if len(v.granules) == 0 {
+		return nil, false
+	}
+	var out [][]byte
+	for cur, end := uint64(p), uint64(p)+n; cur < end || n == 0; {
+		m := v.granules[Ptr(cur/simGranularity*simGranularity)]
+		if m == nil {
+			return nil, false
+		}
+		off := cur - uint64(m.addr)
+		take := min(end-cur, m.size-off)
+		if mem := v.handles[m.handle].mem; mem != nil {
+			out = append(out, mem[off:off+take])
+		} else {
+			out = append(out, nil)
+		}
+		if n == 0 {
+			break
+		}
+		cur += take
+	}
+	return out, true
+}
+
+// regions returns the backing bytes of [p, p+n), which must lie inside one
+// live allocation or in mappings side by side: one slice per allocation or
+// mapping touched, nil slices without Backed.
+func (s *Sim) regions(op string, p Ptr, n uint64) ([][]byte, error) {
+	b, err := s.region(op, p, n)
+	if err == nil {
+		return [][]byte{b}, nil
+	}
+	if s.closed {
+		return nil, err
+	}
+	if bs, ok := s.mappedRegions(p, n); ok {
+		return bs, nil
+	}
+	return nil, fmt.Errorf("cudart: sim %s: [%#x, +%d) is not inside a live allocation or mapped memory: %w", op, uint64(p), n, ErrInvalidValue)
+}
