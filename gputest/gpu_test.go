@@ -85,14 +85,23 @@ func checkWindows(size uint64) [][2]uint64 {
 // on the streams that use it), and reads every block back before freeing
 // it: a byte of another block's pattern means two live blocks shared memory.
 func TestGPUPatternRandom(t *testing.T) {
+	runPattern(t, "", envInt("ALLOCD_GPU_OPS", 1_000_000))
+}
+
+// TestGPUPatternExpandable runs the pattern test with expandable segments,
+// whose blocks span pages mapped one by one into a virtual range.
+func TestGPUPatternExpandable(t *testing.T) {
+	runPattern(t, "expandable_segments:True", envInt("ALLOCD_GPU_OPS", 1_000_000)/4)
+}
+
+func runPattern(t *testing.T, conf string, ops int) {
 	dev := openGPU(t)
-	a := newAllocator(t, dev, "")
+	a := newAllocator(t, dev, conf)
 	defer func() {
 		if err := a.Close(); err != nil {
 			t.Error(err)
 		}
 	}()
-	ops := envInt("ALLOCD_GPU_OPS", 1_000_000)
 	streams := make([]cudart.Stream, 3)
 	for i := range streams {
 		s, err := dev.StreamCreate()
@@ -195,9 +204,9 @@ func TestGPUPatternRandom(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := a.Stats()
-	t.Logf("gpu-pattern: ops=%d blocks_checked=%d corruptions=%d peak_reserved=%s device_mallocs=%d",
-		ops, checked, corruptions, allocator.FormatSize(uint64(st.ReservedBytes[allocator.PoolAll].Peak)), st.NumDeviceAlloc)
-	fmt.Printf("gpu-pattern: ops=%d blocks_checked=%d corruptions=%d\n", ops, checked, corruptions)
+	t.Logf("gpu-pattern: conf=%q ops=%d blocks_checked=%d corruptions=%d peak_reserved=%s device_mallocs=%d",
+		conf, ops, checked, corruptions, allocator.FormatSize(uint64(st.ReservedBytes[allocator.PoolAll].Peak)), st.NumDeviceAlloc)
+	fmt.Printf("gpu-pattern: conf=%q ops=%d blocks_checked=%d corruptions=%d\n", conf, ops, checked, corruptions)
 	if corruptions != 0 {
 		t.Fatalf("%d corrupted blocks", corruptions)
 	}
@@ -384,12 +393,14 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 	if len(files) == 0 {
 		t.Skipf("no traces in %s", tracesDir())
 	}
-	simReplay := func(t *testing.T, ops *trace.Ops, plan []cudart.SimAddress) bench.ReplayResult {
-		sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: true, Addresses: plan})
+	simReplay := func(t *testing.T, conf string, ops *trace.Ops, plan []cudart.SimAddress) bench.ReplayResult {
+		// At least the GPU's capacity: expandable ranges are sized from it,
+		// and a range smaller than a trace's needs changes the placement.
+		sim, err := cudart.NewSim(cudart.SimConfig{Capacity: max(dev.Info().TotalMemory, 141<<30), ManualEvents: true, Addresses: plan})
 		if err != nil {
 			t.Fatal(err)
 		}
-		a := newAllocator(t, sim, "")
+		a := newAllocator(t, sim, conf)
 		defer a.Close()
 		r, err := bench.Replay(ops, a, bench.ReplayOptions{})
 		if err != nil {
@@ -397,17 +408,27 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 		}
 		return r
 	}
-	for _, f := range files {
+	var cases []struct{ f, conf string }
+	for _, conf := range []string{"", "expandable_segments:True"} {
+		for _, f := range files {
+			cases = append(cases, struct{ f, conf string }{f, conf})
+		}
+	}
+	for _, tc := range cases {
+		f, conf := tc.f, tc.conf
 		name := strings.TrimSuffix(filepath.Base(f), ".pickle.gz")
+		if conf != "" {
+			name += "/" + conf
+		}
 		t.Run(name, func(t *testing.T) {
 			snap, err := trace.ReadFile(f, trace.ReadOptions{})
 			if err != nil {
 				t.Fatal(err)
 			}
 			ops := trace.BuildOps(snap.DeviceTraces[0])
-			recorded := simReplay(t, &ops, bench.SegmentAddresses(snap.DeviceTraces[0]))
+			recorded := simReplay(t, conf, &ops, bench.SegmentAddresses(snap.DeviceTraces[0]))
 
-			cfg, _ := allocator.ParseConfig("")
+			cfg, _ := allocator.ParseConfig(conf)
 			ag, err := allocator.New(dev, cfg, allocator.WithHistory(4_000_000))
 			if err != nil {
 				t.Fatal(err)
@@ -420,7 +441,7 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 			if err := ag.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {
 				t.Fatal(err)
 			}
-			same := simReplay(t, &ops, bench.SegmentAddresses(gpuSnap.DeviceTraces[0]))
+			same := simReplay(t, conf, &ops, bench.SegmentAddresses(gpuSnap.DeviceTraces[0]))
 			t.Logf("gpu-replay %s: ops %d; peak reserved: cuda %d MiB, sim at the GPU's addresses %d MiB, sim at the recorded addresses %d MiB; peak allocated cuda %d MiB; device mallocs cuda %d sim %d; cuda %.0f ns/op",
 				name, rg.Ops, rg.PeakReserved>>20, same.PeakReserved>>20, recorded.PeakReserved>>20, rg.PeakAllocated>>20, rg.DeviceMallocs, same.DeviceMallocs, rg.NsPerOp())
 			fmt.Printf("gpu-replay %s: peak_reserved_cuda=%d peak_reserved_sim_same_addresses=%d peak_reserved_sim_recorded_addresses=%d\n",
