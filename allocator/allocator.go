@@ -591,7 +591,7 @@ func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested ui
 	if b.Size >= a.cfg.MaxSplitSize {
 		st.OversizeAllocations.add(1)
 	}
-	a.record(actionAlloc, b.Ptr, b.Size, cudart.Stream(b.Segment.Stream))
+	a.record(actionAlloc, b.Ptr, requested, cudart.Stream(b.Segment.Stream))
 }
 
 // Free returns p, obtained from Malloc, to the cache. If other streams used
@@ -622,7 +622,7 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 	if b.Size >= a.cfg.MaxSplitSize {
 		st.OversizeAllocations.sub(1)
 	}
-	a.record(actionFreeRequested, b.Ptr, b.Size, cudart.Stream(b.Segment.Stream))
+	a.record(actionFreeRequested, b.Ptr, b.Requested, cudart.Stream(b.Segment.Stream))
 	if len(b.StreamUses) > 0 {
 		if err := a.insertEvents(b); err != nil {
 			// The block cannot be tracked by events; wait for the device
@@ -663,7 +663,7 @@ func (a *Allocator) unknownPointer(op string, p cudart.Ptr) error {
 // result and settle the statistics.
 func (a *Allocator) freeBlock(b *blocks.Block) {
 	p := a.poolOf(b)
-	size, requested := b.Size, b.Requested
+	ptr, size, requested := b.Ptr, b.Size, b.Requested // before merging moves them
 	var netCount, netBytes int64
 	n, merged := blocks.Merge(b, p.free, &a.recycler)
 	netCount -= int64(n)
@@ -682,7 +682,7 @@ func (a *Allocator) freeBlock(b *blocks.Block) {
 	st.Active.sub(p.stat, 1)
 	st.ActiveBytes.sub(p.stat, int64(size))
 	st.RequestedBytes.sub(p.stat, int64(requested))
-	a.record(actionFreeCompleted, b.Ptr, size, cudart.Stream(b.Segment.Stream))
+	a.record(actionFreeCompleted, ptr, requested, cudart.Stream(b.Segment.Stream))
 }
 
 func adjust(a *StatArray, p Pool, n int64) {

@@ -30,8 +30,9 @@ type TraceEntry struct {
 	// Addr is the block or segment address; for oom, the device's free
 	// bytes at the failure, as PyTorch records it.
 	Addr uint64
-	// Size is the block or segment size; for oom, the size asked of the
-	// device.
+	// Size is, as PyTorch records it, the size the caller asked for (alloc,
+	// free_requested, free_completed), the segment or mapping size
+	// (segment_*), or the size asked of the device (oom).
 	Size uint64
 	// Stream is the stream of the block or segment.
 	Stream uint64
