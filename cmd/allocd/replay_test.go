@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"encoding/xml"
-	"errors"
-	"io"
 	"os"
 	"path/filepath"
 	"sort"
@@ -190,5 +188,23 @@ func TestOutName(t *testing.T) {
 	}
 }
 
-var _ = errors.Is
-var _ io.Writer
+// TestNoProgressBarWhenPiped: the progress bar needs a terminal; a buffer
+// or a pipe is not one, so --json and piped runs print no bar.
+func TestNoProgressBarWhenPiped(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer w.Close()
+	if isTerminal(w) || isTerminal(&bytes.Buffer{}) {
+		t.Fatal("a pipe or a buffer was taken for a terminal")
+	}
+	_, errOut, err := runCLI(t, "replay", "--device", "sim", demoTrace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(errOut, "\r") || strings.Contains(errOut, "█") {
+		t.Errorf("progress output on a non-terminal stderr: %q", errOut)
+	}
+}
