@@ -67,8 +67,22 @@ func (w *serveWorkload) run(ctx context.Context, a *allocator.Allocator, gpu int
 	log.Info("replay started", zap.String("trace", w.name), zap.Int("ops", len(w.ops.Ops)),
 		zap.Int("streams", len(w.ops.Streams)), zap.Int("unmatched_frees", w.ops.UnmatchedFrees),
 		zap.Bool("loop", w.loop), zap.Float64("ops_per_second", w.rate))
+	// One set of streams serves every pass, so that the allocator sees the
+	// same streams again rather than new ones each pass; they are destroyed
+	// when the workload ends.
+	streams := map[uint64]cudart.Stream{}
+	defer func() {
+		for ts, s := range streams {
+			if ts != 0 {
+				_ = a.Device().StreamDestroy(s)
+			}
+		}
+	}()
 	for pass := 1; ; pass++ {
-		res, err := bench.Replay(w.ops, a, bench.ReplayOptions{Observe: p.observe})
+		res, err := bench.Replay(w.ops, a, bench.ReplayOptions{Observe: p.observe, Ctx: ctx, Streams: streams})
+		if ctx.Err() != nil {
+			return freeLiveAllocations(a)
+		}
 		if err != nil {
 			return errors.Join(fmt.Errorf("replay of %s, pass %d: %w", w.name, pass, err), freeLiveAllocations(a))
 		}
@@ -87,8 +101,7 @@ func (w *serveWorkload) run(ctx context.Context, a *allocator.Allocator, gpu int
 			return err
 		}
 		// Each pass starts, as bench.Replay expects, from an allocator with
-		// nothing cached (the blocks cached for the last pass's streams
-		// would never be reused: Replay creates new streams each pass).
+		// nothing cached, so that every pass shows the trace's own peaks.
 		if err := a.EmptyCache(); err != nil {
 			return err
 		}
