@@ -173,26 +173,11 @@ func Split(b *Block, size uint64, r *Recycler) *Block {
 func Merge(b *Block, idx *FreeIndex, r *Recycler) (n int, bytes uint64) {
 	if p := b.Prev; p != nil && p.indexed {
 		idx.Delete(p)
-		b.Ptr = p.Ptr
-		b.Size += p.Size
-		b.Prev = p.Prev
-		if p.Prev != nil {
-			p.Prev.Next = b
-		} else {
-			b.Segment.Head = b
-		}
-		n, bytes = n+1, bytes+p.Size
-		r.Put(p)
+		n, bytes = n+1, bytes+absorbPrev(b, r)
 	}
 	if q := b.Next; q != nil && q.indexed {
 		idx.Delete(q)
-		b.Size += q.Size
-		b.Next = q.Next
-		if q.Next != nil {
-			q.Next.Prev = b
-		}
-		n, bytes = n+1, bytes+q.Size
-		r.Put(q)
+		n, bytes = n+1, bytes+absorbNext(b, r)
 	}
 	return n, bytes
 }
@@ -205,25 +190,41 @@ func MergeUnmapped(b *Block, r *Recycler) (n int, bytes uint64) {
 		panic(fmt.Sprintf("blocks: MergeUnmapped of mapped %v", b))
 	}
 	if p := b.Prev; p != nil && p.Unmapped {
-		b.Ptr = p.Ptr
-		b.Size += p.Size
-		b.Prev = p.Prev
-		if p.Prev != nil {
-			p.Prev.Next = b
-		} else {
-			b.Segment.Head = b
-		}
-		n, bytes = n+1, bytes+p.Size
-		r.Put(p)
+		n, bytes = n+1, bytes+absorbPrev(b, r)
 	}
 	if q := b.Next; q != nil && q.Unmapped {
-		b.Size += q.Size
-		b.Next = q.Next
-		if q.Next != nil {
-			q.Next.Prev = b
-		}
-		n, bytes = n+1, bytes+q.Size
-		r.Put(q)
+		n, bytes = n+1, bytes+absorbNext(b, r)
 	}
 	return n, bytes
+}
+
+// absorbPrev extends b down over its predecessor, unlinks the predecessor
+// and returns it to r; it returns the predecessor's size.
+func absorbPrev(b *Block, r *Recycler) uint64 {
+	p := b.Prev
+	size := p.Size
+	b.Ptr = p.Ptr
+	b.Size += size
+	b.Prev = p.Prev
+	if p.Prev != nil {
+		p.Prev.Next = b
+	} else {
+		b.Segment.Head = b
+	}
+	r.Put(p)
+	return size
+}
+
+// absorbNext extends b up over its successor, unlinks the successor and
+// returns it to r; it returns the successor's size.
+func absorbNext(b *Block, r *Recycler) uint64 {
+	q := b.Next
+	size := q.Size
+	b.Size += size
+	b.Next = q.Next
+	if q.Next != nil {
+		q.Next.Prev = b
+	}
+	r.Put(q)
+	return size
 }
