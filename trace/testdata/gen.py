@@ -43,7 +43,7 @@ def small(frames=False):
     empty = []  # shared, as PyTorch shares its empty frames list
     stack_a = [
         {"name": "forward", "filename": MOD, "line": 1097},
-        {"name": "train", "filename": "/work/train.py", "line": 28},
+        {"name": "train", "filename": "examples/train.py", "line": 28},
     ]
     stack_b = [stack_a[1]]
     base = 0x7F00_0000_0000
