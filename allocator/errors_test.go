@@ -5,6 +5,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/allocd/allocd/cudart"
 )
@@ -320,7 +321,16 @@ func TestRecordStream(t *testing.T) {
 // TestConcurrent hammers one allocator from many goroutines on several
 // streams; run with -race.
 func TestConcurrent(t *testing.T) {
-	a, sim := newTestAllocator(t, 4*giB, "")
+	for _, conf := range []string{"", "release_lock_on_cudamalloc:True"} {
+		t.Run("conf="+conf, func(t *testing.T) { testConcurrent(t, conf) })
+	}
+}
+
+// testConcurrent is TestConcurrent with one configuration. With
+// release_lock_on_cudamalloc the device malloc runs unlocked (the Sim
+// spins 20 µs in it), so other goroutines change the cache meanwhile.
+func testConcurrent(t *testing.T, conf string) {
+	a, sim := newTestAllocator(t, 4*giB, conf, cudart.SimConfig{MallocLatency: 20 * time.Microsecond})
 	const workers = 8
 	streams := []cudart.Stream{0}
 	for range 3 {
@@ -433,5 +443,27 @@ func TestAsyncBackend(t *testing.T) {
 	mustCheck(t, a)
 	if a.MemoryAllocated() != 0 || a.MemoryReserved() != 0 {
 		t.Errorf("allocated %d reserved %d after freeing all", a.MemoryAllocated(), a.MemoryReserved())
+	}
+}
+
+// TestCloseDuringUnlockedDeviceMalloc: with release_lock_on_cudamalloc, a
+// Close while a Malloc waits for the device ends that Malloc with ErrClosed
+// and gives its new memory back, so nothing leaks.
+func TestCloseDuringUnlockedDeviceMalloc(t *testing.T) {
+	a, sim := newTestAllocator(t, giB, "release_lock_on_cudamalloc:True", cudart.SimConfig{MallocLatency: 200 * time.Millisecond})
+	errc := make(chan error, 1)
+	go func() {
+		_, err := a.Malloc(4096, 0)
+		errc <- err
+	}()
+	time.Sleep(50 * time.Millisecond) // the Malloc is now inside the device call
+	if err := a.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if err := <-errc; !errors.Is(err, ErrClosed) {
+		t.Fatalf("Malloc racing Close: %v, want ErrClosed", err)
+	}
+	if used := sim.Used(); used != 0 {
+		t.Errorf("the device still holds %d bytes", used)
 	}
 }
