@@ -139,7 +139,7 @@ func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
 	for _, file := range traces {
 		snap, err := trace.ReadFile(file, trace.ReadOptions{})
 		if err != nil {
-			return fmt.Errorf("reading %s: %w", file, err)
+			return err // names the file
 		}
 		if len(snap.DeviceTraces) == 0 {
 			return fmt.Errorf("%s: no device trace", file)

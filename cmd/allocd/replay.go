@@ -186,7 +186,7 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 		t0 := time.Now()
 		snap, err := trace.ReadFile(file, trace.ReadOptions{})
 		if err != nil {
-			return fmt.Errorf("reading %s: %w", file, err)
+			return err // names the file
 		}
 		if len(snap.DeviceTraces) == 0 || len(snap.DeviceTraces[0]) == 0 {
 			return fmt.Errorf("%s: the snapshot has no device trace (record with torch.cuda.memory._record_memory_history() before dumping it)", file)
