@@ -165,14 +165,11 @@ func (s *Sim) Malloc(size uint64) (Ptr, error) {
 	if s.closed {
 		return 0, fmt.Errorf("cudart: sim malloc: %w", ErrClosed)
 	}
-	s.calls++
-	if s.failAt != 0 && s.calls == s.failAt {
-		s.failAt = 0
-		s.counters.FailedMallocs++
-		if s.failErr != nil {
-			return 0, s.failErr
+	if ok, err := s.injectedFault(&s.counters.FailedMallocs); ok {
+		if err == nil {
+			err = s.oom("cudaMalloc")
 		}
-		return 0, s.oom("cudaMalloc")
+		return 0, err
 	}
 	if size == 0 {
 		return 0, fmt.Errorf("cudart: sim malloc of 0 bytes: %w", ErrInvalidValue)
@@ -223,6 +220,19 @@ func (s *Sim) rangeFree(p Ptr, size uint64) bool {
 		}
 	}
 	return true
+}
+
+// injectedFault counts a malloc-like call and reports whether FailMalloc
+// chose it to fail, with the error to return (nil: the caller's own
+// out-of-memory error). failed counts the failure. s.mu must be held.
+func (s *Sim) injectedFault(failed *int64) (bool, error) {
+	s.calls++
+	if s.failAt == 0 || s.calls != s.failAt {
+		return false, nil
+	}
+	s.failAt = 0
+	*failed++
+	return true, s.failErr
 }
 
 // Free implements Device. Like cudaFree it synchronises the device, so

@@ -167,14 +167,11 @@ func (s *Sim) Create(size uint64) (Handle, error) {
 	if s.closed {
 		return 0, fmt.Errorf("cudart: sim create: %w", ErrClosed)
 	}
-	s.calls++
-	if s.failAt != 0 && s.calls == s.failAt {
-		s.failAt = 0
-		s.vmm.counters.FailedCreates++
-		if s.failErr != nil {
-			return 0, s.failErr
+	if ok, err := s.injectedFault(&s.vmm.counters.FailedCreates); ok {
+		if err == nil {
+			err = createOOM()
 		}
-		return 0, createOOM()
+		return 0, err
 	}
 	if err := s.vmmCheck("create", size); err != nil {
 		return 0, err

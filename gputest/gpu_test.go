@@ -80,6 +80,21 @@ func checkWindows(size uint64) [][2]uint64 {
 	return [][2]uint64{{0, w}, {mid, w}, {size - w, w}}
 }
 
+// patternSize draws a request size for the pattern tests: 70% up to
+// 64 KiB, 25% up to 4 MiB, 5% up to 64 MiB, capped at maxSize.
+func patternSize(rng *rand.Rand, maxSize uint64) uint64 {
+	var n uint64
+	switch c := rng.IntN(100); {
+	case c < 70:
+		n = 1 + rng.Uint64N(64*kiB)
+	case c < 95:
+		n = 64*kiB + rng.Uint64N(4*miB)
+	default:
+		n = 4*miB + rng.Uint64N(60*miB)
+	}
+	return min(n, maxSize)
+}
+
 // TestGPUPatternRandom runs random malloc/free/record-stream on several
 // streams, writes a distinct byte into each live block on its stream (and
 // on the streams that use it), and reads every block back before freeing
@@ -141,18 +156,7 @@ func runPattern(t *testing.T, conf string, ops int) {
 	// ALLOCD_GPU_MAX_SIZE caps request sizes (the mock CUDA of cudart's
 	// tests ignores memsets above 16 MiB).
 	maxSize := uint64(envInt("ALLOCD_GPU_MAX_SIZE", 64<<20))
-	size := func() uint64 {
-		var n uint64
-		switch c := rng.IntN(100); {
-		case c < 70:
-			n = 1 + rng.Uint64N(64*kiB)
-		case c < 95:
-			n = 64*kiB + rng.Uint64N(4*miB)
-		default:
-			n = 4*miB + rng.Uint64N(60*miB)
-		}
-		return min(n, maxSize)
-	}
+	size := func() uint64 { return patternSize(rng, maxSize) }
 	for i := range ops {
 		if len(lives) > 0 && (rng.IntN(2) == 0 || len(lives) > 1500) {
 			j := rng.IntN(len(lives))

@@ -121,18 +121,7 @@ func runMultiDevicePattern(t *testing.T, devs []cudart.Device, ops int, maxSize 
 	const maxLive = 16 // per worker and device
 	var checked, corruptions, wrongRefused atomic.Int64
 	mallocs := make([]atomic.Int64, n)
-	size := func(rng *rand.Rand) uint64 {
-		var s uint64
-		switch c := rng.IntN(100); {
-		case c < 70:
-			s = 1 + rng.Uint64N(64*kiB)
-		case c < 95:
-			s = 64*kiB + rng.Uint64N(4*miB)
-		default:
-			s = 4*miB + rng.Uint64N(60*miB)
-		}
-		return min(s, maxSize)
-	}
+	size := func(rng *rand.Rand) uint64 { return patternSize(rng, maxSize) }
 
 	var wg sync.WaitGroup
 	for w := range res.workers {
