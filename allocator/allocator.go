@@ -146,7 +146,7 @@ type Option func(*options)
 
 type options struct {
 	log               *zap.Logger
-	historyLimit      int
+	history           HistoryOptions
 	pytorchExpandable bool // WithPyTorchExpandable
 }
 
@@ -213,7 +213,8 @@ type Allocator struct {
 	stats         Stats
 	async         *asyncBackend // non-nil for backend:cudaMallocAsync
 	exp           *expandable   // non-nil for expandable_segments:True
-	history       *history      // nil unless WithHistory
+	history       *history      // nil unless recording history
+	curStack      uint32        // the stack of the Malloc or Free in progress
 	lastDeviceErr error         // the device's last out-of-memory error
 }
 
@@ -227,16 +228,19 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	o := options{log: zap.NewNop()}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if err := o.history.validate(); err != nil {
+		return nil, err
+	}
 	var exp *expandable
 	if cfg.ExpandableSegments {
 		var err error
 		if exp, err = newExpandable(dev, cfg); err != nil {
 			return nil, err
 		}
-	}
-	o := options{log: zap.NewNop()}
-	for _, opt := range opts {
-		opt(&o)
 	}
 	_, total, err := dev.MemGetInfo()
 	if err != nil {
@@ -268,8 +272,8 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	}
 	a.streams = append(a.streams, cudart.DefaultStream)
 	a.stats.MaxSplitSize = a.maxSplitStat()
-	if o.historyLimit > 0 {
-		a.history = newHistory(o.historyLimit)
+	if o.history.MaxEntries > 0 {
+		a.history = newHistory(o.history)
 	}
 	a.log.Info("allocator started",
 		zap.Int("device", a.info.Index), zap.String("name", a.info.Name),
@@ -390,9 +394,13 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 	if err := a.checkStream(stream); err != nil {
 		return 0, err
 	}
+	if h := a.history; h != nil && h.depth > 0 {
+		a.curStack = h.capture()
+		defer a.endCall()
+	}
 	if size > a.allowed || size > maxRequestSize {
 		// No release of the cache can help: fail without touching it.
-		return 0, a.oomError(size, size, nil)
+		return 0, a.outOfMemory(size, size, stream, nil)
 	}
 	if a.async != nil {
 		return a.asyncMalloc(size, stream)
@@ -473,13 +481,20 @@ func (a *Allocator) grow(p *pool, stream cudart.Stream, size, rounded uint64) (*
 		return nil, err
 	}
 	if b == nil {
-		a.stats.NumOOMs++
-		oom := a.oomError(size, allocSize, a.lastDeviceErr)
-		a.record(actionOOM, oom.DeviceFree, allocSize, stream) // PyTorch records the device's free bytes as addr
-		a.log.Warn("out of memory", zap.Error(oom))
-		return nil, oom
+		return nil, a.outOfMemory(size, allocSize, stream, a.lastDeviceErr)
 	}
 	return b, nil
+}
+
+// outOfMemory is every out-of-memory return, as PyTorch handles it: count
+// it in num_ooms, record an oom event (with the device's free bytes as its
+// address, as PyTorch records it), log it once and return the error.
+func (a *Allocator) outOfMemory(size, allocSize uint64, stream cudart.Stream, cause error) *OOMError {
+	a.stats.NumOOMs++
+	oom := a.oomError(size, allocSize, cause)
+	a.record(actionOOM, oom.DeviceFree, allocSize, stream)
+	a.log.Warn("out of memory", zap.Error(oom))
+	return oom
 }
 
 func (a *Allocator) oomError(size, allocSize uint64, cause error) *OOMError {
@@ -605,6 +620,10 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 	defer a.mu.Unlock()
 	if a.closed {
 		return fmt.Errorf("allocator: free of %#x: %w", uint64(p), ErrClosed)
+	}
+	if h := a.history; h != nil && h.depth > 0 {
+		a.curStack = h.capture()
+		defer a.endCall()
 	}
 	if a.async != nil {
 		return a.asyncFree(p)

@@ -4,8 +4,6 @@ import (
 	"errors"
 	"fmt"
 
-	"go.uber.org/zap"
-
 	"github.com/allocd/allocd/cudart"
 )
 
@@ -65,10 +63,7 @@ func (a *Allocator) asyncMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, 
 	}
 	if err != nil {
 		if errors.Is(err, cudart.ErrOutOfMemory) {
-			a.stats.NumOOMs++
-			oom := a.oomError(size, size, err)
-			a.log.Warn("out of memory", zap.Error(oom))
-			return 0, oom
+			return 0, a.outOfMemory(size, size, stream, err)
 		}
 		return 0, fmt.Errorf("allocator: device malloc async of %d bytes: %w", size, err)
 	}

@@ -4,11 +4,13 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 
 	"go.uber.org/zap"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/trace"
 )
 
 // Errors of Devices; test with errors.Is.
@@ -261,6 +263,29 @@ func (d *Devices) EmptyCache() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// Snapshot returns one snapshot of every device, as
+// torch.cuda.memory._snapshot() covers them all: the segments of each
+// device in ascending index (each segment names its device), and
+// DeviceTraces indexed by device index, each device's history at its
+// index (trace.Merge of each allocator's Snapshot). Each device's part is
+// consistent as of one moment; the devices are not stopped together.
+func (d *Devices) Snapshot() *trace.Snapshot {
+	snaps := make([]*trace.Snapshot, len(d.allocs))
+	for i, a := range d.allocs {
+		snaps[i] = a.Snapshot()
+	}
+	return trace.Merge(snaps...)
+}
+
+// WriteSnapshot writes Snapshot() to w as PyTorch's snapshot pickle
+// (trace.WritePickle), which memory_viz opens.
+func (d *Devices) WriteSnapshot(w io.Writer) error {
+	if err := trace.WritePickle(w, d.Snapshot()); err != nil {
+		return fmt.Errorf("allocator: writing a snapshot: %w", err)
+	}
+	return nil
 }
 
 // Close closes every allocator (Allocator.Close: every segment goes back

@@ -101,6 +101,7 @@ import (
 
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/trace"
 )
 
 // expandable is the allocator's expandable-segment state.
@@ -218,11 +219,7 @@ func (a *Allocator) growExpandable(p *pool, stream cudart.Stream, size, rounded 
 		return nil, err
 	}
 	if b == nil {
-		a.stats.NumOOMs++
-		oom := a.oomError(size, allocSize, a.lastDeviceErr)
-		a.record(actionOOM, oom.DeviceFree, allocSize, stream)
-		a.log.Warn("out of memory", zap.Error(oom))
-		return nil, oom
+		return nil, a.outOfMemory(size, allocSize, stream, a.lastDeviceErr)
 	}
 	return b, nil
 }
@@ -669,9 +666,9 @@ func (a *Allocator) closeExpandable() []error {
 	return errs
 }
 
-// appendExpandableInfo adds one SegmentInfo per contiguous mapped range of
-// the expandable segment s, as PyTorch's snapshot does.
-func (a *Allocator) appendExpandableInfo(out []SegmentInfo, s *blocks.Segment) []SegmentInfo {
+// appendExpandableInfo adds one trace.Segment per contiguous mapped range
+// of the expandable segment s, as PyTorch's snapshot does.
+func (a *Allocator) appendExpandableInfo(out []trace.Segment, s *blocks.Segment) []trace.Segment {
 	open := false
 	for b := s.Head; b != nil; b = b.Next {
 		if b.Unmapped {
@@ -684,7 +681,7 @@ func (a *Allocator) appendExpandableInfo(out []SegmentInfo, s *blocks.Segment) [
 		}
 		si := &out[len(out)-1]
 		si.TotalSize += b.Size
-		si.addBlock(b)
+		a.addBlock(si, b)
 	}
 	return out
 }

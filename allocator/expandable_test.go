@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/trace"
 )
 
 // newExpOn returns an allocator with expandable_segments:True (and conf)
@@ -73,7 +74,7 @@ func expect(t *testing.T, a *Allocator, sim *cudart.Sim, reserved uint64, maps, 
 
 // blockStates lists a snapshot segment's blocks as "5a" (5 MiB allocated)
 // and "15f" (15 MiB free).
-func blockStates(s SegmentInfo) string {
+func blockStates(s trace.Segment) string {
 	var out []string
 	for _, b := range s.Blocks {
 		st := "f"
@@ -314,8 +315,8 @@ func TestExpandableSnapshotAndHistory(t *testing.T) {
 	var got []string
 	for _, e := range snap.DeviceTraces[0] {
 		switch e.Action {
-		case actionSegmentMap, actionSegmentUnmap:
-			got = append(got, e.Action+"@"+itoa((e.Addr-base)/miB)+"+"+itoa(e.Size/miB))
+		case trace.ActionSegmentMap, trace.ActionSegmentUnmap:
+			got = append(got, string(e.Action)+"@"+itoa((e.Addr-base)/miB)+"+"+itoa(e.Size/miB))
 		}
 	}
 	if want := "segment_map@0+20 segment_map@20+40 segment_unmap@20+20"; strings.Join(got, " ") != want {

@@ -60,10 +60,10 @@ type NewAllocatorFunc func(history bool) (*allocator.Allocator, error)
 // that operation and returns the allocator's snapshot there, with the
 // operation's index. Replay on a Sim is deterministic, so the second replay
 // reaches the same state. Both allocators are closed.
-func SnapshotAtPeak(ops *trace.Ops, newAlloc NewAllocatorFunc) (allocator.Snapshot, int, error) {
+func SnapshotAtPeak(ops *trace.Ops, newAlloc NewAllocatorFunc) (*trace.Snapshot, int, error) {
 	a, err := newAlloc(false)
 	if err != nil {
-		return allocator.Snapshot{}, 0, err
+		return nil, 0, err
 	}
 	peakOp, peak := 0, int64(-1)
 	_, err = Replay(ops, a, ReplayOptions{Observe: func(i int) {
@@ -73,18 +73,18 @@ func SnapshotAtPeak(ops *trace.Ops, newAlloc NewAllocatorFunc) (allocator.Snapsh
 	}})
 	_ = a.Close()
 	if err != nil {
-		return allocator.Snapshot{}, 0, err
+		return nil, 0, err
 	}
 	b, err := newAlloc(true)
 	if err != nil {
-		return allocator.Snapshot{}, 0, err
+		return nil, 0, err
 	}
 	defer b.Close()
 	if _, err := Replay(ops, b, ReplayOptions{Stop: peakOp + 1}); err != nil {
-		return allocator.Snapshot{}, 0, err
+		return nil, 0, err
 	}
 	if _, re, _ := b.Usage(); re != peak {
-		return allocator.Snapshot{}, 0, fmt.Errorf("replay is not deterministic on this device: reserved %d at operation %d, first pass saw %d", re, peakOp, peak)
+		return nil, 0, fmt.Errorf("replay is not deterministic on this device: reserved %d at operation %d, first pass saw %d", re, peakOp, peak)
 	}
 	return b.Snapshot(), peakOp, nil
 }

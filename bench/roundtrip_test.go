@@ -34,7 +34,7 @@ func TestSnapshotRoundTrip(t *testing.T) {
 				t.Fatal(err)
 			}
 			var buf bytes.Buffer
-			if err := trace.WritePickle(&buf, TraceSnapshot(a.Snapshot())); err != nil {
+			if err := a.WriteSnapshot(&buf); err != nil {
 				t.Fatal(err)
 			}
 			back, err := trace.Read(&buf, trace.ReadOptions{})

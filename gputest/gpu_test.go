@@ -441,7 +441,7 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			gpuSnap := bench.TraceSnapshot(ag.Snapshot())
+			gpuSnap := ag.Snapshot()
 			if err := ag.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {
 				t.Fatal(err)
 			}

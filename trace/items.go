@@ -221,7 +221,9 @@ func (d *decoder) setBlock(b *Block, key string, v val) error {
 	case "requested_size":
 		b.RequestedSize, err = d.u64(v, key)
 	case "state":
-		b.State, err = d.string(v, key)
+		var st string
+		st, err = d.string(v, key)
+		b.State = BlockState(st)
 	case "frames":
 		if d.opt.Frames {
 			b.Frames, err = d.frames(v)

@@ -103,7 +103,7 @@ func compareSummary(t *testing.T, s *Snapshot, want pySummary, frames bool) {
 		compareFrames(t, g.Frames, ws.Frames, frames, "segment")
 		for j, wb := range ws.Blocks {
 			gb := g.Blocks[j]
-			if gb.Address != wb.Address || gb.Size != wb.Size || gb.RequestedSize != wb.RequestedSize || gb.State != wb.State {
+			if gb.Address != wb.Address || gb.Size != wb.Size || gb.RequestedSize != wb.RequestedSize || string(gb.State) != wb.State {
 				t.Errorf("segment %d block %d = %+v, want %+v", i, j, gb, wb)
 			}
 			compareFrames(t, gb.Frames, wb.Frames, frames, "block")

@@ -237,7 +237,7 @@ func (p *pickler) block(b *Block) {
 	p.str("requested_size")
 	p.uint(b.RequestedSize)
 	p.str("state")
-	p.str(b.State)
+	p.str(string(b.State))
 	p.str("frames")
 	p.frameList(b.Frames)
 	p.op(opSetItems)

@@ -87,7 +87,7 @@ func writePeakSnapshot(path string, target *replayTarget, ops *trace.Ops, plan [
 	if err != nil {
 		return fmt.Errorf("--snapshot-out: %w", err)
 	}
-	if err := trace.WritePickle(f, bench.TraceSnapshot(snap)); err != nil {
+	if err := trace.WritePickle(f, snap); err != nil {
 		f.Close()
 		return fmt.Errorf("--snapshot-out: writing %s: %w", path, err)
 	}

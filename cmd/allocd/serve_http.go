@@ -11,8 +11,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
 
-	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/stats"
 	"github.com/allocd/allocd/trace"
 )
@@ -161,23 +159,15 @@ func (d *serveDaemon) serveStats(w http.ResponseWriter, r *http.Request) {
 // covers every device: the segments of all, each naming its device, and
 // device_traces indexed by device index (empty lists for devices not
 // included).
-func snapshotOf(gpus []serveGPU) allocator.Snapshot {
-	var out allocator.Snapshot
-	for _, g := range gpus {
-		s := g.a.Snapshot()
-		out.Segments = append(out.Segments, s.Segments...)
-		out.Config = s.Config
-		for len(out.DeviceTraces) <= g.index {
-			out.DeviceTraces = append(out.DeviceTraces, nil)
-		}
-		for _, entries := range s.DeviceTraces {
-			out.DeviceTraces[g.index] = append(out.DeviceTraces[g.index], entries...)
-		}
+func snapshotOf(gpus []serveGPU) *trace.Snapshot {
+	snaps := make([]*trace.Snapshot, len(gpus))
+	for i, g := range gpus {
+		snaps[i] = g.a.Snapshot()
 	}
-	return out
+	return trace.Merge(snaps...)
 }
 
-// serveSnapshot writes the selected devices' allocator.Snapshot (merged:
+// serveSnapshot writes the selected devices' trace.Snapshot (merged:
 // snapshotOf) as JSON with PyTorch's key names, or, with ?format=pickle,
 // as the pickle torch.cuda.memory._snapshot() would dump, which
 // pytorch.org/memory_viz opens.
@@ -196,72 +186,10 @@ func (d *serveDaemon) serveSnapshot(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/octet-stream")
 		w.Header().Set("Content-Disposition", `attachment; filename="allocd_snapshot.pickle"`)
 		w.Header().Set("Cache-Control", "no-store")
-		if err := trace.WritePickle(w, bench.TraceSnapshot(snap)); err != nil {
+		if err := trace.WritePickle(w, snap); err != nil {
 			d.log.Warn("writing a snapshot pickle", zap.Error(err))
 		}
 		return
 	}
-	serveJSON(w, serveSnapshotOf(snap))
-}
-
-// The JSON shape of /debug/snapshot: torch.cuda.memory._snapshot()'s keys.
-type (
-	serveSnapshotDoc struct {
-		Segments          []serveSegmentDoc `json:"segments"`
-		DeviceTraces      [][]serveTraceDoc `json:"device_traces"`
-		AllocatorSettings map[string]string `json:"allocator_settings"`
-	}
-	serveSegmentDoc struct {
-		Device        int             `json:"device"`
-		Address       uint64          `json:"address"`
-		TotalSize     uint64          `json:"total_size"`
-		Stream        uint64          `json:"stream"`
-		SegmentType   string          `json:"segment_type"`
-		AllocatedSize uint64          `json:"allocated_size"`
-		ActiveSize    uint64          `json:"active_size"`
-		RequestedSize uint64          `json:"requested_size"`
-		IsExpandable  bool            `json:"is_expandable"`
-		Blocks        []serveBlockDoc `json:"blocks"`
-	}
-	serveBlockDoc struct {
-		Address       uint64 `json:"address"`
-		Size          uint64 `json:"size"`
-		RequestedSize uint64 `json:"requested_size"`
-		State         string `json:"state"`
-	}
-	serveTraceDoc struct {
-		Action string `json:"action"`
-		Addr   uint64 `json:"addr"`
-		Size   uint64 `json:"size"`
-		Stream uint64 `json:"stream"`
-		TimeUS int64  `json:"time_us"`
-	}
-)
-
-func serveSnapshotOf(s allocator.Snapshot) serveSnapshotDoc {
-	out := serveSnapshotDoc{
-		Segments:          make([]serveSegmentDoc, len(s.Segments)),
-		DeviceTraces:      make([][]serveTraceDoc, len(s.DeviceTraces)),
-		AllocatorSettings: map[string]string{"PYTORCH_CUDA_ALLOC_CONF": s.Config},
-	}
-	for i, seg := range s.Segments {
-		js := serveSegmentDoc{
-			Device: seg.Device, Address: seg.Address, TotalSize: seg.TotalSize, Stream: seg.Stream,
-			SegmentType: seg.SegmentType, AllocatedSize: seg.AllocatedSize, ActiveSize: seg.ActiveSize,
-			RequestedSize: seg.RequestedSize, IsExpandable: seg.IsExpandable,
-			Blocks: make([]serveBlockDoc, len(seg.Blocks)),
-		}
-		for j, b := range seg.Blocks {
-			js.Blocks[j] = serveBlockDoc{Address: b.Address, Size: b.Size, RequestedSize: b.RequestedSize, State: b.State}
-		}
-		out.Segments[i] = js
-	}
-	for i, entries := range s.DeviceTraces {
-		jt := make([]serveTraceDoc, len(entries))
-		for j, e := range entries {
-			jt[j] = serveTraceDoc{Action: e.Action, Addr: e.Addr, Size: e.Size, Stream: e.Stream, TimeUS: e.TimeUS}
-		}
-		out.DeviceTraces[i] = jt
-	}
-	return out
+	serveJSON(w, snap)
 }
