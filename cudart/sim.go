@@ -1,6 +1,7 @@
 package cudart
 
 import (
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -22,7 +23,8 @@ type SimConfig struct {
 	ManualEvents bool
 	// Backed gives every allocation real host memory, so that MemsetAsync,
 	// MemcpyHtoD and MemcpyDtoH move bytes. Off by default: a simulated
-	// 100 GiB replay then costs kilobytes.
+	// 100 GiB replay then costs kilobytes, and those calls fail with an
+	// error wrapping ErrNotBacked rather than drop or invent data.
 	Backed bool
 	// MallocLatency and FreeLatency are spent (spinning) in every Malloc and
 	// Free, to model cudaMalloc's cost in benchmarks.
@@ -499,14 +501,32 @@ func (s *Sim) region(op string, p Ptr, n uint64) ([]byte, error) {
 	return nil, fmt.Errorf("cudart: sim %s: [%#x, +%d) is not inside a live allocation: %w", op, uint64(p), n, ErrInvalidValue)
 }
 
-// MemsetAsync implements Device. It takes effect at once.
+// ErrNotBacked: a memset or memcpy on a Sim without SimConfig.Backed,
+// which has no memory to hold the bytes.
+var ErrNotBacked = errors.New("simulated device has no backing memory")
+
+// backed returns the regions of [p, p+n) for op, or an error: the address
+// range is checked first, then that the Sim holds bytes at all.
+func (s *Sim) backed(op string, p Ptr, n uint64) ([][]byte, error) {
+	bs, err := s.regions(op, p, n)
+	if err != nil {
+		return nil, err
+	}
+	if !s.cfg.Backed {
+		return nil, fmt.Errorf("cudart: sim %s of %d bytes at %#x: %w (create it with SimConfig.Backed)", op, n, uint64(p), ErrNotBacked)
+	}
+	return bs, nil
+}
+
+// MemsetAsync implements Device. It takes effect at once. Without
+// SimConfig.Backed it fails with ErrNotBacked.
 func (s *Sim) MemsetAsync(p Ptr, value byte, size uint64, st Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.checkStream("memset", st); err != nil {
 		return err
 	}
-	bs, err := s.regions("memset", p, size)
+	bs, err := s.backed("memset", p, size)
 	if err != nil {
 		return err
 	}
@@ -518,11 +538,12 @@ func (s *Sim) MemsetAsync(p Ptr, value byte, size uint64, st Stream) error {
 	return nil
 }
 
-// MemcpyHtoD implements Device.
+// MemcpyHtoD implements Device. Without SimConfig.Backed it fails with
+// ErrNotBacked.
 func (s *Sim) MemcpyHtoD(dst Ptr, src []byte) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	bs, err := s.regions("memcpy host to device", dst, uint64(len(src)))
+	bs, err := s.backed("memcpy host to device", dst, uint64(len(src)))
 	if err != nil {
 		return err
 	}
@@ -532,11 +553,12 @@ func (s *Sim) MemcpyHtoD(dst Ptr, src []byte) error {
 	return nil
 }
 
-// MemcpyDtoH implements Device.
+// MemcpyDtoH implements Device. Without SimConfig.Backed it fails with
+// ErrNotBacked.
 func (s *Sim) MemcpyDtoH(dst []byte, src Ptr) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	bs, err := s.regions("memcpy device to host", src, uint64(len(dst)))
+	bs, err := s.backed("memcpy device to host", src, uint64(len(dst)))
 	if err != nil {
 		return err
 	}
