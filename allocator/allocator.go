@@ -1,6 +1,36 @@
 // Package allocator is allocd's caching policy: a device-memory allocator
 // that behaves like PyTorch's CUDA caching allocator
 // (c10/cuda/CUDACachingAllocator.cpp) on top of a cudart.Device.
+// Open(device) is the one call a program needs: it opens CUDA device N,
+// configured by ALLOCD_CONF; OpenDevices does so for every GPU. New and
+// NewDevices take a device and a Config of the caller's own instead.
+//
+//	a, err := allocator.Open(0) // honours ALLOCD_CONF and ALLOCD_DEVICE
+//	if err != nil { ... }
+//	defer a.Close()
+//	p, err := a.Malloc(64<<20, stream)
+//	...
+//	a.Free(p)
+//
+// # Environment
+//
+// Open and OpenDevices read:
+//
+//   - ALLOCD_CONF: the configuration, in PYTORCH_CUDA_ALLOC_CONF's grammar
+//     (ParseConfig); unset means PyTorch's defaults. WithConfig overrides it.
+//   - ALLOCD_DEVICE: "cuda" (or unset) for the GPU; "sim" for a simulated
+//     device, "sim:N" for N of them. Anything else is an error; a missing
+//     driver is an error too, never a silent switch to the simulator.
+//   - ALLOCD_SIM_CAPACITY: each simulated device's memory, in bytes or with
+//     a KiB, MiB, GiB or TiB suffix; DefaultSimCapacity (80 GiB) unset.
+//
+// # Snapshots and history
+//
+// Snapshot returns the state as a *trace.Snapshot, the shape of
+// torch.cuda.memory._snapshot(); encoding/json renders it with PyTorch's
+// keys and WriteSnapshot writes the pickle memory_viz opens.
+// RecordHistory switches the event history on and off at run time, with
+// Go stack frames of each Malloc and Free when asked.
 //
 // # Policy
 //
@@ -147,6 +177,7 @@ type Option func(*options)
 type options struct {
 	log               *zap.Logger
 	history           HistoryOptions
+	cfg               *Config // WithConfig: used by Open instead of ALLOCD_CONF
 	pytorchExpandable bool // WithPyTorchExpandable
 }
 
@@ -216,6 +247,7 @@ type Allocator struct {
 	history       *history      // nil unless recording history
 	curStack      uint32        // the stack of the Malloc or Free in progress
 	lastDeviceErr error         // the device's last out-of-memory error
+	ownsDevice    bool          // opened by Open: Close closes the device
 }
 
 // New returns an allocator for dev. It reads the device's total memory once
@@ -1006,7 +1038,8 @@ func (a *Allocator) EmptyCache() error {
 // Close waits for pending events and returns every segment to the device,
 // including segments with blocks still allocated; it then reports those
 // blocks in an error wrapping ErrLiveBlocks. The allocator is unusable
-// afterwards (ErrClosed). The device itself is not closed.
+// afterwards (ErrClosed). The device is closed too when Open opened it;
+// an allocator from New leaves it open.
 func (a *Allocator) Close() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -1057,6 +1090,11 @@ func (a *Allocator) Close() error {
 	a.active = newPtrMap(0)
 	a.reserved, a.pending = 0, 0
 	a.closed = true
+	if a.ownsDevice {
+		if err := a.dev.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("allocator: closing device %d: %w", a.info.Index, err))
+		}
+	}
 	if live > 0 {
 		errs = append(errs, fmt.Errorf("allocator: close: %d blocks (%d bytes) were never freed: %w", live, liveBytes, ErrLiveBlocks))
 	}

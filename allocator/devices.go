@@ -89,8 +89,8 @@ type Devices struct {
 // allocator's lines carry a "gpu" field with its device index.
 //
 // If an allocator cannot be created, those already created are closed
-// and the error names the device. The devices themselves are never
-// closed by Devices.
+// and the error names the device. A Devices from NewDevices never closes
+// the devices themselves.
 func NewDevices(devs []cudart.Device, cfg Config, opts ...Option) (*Devices, error) {
 	if len(devs) == 0 {
 		return nil, fmt.Errorf("allocator: NewDevices needs at least one device: %w", cudart.ErrInvalidValue)
@@ -291,7 +291,8 @@ func (d *Devices) WriteSnapshot(w io.Writer) error {
 // Close closes every allocator (Allocator.Close: every segment goes back
 // to its device) and returns their errors joined, each naming its device;
 // errors.Is(err, ErrLiveBlocks) reports blocks never freed on any of
-// them. The devices themselves are not closed.
+// them. The devices themselves are closed only when OpenDevices opened
+// them.
 func (d *Devices) Close() error {
 	var errs []error
 	for j, a := range d.allocs {
