@@ -178,7 +178,7 @@ type options struct {
 	log               *zap.Logger
 	history           HistoryOptions
 	cfg               *Config // WithConfig: used by Open instead of ALLOCD_CONF
-	pytorchExpandable bool // WithPyTorchExpandable
+	pytorchExpandable bool    // WithPyTorchExpandable
 }
 
 // WithLogger sets the logger for segment growth and release, OOMs and
