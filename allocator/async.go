@@ -260,6 +260,18 @@ func (a *Allocator) asyncClose() []error {
 			errs = append(errs, err)
 		}
 	}
+	// Frees still deferred (their events failed): issue them after the
+	// device has finished everything.
+	for _, al := range a.async.pending {
+		if err := a.async.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil {
+			errs = append(errs, err)
+		}
+		a.spareEvents = append(a.spareEvents, al.events...)
+	}
+	// Nothing is live or pending any more: the bookkeeping says so, so
+	// that Check agrees with the zeroed statistics.
+	a.async.live = make(map[uint64]*asyncAlloc)
+	a.async.pending = nil
 	if err := a.dev.Synchronize(); err != nil {
 		errs = append(errs, err)
 	}
