@@ -3,6 +3,13 @@ package trace
 import (
 	"fmt"
 	"math"
+	"unsafe"
+)
+
+// Memory estimates of the typed items (see decoder.used).
+const (
+	segmentSize = int64(unsafe.Sizeof(Segment{}))
+	blockSize   = int64(unsafe.Sizeof(Block{}))
 )
 
 // setItemsOp executes SETITEMS: MARK k v k v ... into the dict below the MARK.
@@ -312,6 +319,7 @@ func (d *decoder) appendItem(ci uint64, it val) error {
 		var x any
 		if x, err = d.toAny(it); err == nil {
 			c.list = append(c.list, x)
+			d.used += valSize
 		}
 	case schTrace:
 		err = d.appendEntry(c, it)
@@ -319,17 +327,20 @@ func (d *decoder) appendItem(ci uint64, it val) error {
 		var s *container
 		if s, err = d.item(it, schSegment, "segments"); err == nil {
 			c.segs = append(c.segs, s.seg)
+			d.used += segmentSize
 		}
 	case schBlocks:
 		var b *container
 		if b, err = d.item(it, schBlock, "blocks"); err == nil {
 			c.blks = append(c.blks, b.blk)
+			d.used += blockSize
 		}
 	case schDevTraces:
 		var t *container
 		if t, err = d.item(it, schTrace, "device_traces"); err == nil {
 			ents := d.entries(&t.trace)
 			c.devs = append(c.devs, ents)
+			d.used += sliceSize
 		}
 	}
 	return err
@@ -341,6 +352,7 @@ func (d *decoder) appendFrames(list uint64, items []val) error {
 			return d.errAt(ErrMalformed, "frames item: want a %s, have %s", schFrame, d.describe(it))
 		}
 		d.frameLists[list] = append(d.frameLists[list], d.frameDicts[it.n])
+		d.used += frameSize
 	}
 	return nil
 }
@@ -382,6 +394,8 @@ func (d *decoder) describe(v val) string {
 		return "bytes"
 	case kAny:
 		return fmt.Sprintf("a %T", d.anys[v.n])
+	case kSkipped:
+		return "a long value in a place whose value is not kept"
 	}
 	return "an unset value"
 }
@@ -412,6 +426,7 @@ func (d *decoder) string(v val, key string) (string, error) {
 	}
 	s := string(b)
 	d.intern[s] = s
+	d.used += int64(len(s)) + 2*valSize
 	return s, nil
 }
 
@@ -447,6 +462,7 @@ func (d *decoder) action(e *rawEntry, id uint64, v val) error {
 			d.badNames = make(map[uint64]string)
 		}
 		d.badNames[id] = string(b)
+		d.used += int64(len(b)) + 2*valSize
 	}
 	return nil
 }
