@@ -30,7 +30,7 @@ func (d *decoder) toAny(v val) (any, error) {
 	case kAny:
 		return d.anys[v.n], nil
 	case kCont:
-		c := &d.conts[v.n]
+		c := d.conts[v.n]
 		if c.sch != schGeneric {
 			break
 		}

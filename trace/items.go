@@ -105,7 +105,7 @@ func (d *decoder) setItems(target val, kv []val) error {
 		}
 		return nil
 	case kCont:
-		c := &d.conts[target.n]
+		c := d.conts[target.n]
 		if !c.isDict {
 			return d.errAt(ErrMalformed, "%s on a list", opName(d.op))
 		}
@@ -164,7 +164,7 @@ func typed[T any](d *decoder, v val, want schema, what string, get func(*contain
 		return zero, d.errAt(ErrMalformed, "%s: want a %s, have %s", what, want, d.describe(v))
 	}
 	d.conts[v.n].taken = true
-	return get(&d.conts[v.n]), nil
+	return get(d.conts[v.n]), nil
 }
 
 // changedAfterUse reports a container filled after its parent copied it.
@@ -309,7 +309,7 @@ func (d *decoder) appendItems(target val, items []val) error {
 }
 
 func (d *decoder) appendItem(ci uint64, it val) error {
-	c := &d.conts[ci]
+	c := d.conts[ci]
 	if c.taken {
 		return d.changedAfterUse(c)
 	}
@@ -364,7 +364,7 @@ func (d *decoder) item(it val, want schema, list string) (*container, error) {
 		return nil, d.errAt(ErrMalformed, "%s item: want a %s, have %s", list, want, d.describe(it))
 	}
 	d.conts[it.n].taken = true
-	return &d.conts[it.n], nil
+	return d.conts[it.n], nil
 }
 
 // describe names a value for error messages.

@@ -117,12 +117,12 @@ func BuildOps(entries []Entry) Ops {
 }
 
 type opsBuilder struct {
-	out         Ops
-	live        map[uint64]liveAlloc   // by address
-	pending     map[uint64]pendingFree // by address
-	freed       map[uint64]bool        // addresses whose last free completed
-	streams     map[uint64]bool
-	primary     int // alloc and free ops emitted so far
+	out     Ops
+	live    map[uint64]liveAlloc   // by address
+	pending map[uint64]pendingFree // by address
+	freed   map[uint64]bool        // addresses whose last free completed
+	streams map[uint64]bool
+	primary int // alloc and free ops emitted so far
 }
 
 func (b *opsBuilder) add(e *Entry) {

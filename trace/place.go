@@ -94,8 +94,8 @@ func (d *decoder) open(isDict bool) error {
 			}
 		}
 		ci = int32(len(d.conts))
-		d.conts = append(d.conts, container{sch: sch, isDict: isDict, parent: parent})
-		d.used += containerSize
+		d.conts = append(d.conts, &container{sch: sch, isDict: isDict, parent: parent})
+		d.used += containerSize + 8
 		v = val{kind: kCont, n: uint64(ci)}
 	}
 	d.ctx = append(d.ctx, openCont{pos: int32(len(d.stack)), cont: ci, sch: sch, dict: isDict})

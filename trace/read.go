@@ -154,7 +154,7 @@ func (d *decoder) snapshot() (*Snapshot, error) {
 		return nil, &DecodeError{Err: ErrNotSnapshot, Offset: -1,
 			Msg: "the pickled value is " + d.describe(top) + ", not a snapshot dict"}
 	}
-	c := &d.conts[top.n]
+	c := d.conts[top.n]
 	if !c.hasSegs && !c.hasDevs {
 		return nil, &DecodeError{Err: ErrNotSnapshot, Offset: -1,
 			Msg: "the pickled dict has neither device_traces nor segments"}

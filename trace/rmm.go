@@ -90,6 +90,9 @@ func decodeRMM(in io.Reader, lim limits) (*Snapshot, error) {
 	br := bufio.NewReaderSize(in, MaxRMMLine)
 	r := &rmmReader{lastUS: -1, lim: lim}
 	for first := true; ; first = false {
+		if !first {
+			r.skipBlank(br)
+		}
 		line, err := br.ReadSlice('\n')
 		if err == bufio.ErrBufferFull {
 			r.line++
@@ -120,6 +123,31 @@ func decodeRMM(in io.Reader, lim limits) (*Snapshot, error) {
 		r.entries = []Entry{}
 	}
 	return &Snapshot{DeviceTraces: [][]Entry{slices.Clip(r.entries)}}, nil
+}
+
+// skipBlank consumes a run of line ends (blank lines) without a call per
+// line, so that a log of a billion blank lines costs its reading only.
+func (r *rmmReader) skipBlank(br *bufio.Reader) {
+	for {
+		if br.Buffered() == 0 {
+			if _, err := br.Peek(1); err != nil {
+				return
+			}
+		}
+		b, _ := br.Peek(br.Buffered())
+		i := 0
+		for i < len(b) && (b[i] == '\n' || b[i] == '\r') {
+			if b[i] == '\n' {
+				r.line++
+			}
+			i++
+		}
+		_, _ = br.Discard(i)
+		r.off += int64(i)
+		if i < len(b) {
+			return
+		}
+	}
 }
 
 func (r *rmmReader) errorf(kind error, format string, args ...any) error {

@@ -34,9 +34,10 @@ type decoder struct {
 	memoBig   map[uint64]val // memo keys too far past the end of memo
 	memoCount int            // distinct memo keys, the next MEMOIZE key
 
-	ctx   []openCont  // containers that may still receive items
-	conts []container // containers with a typed or generic payload
-	anys  []any       // boxed values (kAny)
+	ctx   []openCont   // containers that may still receive items
+	conts []*container // containers with a typed or generic payload, one
+	// allocation each, so that no growth copies them
+	anys []any // boxed values (kAny)
 
 	frameLists [][]Frame // kFrames values
 	frameDicts []Frame   // kFrame values
@@ -224,7 +225,11 @@ func (d *decoder) run() (val, error) {
 		case opEmptyList:
 			err = d.open(false)
 		case opEmptyTuple:
-			d.pushAny([]any{})
+			if d.ignored() {
+				d.stack = append(d.stack, val{kind: kSkip})
+			} else {
+				d.pushAny([]any{})
+			}
 		case opSetItems:
 			err = d.setItemsOp()
 		case opSetItem:
