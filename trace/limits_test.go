@@ -264,3 +264,76 @@ func TestBombs(t *testing.T) {
 		})
 	}
 }
+
+// TestInputMessages checks the errors of broken gzip and unrecognised
+// content, and what follows a gzip member.
+func TestInputMessages(t *testing.T) {
+	good := snap(4, func(p pk) pk { return p.entry("alloc", 1, 2, 3, 4) })
+	gz := func(b []byte) []byte { return gzipOf(t, func(w io.Writer) { _, _ = w.Write(b) }) }
+	garbage := bytes.Repeat([]byte("garbage!"), 1000)
+	badSum := gz(good)
+	badSum[len(badSum)-8] ^= 1 // the CRC-32 of the trailer
+	cases := []struct {
+		name string
+		in   []byte
+		want error  // nil: success
+		msg  string // the whole message
+	}{
+		{"gzip of garbage", gz(garbage), ErrNotSnapshot,
+			"trace: not a memory snapshot: offset 0: the gzip stream holds neither a pickle of protocol 2 or later nor an RMM log"},
+		{"garbage after the gzip magic", append([]byte{0x1f, 0x8b}, garbage...), ErrMalformed,
+			"trace: malformed input: offset 0: gzip: invalid header"},
+		{"corrupt deflate data", append(gz(good)[:10:10], garbage...), ErrMalformed,
+			"trace: malformed input: gzip: flate: corrupt input before offset 1"},
+		{"bad checksum", badSum, ErrMalformed, "trace: malformed input: gzip: invalid checksum"},
+		{"trailing garbage after the gzip member", append(gz(good), garbage...), ErrMalformed,
+			"trace: malformed input: gzip: trailing data after the end of the compressed stream"},
+		{"trailing zeros after the gzip member", append(gz(good), make([]byte, 512)...), ErrMalformed,
+			"trace: malformed input: gzip: trailing data after the end of the compressed stream"},
+		{"two gzip members read as one stream", append(gz(good[:20]), gz(good[20:])...), nil, ""},
+		{"an empty member after the snapshot", append(gz(good), gz(nil)...), nil, ""},
+		{"truncated gzip", gz(good)[:30], ErrTruncated, ""},
+		{"plain garbage", garbage, ErrNotSnapshot,
+			"trace: not a memory snapshot: offset 0: neither a pickle of protocol 2 or later, nor gzip, nor an RMM log"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s, err := Read(bytes.NewReader(c.in), ReadOptions{})
+			if c.want == nil {
+				if err != nil || len(s.DeviceTraces) != 1 || len(s.DeviceTraces[0]) != 1 {
+					t.Fatalf("got %+v, %v; want one entry", s, err)
+				}
+				return
+			}
+			if !errors.Is(err, c.want) {
+				t.Fatalf("err = %v, want %v", err, c.want)
+			}
+			if c.msg != "" && err.Error() != c.msg {
+				t.Errorf("err = %q\nwant  %q", err, c.msg)
+			}
+			if strings.Contains(err.Error(), "gzip: gzip:") {
+				t.Errorf("%q repeats its prefix", err)
+			}
+		})
+	}
+}
+
+// TestLimitDefaults pins the documented defaults and the meaning of zero.
+func TestLimitDefaults(t *testing.T) {
+	l := ReadOptions{}.limits()
+	if l.maxBytes != 4<<30 || l.maxMemory != 2<<30 {
+		t.Errorf("defaults %+v", l)
+	}
+	l = ReadOptions{MaxBytes: 10, MaxMemory: 20}.limits()
+	if l.maxBytes != 10 || l.maxMemory != 20 {
+		t.Errorf("set limits %+v", l)
+	}
+	// A stream of exactly MaxBytes is read; one byte more is too large.
+	good := snap(4, func(p pk) pk { return p.entry("alloc", 1, 2, 3, 4) })
+	if _, err := Read(bytes.NewReader(good), ReadOptions{MaxBytes: int64(len(good))}); err != nil {
+		t.Errorf("exactly MaxBytes: %v", err)
+	}
+	if _, err := Read(bytes.NewReader(good), ReadOptions{MaxBytes: int64(len(good) - 1)}); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("MaxBytes-1: %v, want ErrTooLarge", err)
+	}
+}
