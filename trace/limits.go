@@ -40,7 +40,7 @@ const (
 	DefaultMaxBytes = 4 << 30
 	// DefaultMaxMemory is ReadOptions.MaxMemory by default: 2 GiB, room
 	// for about 15 million trace entries. The 913,006-entry trace uses
-	// about 150 MB of it.
+	// about 129 MiB of it.
 	DefaultMaxMemory = 2 << 30
 	// MaxStack bounds the values and MARKs on the pickle stack, and so the
 	// nesting of lists, dicts and tuples. Python's pickler never holds
