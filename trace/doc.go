@@ -42,10 +42,48 @@
 // its real consumer when it is added, so a pickle of another shape is
 // reported as an error rather than decoded wrongly. (One leniency: an object
 // memoized in a skipped part of the snapshot and referenced again inside
-// allocator_settings reads there as nil.) The decoder never panics on bad input:
-// it returns ErrTruncated, ErrUnsupportedOpcode, ErrMalformed, ErrNotSnapshot
-// or ErrUnknownAction, wrapped in a *DecodeError carrying the byte offset
-// when there is one.
+// allocator_settings reads there as nil; so does a string of more than 256
+// bytes skipped where its value is not kept.) The decoder never panics on bad
+// input: it returns ErrTruncated, ErrUnsupportedOpcode, ErrMalformed,
+// ErrNotSnapshot, ErrUnknownAction or ErrTooLarge, wrapped in a *DecodeError
+// carrying the byte offset when there is one.
+//
+// A gzip input may hold several members, read as one stream as gzip -d
+// reads them; the checksum of each is verified, and bytes after the last
+// member that are not a gzip member are an error (ErrMalformed), as are
+// a bad header, corrupt data and a bad checksum.
+//
+// # Limits
+//
+// Every input, however hostile, is read within a stated budget; past a
+// limit Read fails with ErrTooLarge and a message naming the limit, and it
+// never makes an allocation sized by a length read from the input before
+// the bytes it describes have arrived:
+//
+//   - ReadOptions.MaxBytes (DefaultMaxBytes, 4 GiB) bounds the input after
+//     decompression, and so the time a read takes. The largest trace in CI
+//     decompresses to 65.6 MB.
+//   - ReadOptions.MaxMemory (DefaultMaxMemory, 2 GiB) bounds the memory the
+//     decoder keeps, as it estimates it: about 112 bytes per trace entry
+//     while decoding (so about 15 million entries), a few hundred per
+//     segment, block or frame, 16 per memo slot, and the bytes of the
+//     strings it keeps. The Go heap may peak at up to about twice the
+//     estimate. The 913,006-entry trace is estimated at 129 MiB.
+//   - MaxStack (1<<20) bounds the values and MARKs on the pickle stack,
+//     and so the nesting of containers (at most 16 MiB of stack).
+//   - MaxDevices (1024) bounds the device traces.
+//   - MaxString (1 MiB) bounds a string or bytes value that is kept; a
+//     longer one where its value is not used (an unknown key, a skipped
+//     stack, compile_context) is streamed past without being stored,
+//     whatever its length. LONG1/LONG4 integers that are kept have at most
+//     1 KiB.
+//   - An RMM log is read line by line: its memory grows with its entries
+//     (held to MaxMemory), never with blank lines, and a line has at most
+//     MaxRMMLine (64 KiB) bytes.
+//
+// Skipped containers, tuples and strings cost nothing, so a read costs
+// memory in proportion to the entries, segments, blocks and frames the
+// snapshot really contains.
 //
 // # Writing
 //

@@ -1,5 +1,7 @@
 package trace
 
+import "unsafe"
+
 // Entry dicts are decoded into a small pool instead of containers: a kEntry
 // value packs the pool generation and slot. When its device trace takes an
 // entry (APPENDS), the entry moves into the trace's chunks; when every
@@ -53,6 +55,7 @@ func (t *entryChunks) add(e rawEntry) {
 // one by one into the zeroed slice: copying whole Entry values would take
 // the bulk write barrier path for every entry while the collector runs.
 func (d *decoder) entries(t *entryChunks) []Entry {
+	d.used += int64(t.n) * entrySize
 	out := make([]Entry, t.n)
 	i := 0
 	for _, c := range t.chunks {
@@ -66,11 +69,21 @@ func (d *decoder) entries(t *entryChunks) []Entry {
 			}
 		}
 	}
+	t.chunks = nil // the collector may take them now
 	return out
 }
 
+// Memory estimates of an entry while decoding and once decoded.
+const (
+	rawEntrySize = int64(unsafe.Sizeof(rawEntry{}))
+	entrySize    = int64(unsafe.Sizeof(Entry{}))
+)
+
 func (d *decoder) newEntry() val {
 	slot := len(d.pool)
+	if slot == cap(d.pool) {
+		d.used += int64(slot) * rawEntrySize
+	}
 	d.pool = append(d.pool, rawEntry{})
 	d.poolLive++
 	return val{kind: kEntry, n: uint64(d.poolGen)<<32 | uint64(slot)}
@@ -106,6 +119,7 @@ func (d *decoder) appendEntry(c *container, it val) error {
 		return d.badAction(c, e, it.n)
 	}
 	c.trace.add(*e)
+	d.used += rawEntrySize
 	d.poolLive--
 	return nil
 }

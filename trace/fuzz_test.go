@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 )
 
@@ -57,5 +58,38 @@ func FuzzRead(f *testing.F) {
 				t.Fatalf("round trip changed the snapshot:\n%+v\n%+v", s, back)
 			}
 		}
+	})
+}
+
+// FuzzReadRMM feeds arbitrary RMM log lines to Read, after an RMM header so
+// that the log reader sees them: it must return a snapshot or a
+// *DecodeError, never panic; a snapshot has one device trace of at most
+// two entries per line, which BuildOps accepts.
+func FuzzReadRMM(f *testing.F) {
+	_, body, _ := strings.Cut(rmmSample, "\n")
+	f.Add("Thread,Time,Action,Pointer,Size,Stream", body)
+	f.Add("Action,Pointer,Size", "allocate,1,1\n\n\r\nfree,1,1\n")
+	f.Add("Action,Pointer,Size,Time", "allocate failure,0x0,5,23:59:59.9\nallocate,16,5,00:00:00:1\n")
+	f.Add("\xef\xbb\xbfaction,pointer,size,stream", "deallocate,0x10,5,-1\n")
+	f.Fuzz(func(t *testing.T, header, body string) {
+		if !isRMMLog([]byte(header)) {
+			header = "Thread,Time,Action,Pointer,Size,Stream"
+		}
+		log := header + "\n" + body
+		s, err := Read(strings.NewReader(log), ReadOptions{MaxMemory: 1 << 20})
+		if err != nil {
+			var de *DecodeError
+			if !errors.As(err, &de) {
+				t.Fatalf("%v is not a *DecodeError", err)
+			}
+			return
+		}
+		if len(s.DeviceTraces) != 1 || len(s.Segments) != 0 {
+			t.Fatalf("%d device traces, %d segments", len(s.DeviceTraces), len(s.Segments))
+		}
+		if n, lines := len(s.DeviceTraces[0]), strings.Count(log, "\n")+1; n > 2*lines {
+			t.Fatalf("%d entries from %d lines", n, lines)
+		}
+		BuildOps(s.DeviceTraces[0])
 	})
 }

@@ -11,7 +11,7 @@ import (
 // snapshot part inside a generic value is an error.
 func (d *decoder) toAny(v val) (any, error) {
 	switch v.kind {
-	case kNone, kSkip:
+	case kNone, kSkip, kSkipped:
 		return nil, nil
 	case kBool:
 		return v.n != 0, nil
@@ -30,7 +30,7 @@ func (d *decoder) toAny(v val) (any, error) {
 	case kAny:
 		return d.anys[v.n], nil
 	case kCont:
-		c := &d.conts[v.n]
+		c := d.conts[v.n]
 		if c.sch != schGeneric {
 			break
 		}
@@ -84,11 +84,13 @@ func (d *decoder) setGeneric(c *container, k, v val) error {
 		c.dict = map[string]any{}
 	}
 	c.dict[key] = x
+	d.used += int64(len(key)) + 4*valSize
 	return nil
 }
 
 // anyList converts stack values into a []any.
 func (d *decoder) anyList(items []val) ([]any, error) {
+	d.used += int64(len(items)) * valSize
 	l := make([]any, len(items))
 	for i, it := range items {
 		x, err := d.toAny(it)
@@ -106,6 +108,9 @@ func (d *decoder) tupleN(n int) error {
 		return err
 	}
 	at := len(d.stack) - n
+	if d.skipBuilt(at) {
+		return nil
+	}
 	l, err := d.anyList(d.stack[at:])
 	if err != nil {
 		return err
@@ -121,6 +126,9 @@ func (d *decoder) listOp() error {
 	if err != nil {
 		return err
 	}
+	if d.skipBuilt(m) {
+		return nil
+	}
 	l, err := d.anyList(d.stack[m:])
 	if err != nil {
 		return err
@@ -128,6 +136,20 @@ func (d *decoder) listOp() error {
 	d.truncate(m)
 	d.pushAny(l)
 	return nil
+}
+
+// skipBuilt replaces the items above stack index m with one kSkip value
+// when the tuple, list or dict built of them would be dropped.
+func (d *decoder) skipBuilt(m int) bool {
+	n := len(d.stack)
+	d.stack = d.stack[:m] // ignored looks at the stack without the items
+	ign := d.ignored()
+	d.stack = d.stack[:n]
+	if ign {
+		d.truncate(m)
+		d.stack = append(d.stack, val{kind: kSkip})
+	}
+	return ign
 }
 
 // dictOp executes DICT: MARK k v k v.
@@ -139,6 +161,9 @@ func (d *decoder) dictOp() error {
 	kv := d.stack[m:]
 	if len(kv)%2 != 0 {
 		return d.errAt(ErrMalformed, "DICT with an odd number of values")
+	}
+	if d.skipBuilt(m) {
+		return nil
 	}
 	c := container{sch: schGeneric, isDict: true, dict: map[string]any{}}
 	for i := 0; i < len(kv); i += 2 {

@@ -211,11 +211,12 @@ func TestTopLevelShapes(t *testing.T) {
 		{"append to an int", newPK(4).int(1).int(1).op(opAppend), ErrMalformed},
 		{"stop on empty stack", newPK(4).op(opStop), ErrMalformed},
 		{"pop mark without mark", newPK(4).op(opPopMark), ErrMalformed},
-		{"negative string length", newPK(4).op(opBinUnicode, 0xff, 0xff, 0xff, 0xff), ErrMalformed},
+		{"negative string length", newPK(4).op(opBinString, 0xff, 0xff, 0xff, 0xff), ErrMalformed},
+		{"4 GiB string length", newPK(4).op(opBinUnicode, 0xff, 0xff, 0xff, 0xff), ErrTooLarge},
 		{"memoize across mark", newPK(4).op(opMark, opMemoize), ErrMalformed},
 		{"truncated", newPK(4).op(opEmptyDict), ErrTruncated},
 		{"truncated string", newPK(4).op(opBinUnicode, 9, 0, 0, 0).op([]byte("abc")...), ErrTruncated},
-		{"long string length", newPK(4).op(opBinUnicode8, 0, 0, 0, 0, 1, 0, 0, 0), ErrMalformed},
+		{"long string length", newPK(4).op(opBinUnicode8, 0, 0, 0, 0, 1, 0, 0, 0), ErrTooLarge},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

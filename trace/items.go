@@ -3,6 +3,13 @@ package trace
 import (
 	"fmt"
 	"math"
+	"unsafe"
+)
+
+// Memory estimates of the typed items (see decoder.used).
+const (
+	segmentSize = int64(unsafe.Sizeof(Segment{}))
+	blockSize   = int64(unsafe.Sizeof(Block{}))
 )
 
 // setItemsOp executes SETITEMS: MARK k v k v ... into the dict below the MARK.
@@ -98,7 +105,7 @@ func (d *decoder) setItems(target val, kv []val) error {
 		}
 		return nil
 	case kCont:
-		c := &d.conts[target.n]
+		c := d.conts[target.n]
 		if !c.isDict {
 			return d.errAt(ErrMalformed, "%s on a list", opName(d.op))
 		}
@@ -157,7 +164,7 @@ func typed[T any](d *decoder, v val, want schema, what string, get func(*contain
 		return zero, d.errAt(ErrMalformed, "%s: want a %s, have %s", what, want, d.describe(v))
 	}
 	d.conts[v.n].taken = true
-	return get(&d.conts[v.n]), nil
+	return get(d.conts[v.n]), nil
 }
 
 // changedAfterUse reports a container filled after its parent copied it.
@@ -304,7 +311,7 @@ func (d *decoder) appendItems(target val, items []val) error {
 }
 
 func (d *decoder) appendItem(ci uint64, it val) error {
-	c := &d.conts[ci]
+	c := d.conts[ci]
 	if c.taken {
 		return d.changedAfterUse(c)
 	}
@@ -314,6 +321,7 @@ func (d *decoder) appendItem(ci uint64, it val) error {
 		var x any
 		if x, err = d.toAny(it); err == nil {
 			c.list = append(c.list, x)
+			d.used += valSize
 		}
 	case schTrace:
 		err = d.appendEntry(c, it)
@@ -321,17 +329,20 @@ func (d *decoder) appendItem(ci uint64, it val) error {
 		var s *container
 		if s, err = d.item(it, schSegment, "segments"); err == nil {
 			c.segs = append(c.segs, s.seg)
+			d.used += segmentSize
 		}
 	case schBlocks:
 		var b *container
 		if b, err = d.item(it, schBlock, "blocks"); err == nil {
 			c.blks = append(c.blks, b.blk)
+			d.used += blockSize
 		}
 	case schDevTraces:
 		var t *container
 		if t, err = d.item(it, schTrace, "device_traces"); err == nil {
 			ents := d.entries(&t.trace)
 			c.devs = append(c.devs, ents)
+			d.used += sliceSize
 		}
 	}
 	return err
@@ -343,6 +354,7 @@ func (d *decoder) appendFrames(list uint64, items []val) error {
 			return d.errAt(ErrMalformed, "frames item: want a %s, have %s", schFrame, d.describe(it))
 		}
 		d.frameLists[list] = append(d.frameLists[list], d.frameDicts[it.n])
+		d.used += frameSize
 	}
 	return nil
 }
@@ -354,7 +366,7 @@ func (d *decoder) item(it val, want schema, list string) (*container, error) {
 		return nil, d.errAt(ErrMalformed, "%s item: want a %s, have %s", list, want, d.describe(it))
 	}
 	d.conts[it.n].taken = true
-	return &d.conts[it.n], nil
+	return d.conts[it.n], nil
 }
 
 // describe names a value for error messages.
@@ -384,6 +396,8 @@ func (d *decoder) describe(v val) string {
 		return "bytes"
 	case kAny:
 		return fmt.Sprintf("a %T", d.anys[v.n])
+	case kSkipped:
+		return "a long value in a place whose value is not kept"
 	}
 	return "an unset value"
 }
@@ -414,6 +428,7 @@ func (d *decoder) string(v val, key string) (string, error) {
 	}
 	s := string(b)
 	d.intern[s] = s
+	d.used += int64(len(s)) + 2*valSize
 	return s, nil
 }
 
@@ -449,6 +464,7 @@ func (d *decoder) action(e *rawEntry, id uint64, v val) error {
 			d.badNames = make(map[uint64]string)
 		}
 		d.badNames[id] = string(b)
+		d.used += int64(len(b)) + 2*valSize
 	}
 	return nil
 }

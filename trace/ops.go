@@ -54,6 +54,15 @@ type Ops struct {
 	// address with no live allocation (allocated before the trace started,
 	// or already freed); they produce no op.
 	UnmatchedFrees int
+	// DoubleFrees counts the unmatched frees of an address whose last
+	// allocation was already freed: a second free_requested, or a
+	// free_completed after the free had completed. They are included in
+	// UnmatchedFrees.
+	DoubleFrees int
+	// DuplicateAllocs counts allocs at an address that was still
+	// allocated: the trace lost the free of the earlier allocation, which
+	// stays live (and is counted in LiveAtEnd).
+	DuplicateAllocs int
 	// UncompletedFrees counts allocations whose free_requested has no
 	// free_completed by the end of the trace; their OpFree is not Deferred.
 	UncompletedFrees int
@@ -95,24 +104,25 @@ func BuildOps(entries []Entry) Ops {
 	b := opsBuilder{
 		live:    make(map[uint64]liveAlloc),
 		pending: make(map[uint64]pendingFree),
+		freed:   make(map[uint64]bool),
 		streams: make(map[uint64]bool),
 	}
 	b.out.Ops = make([]Op, 0, len(entries)*2/3+1)
 	for i := range entries {
 		b.add(&entries[i])
 	}
-	b.out.LiveAtEnd = len(b.live) + b.overwritten
+	b.out.LiveAtEnd = len(b.live) + b.out.DuplicateAllocs
 	b.out.UncompletedFrees = len(b.pending)
 	return b.out
 }
 
 type opsBuilder struct {
-	out         Ops
-	live        map[uint64]liveAlloc   // by address
-	pending     map[uint64]pendingFree // by address
-	streams     map[uint64]bool
-	primary     int // alloc and free ops emitted so far
-	overwritten int // live allocations lost to a new alloc at their address
+	out     Ops
+	live    map[uint64]liveAlloc   // by address
+	pending map[uint64]pendingFree // by address
+	freed   map[uint64]bool        // addresses whose last free completed
+	streams map[uint64]bool
+	primary int // alloc and free ops emitted so far
 }
 
 func (b *opsBuilder) add(e *Entry) {
@@ -135,8 +145,9 @@ func (b *opsBuilder) alloc(e *Entry) {
 	a := liveAlloc{id: int32(b.out.NumIDs), size: e.Size, stream: e.Stream}
 	b.out.NumIDs++
 	if _, ok := b.live[e.Addr]; ok {
-		b.overwritten++
+		b.out.DuplicateAllocs++
 	}
+	delete(b.freed, e.Addr)
 	b.live[e.Addr] = a
 	if !b.streams[e.Stream] {
 		b.streams[e.Stream] = true
@@ -149,6 +160,9 @@ func (b *opsBuilder) freeRequested(e *Entry) {
 	a, ok := b.live[e.Addr]
 	if !ok {
 		b.out.UnmatchedFrees++
+		if _, pending := b.pending[e.Addr]; pending || b.freed[e.Addr] {
+			b.out.DoubleFrees++
+		}
 		return
 	}
 	delete(b.live, e.Addr)
@@ -164,6 +178,7 @@ func (b *opsBuilder) freeRequested(e *Entry) {
 func (b *opsBuilder) freeCompleted(e *Entry) {
 	if p, ok := b.pending[e.Addr]; ok {
 		delete(b.pending, e.Addr)
+		b.freed[e.Addr] = true
 		if b.primary > p.primary+1 { // ops of other IDs since the OpFree
 			b.out.Ops[p.op].Deferred = true
 			b.out.Ops = append(b.out.Ops, Op{Kind: OpFreeCompleted, ID: p.id, Size: p.size, Stream: p.stream})
@@ -172,10 +187,14 @@ func (b *opsBuilder) freeCompleted(e *Entry) {
 	}
 	if a, ok := b.live[e.Addr]; ok { // no free_requested: this is the free
 		delete(b.live, e.Addr)
+		b.freed[e.Addr] = true
 		b.emit(OpFree, a)
 		return
 	}
 	b.out.UnmatchedFrees++
+	if b.freed[e.Addr] {
+		b.out.DoubleFrees++
+	}
 }
 
 // emit appends an alloc or free op.

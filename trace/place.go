@@ -1,5 +1,7 @@
 package trace
 
+import "unsafe"
+
 // schema is what a container of the snapshot is, and so what its items become.
 type schema uint8
 
@@ -50,10 +52,8 @@ type container struct {
 
 	seg   Segment        // schSegment
 	blk   Block          // schBlock
-	frm   Frame          // schFrame
 	segs  []Segment      // schSegments, and schTop's "segments"
 	blks  []Block        // schBlocks
-	frms  []Frame        // schFrames
 	devs  [][]Entry      // schDevTraces, and schTop's "device_traces"
 	trace entryChunks    // schTrace
 	list  []any          // schGeneric list
@@ -63,8 +63,15 @@ type container struct {
 	settings         map[string]any // schTop
 }
 
+// Memory estimates of what open creates (see decoder.used).
+const (
+	containerSize = int64(unsafe.Sizeof(container{}))
+	frameSize     = int64(unsafe.Sizeof(Frame{}))
+	sliceSize     = int64(unsafe.Sizeof([]Frame{}))
+)
+
 // open pushes a new, empty dict or list and gives it a schema.
-func (d *decoder) open(isDict bool) {
+func (d *decoder) open(isDict bool) error {
 	sch, parent := d.place(isDict)
 	v := val{kind: kSkip}
 	ci := int32(-1)
@@ -75,16 +82,88 @@ func (d *decoder) open(isDict bool) {
 	case schFrames: // a stack per entry: kept out of the larger container
 		v = val{kind: kFrames, n: uint64(len(d.frameLists))}
 		d.frameLists = append(d.frameLists, nil)
+		d.used += sliceSize
 	case schFrame:
 		v = val{kind: kFrame, n: uint64(len(d.frameDicts))}
 		d.frameDicts = append(d.frameDicts, Frame{})
+		d.used += frameSize
 	default:
+		if sch == schTrace {
+			if d.devs++; d.devs > MaxDevices {
+				return d.errAt(ErrTooLarge, "more than MaxDevices (%d) device traces", MaxDevices)
+			}
+		}
 		ci = int32(len(d.conts))
-		d.conts = append(d.conts, container{sch: sch, isDict: isDict, parent: parent})
+		d.conts = append(d.conts, &container{sch: sch, isDict: isDict, parent: parent})
+		d.used += containerSize + 8
 		v = val{kind: kCont, n: uint64(ci)}
 	}
 	d.ctx = append(d.ctx, openCont{pos: int32(len(d.stack)), cont: ci, sch: sch, dict: isDict})
 	d.stack = append(d.stack, v)
+	return nil
+}
+
+// ignored reports whether the value about to be pushed is dropped by the
+// decoder: an item of a skipped container, the value of a key that its
+// typed dict does not use, or a part of a tuple built for one of those. It
+// follows place, without changing the open containers.
+func (d *decoder) ignored() bool {
+	topMark := int32(-1)
+	if len(d.marks) > 0 {
+		topMark = d.marks[len(d.marks)-1]
+	}
+	for i := len(d.ctx) - 1; i >= 0; i-- {
+		p := &d.ctx[i]
+		if p.closed {
+			continue
+		}
+		if topMark > p.pos+1 {
+			return inherit(p.sch) == schSkip
+		}
+		own := topMark == p.pos+1
+		n := len(d.stack) - int(p.pos) - 1
+		switch {
+		case p.dict && (n == 1 || own && n%2 == 1):
+			key, _ := d.keyBytes(d.stack[len(d.stack)-1])
+			return !d.usesKey(p.sch, string(key))
+		case p.dict && (n == 0 || own):
+			return false // a key
+		case !p.dict && (n == 0 || own):
+			return p.sch == schSkip
+		}
+	}
+	return false
+}
+
+// usesKey reports whether a dict of schema s keeps the value of key.
+func (d *decoder) usesKey(s schema, key string) bool {
+	switch s {
+	case schSkip:
+		return false
+	case schTop:
+		return key == "segments" || key == "device_traces" || key == "allocator_settings"
+	case schSegment:
+		switch key {
+		case "device", "address", "total_size", "allocated_size", "active_size",
+			"requested_size", "stream", "segment_type", "is_expandable", "blocks":
+			return true
+		}
+	case schBlock:
+		switch key {
+		case "address", "size", "requested_size", "state":
+			return true
+		}
+	case schEntry:
+		switch key {
+		case "action", "addr", "device_free", "size", "stream", "time_us":
+			return true
+		}
+	case schFrame:
+		return key == "filename" || key == "name" || key == "line"
+	default:
+		return true
+	}
+	return key == "frames" && d.opt.Frames
 }
 
 // place finds the open container a new dict or list is being built for and

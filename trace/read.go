@@ -9,36 +9,42 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 )
 
 // Read decodes a memory snapshot from r: a PyTorch snapshot pickle
 // (protocol 2 to 5) or a RAPIDS RMM logging_resource_adaptor CSV log, either
 // of them plain or gzip-compressed. The format is detected from the content.
 // A pickle is decoded as it streams in, reading r up to the pickle's STOP
-// opcode (and, for gzip, to the end of the gzip member, whose checksum is
-// verified); an RMM log is read to the end. Errors on bad input wrap
-// ErrNotSnapshot, ErrTruncated, ErrUnsupportedOpcode, ErrMalformed or
-// ErrUnknownAction in a *DecodeError; errors of r itself are returned
-// wrapped as they are.
+// opcode (and, for gzip, to the end of the gzip stream, whose checksums are
+// verified); an RMM log is read to the end, line by line. A gzip stream may
+// hold several members, read as one (as gzip -d does); anything after the
+// last member is an error. Read holds the input to the limits of opt (see
+// ReadOptions and MaxStack). Errors on bad input wrap ErrNotSnapshot,
+// ErrTruncated, ErrUnsupportedOpcode, ErrMalformed, ErrUnknownAction or
+// ErrTooLarge in a *DecodeError; errors of r itself are returned wrapped as
+// they are.
 func Read(r io.Reader, opt ReadOptions) (*Snapshot, error) {
+	lim := opt.limits()
 	br := bufio.NewReaderSize(r, 16<<10)
 	var src io.Reader = br
-	var zr *gzip.Reader
+	gz := false
 	if magic, _ := br.Peek(2); isGzip(magic) {
-		var err error
-		if zr, err = gzip.NewReader(br); err != nil {
-			return nil, inputError(err)
+		zr, err := gzip.NewReader(br)
+		if err != nil {
+			return nil, gzipHeaderError(err)
 		}
-		zr.Multistream(false)
-		src = zr
+		src, gz = zr, true
 	}
-	s, err := decodeStream(src, opt)
+	in := &sizeLimit{r: src, n: lim.maxBytes, max: lim.maxBytes}
+	s, err := decodeStream(in, opt, lim, gz)
 	if err != nil {
 		return nil, inputError(err)
 	}
-	if zr != nil {
-		// Read the gzip trailer so that its checksum is verified.
-		if _, err := io.Copy(io.Discard, zr); err != nil {
+	if gz {
+		// Read the rest of the gzip stream, so that its checksums are
+		// verified and trailing garbage is found.
+		if _, err := io.Copy(io.Discard, in); err != nil {
 			return nil, inputError(err)
 		}
 	}
@@ -61,9 +67,10 @@ func ReadFile(path string, opt ReadOptions) (*Snapshot, error) {
 
 func isGzip(b []byte) bool { return len(b) >= 2 && b[0] == 0x1f && b[1] == 0x8b }
 
-// decodeStream detects the format of the decompressed input and decodes it.
-func decodeStream(in io.Reader, opt ReadOptions) (*Snapshot, error) {
-	d := newDecoder(in, opt)
+// decodeStream detects the format of the decompressed input and decodes it;
+// gz says the input was gzip-compressed.
+func decodeStream(in io.Reader, opt ReadOptions, lim limits, gz bool) (*Snapshot, error) {
+	d := newDecoder(in, opt, lim)
 	_ = d.fill(minWindow) // a short input is judged on what there is
 	if d.end == 0 && d.rerr != nil {
 		return nil, d.rerr
@@ -73,28 +80,62 @@ func decodeStream(in io.Reader, opt ReadOptions) (*Snapshot, error) {
 	case len(head) > 0 && head[0] == opProto:
 		return d.snapshot()
 	case isRMMLog(head):
-		rest, err := io.ReadAll(in)
-		if err != nil {
-			return nil, err
+		var rest io.Reader = in
+		if d.eof {
+			rest = eofReader{d.rerr}
 		}
-		return decodeRMM(append(head, rest...))
+		return decodeRMM(io.MultiReader(bytes.NewReader(head), rest), lim)
 	}
 	if d.rerr != nil {
 		return nil, d.rerr
+	}
+	if gz {
+		// A broken gzip stream is reported as such, not as content.
+		if _, err := io.Copy(io.Discard, in); err != nil {
+			return nil, err
+		}
+		return nil, &DecodeError{Err: ErrNotSnapshot, Offset: 0,
+			Msg: "the gzip stream holds neither a pickle of protocol 2 or later nor an RMM log"}
 	}
 	return nil, &DecodeError{Err: ErrNotSnapshot, Offset: 0,
 		Msg: "neither a pickle of protocol 2 or later, nor gzip, nor an RMM log"}
 }
 
-// inputError classifies errors of the gzip layer and passes others through.
+// eofReader returns err, or io.EOF when err is nil.
+type eofReader struct{ err error }
+
+func (r eofReader) Read([]byte) (int, error) {
+	if r.err != nil {
+		return 0, r.err
+	}
+	return 0, io.EOF
+}
+
+// gzipHeaderError classifies an error of gzip.NewReader.
+func gzipHeaderError(err error) error {
+	if errors.Is(err, gzip.ErrHeader) {
+		return &DecodeError{Err: ErrMalformed, Offset: 0, Msg: "gzip: invalid header"}
+	}
+	return inputError(err)
+}
+
+// inputError classifies errors of the gzip layer and of the size limit, and
+// passes others through. A gzip header error past the first member's header
+// is data after the end of a member that is not another member.
 func inputError(err error) error {
 	var ce flate.CorruptInputError
+	var tl errTooLarge
 	switch {
+	case errors.As(err, &tl):
+		return &DecodeError{Err: ErrTooLarge, Offset: tl.max, Msg: tl.Error()}
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return &DecodeError{Err: ErrTruncated, Offset: -1, Msg: "gzip stream ends early"}
-	case errors.As(err, &ce),
-		errors.Is(err, gzip.ErrHeader), errors.Is(err, gzip.ErrChecksum):
-		return &DecodeError{Err: ErrMalformed, Offset: -1, Msg: "gzip: " + err.Error()}
+	case errors.Is(err, gzip.ErrHeader):
+		return &DecodeError{Err: ErrMalformed, Offset: -1,
+			Msg: "gzip: trailing data after the end of the compressed stream"}
+	case errors.As(err, &ce), errors.Is(err, gzip.ErrChecksum):
+		return &DecodeError{Err: ErrMalformed, Offset: -1,
+			Msg: "gzip: " + strings.TrimPrefix(err.Error(), "gzip: ")}
 	}
 	var de *DecodeError
 	if errors.As(err, &de) {
@@ -113,7 +154,7 @@ func (d *decoder) snapshot() (*Snapshot, error) {
 		return nil, &DecodeError{Err: ErrNotSnapshot, Offset: -1,
 			Msg: "the pickled value is " + d.describe(top) + ", not a snapshot dict"}
 	}
-	c := &d.conts[top.n]
+	c := d.conts[top.n]
 	if !c.hasSegs && !c.hasDevs {
 		return nil, &DecodeError{Err: ErrNotSnapshot, Offset: -1,
 			Msg: "the pickled dict has neither device_traces nor segments"}

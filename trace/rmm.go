@@ -1,9 +1,13 @@
 package trace
 
 import (
+	"bufio"
 	"bytes"
 	"fmt"
+	"io"
+	"slices"
 	"strconv"
+	"unsafe"
 )
 
 // RAPIDS RMM's logging_resource_adaptor writes a CSV log,
@@ -69,38 +73,81 @@ type rmmReader struct {
 	cols    [len(rmmColumns)]int
 	ncols   int
 	line    int
-	off     int
+	off     int64
 	entries []Entry
 	lastUS  int64 // last clock time seen, -1 before the first
 	dayUS   int64 // days crossed, in microseconds
+	lim     limits
 }
 
-func decodeRMM(data []byte) (*Snapshot, error) {
-	data = bytes.TrimPrefix(data, []byte("\xef\xbb\xbf"))
-	header := firstLine(data)
-	r := &rmmReader{line: 1, lastUS: -1}
-	r.cols, _ = rmmHeader(header)
-	for _, c := range r.cols {
-		r.ncols = max(r.ncols, c+1)
-	}
-	lines := bytes.Count(data, []byte("\n"))
-	r.entries = make([]Entry, 0, lines+lines/2+1)
-	rest := data[min(len(header)+1, len(data)):]
-	r.off = len(header) + 1
-	for len(rest) > 0 {
-		r.line++
-		line := rest
-		if i := bytes.IndexByte(rest, '\n'); i >= 0 {
-			line, rest = rest[:i], rest[i+1:]
-		} else {
-			rest = nil
+// rmmEntryCost is the memory estimate of one entry: the Entry, and as much
+// again for the slack of slice growth.
+const rmmEntryCost = 2 * int64(unsafe.Sizeof(Entry{}))
+
+// decodeRMM reads an RMM log line by line: memory grows with the entries
+// it holds, never with blank lines or the input's size.
+func decodeRMM(in io.Reader, lim limits) (*Snapshot, error) {
+	br := bufio.NewReaderSize(in, MaxRMMLine)
+	r := &rmmReader{lastUS: -1, lim: lim}
+	for first := true; ; first = false {
+		if !first {
+			r.skipBlank(br)
 		}
-		if err := r.parseLine(bytes.TrimSpace(line)); err != nil {
+		line, err := br.ReadSlice('\n')
+		if err == bufio.ErrBufferFull {
+			r.line++
+			return nil, r.errorf(ErrTooLarge, "line longer than MaxRMMLine (%s)", bytesString(MaxRMMLine))
+		}
+		if err != nil && err != io.EOF {
 			return nil, err
 		}
-		r.off += len(line) + 1
+		if len(line) > 0 {
+			r.line++
+			body := bytes.TrimSuffix(line, []byte("\n"))
+			if first {
+				body = bytes.TrimPrefix(body, []byte("\xef\xbb\xbf"))
+				r.cols, _ = rmmHeader(body)
+				for _, c := range r.cols {
+					r.ncols = max(r.ncols, c+1)
+				}
+			} else if perr := r.parseLine(bytes.TrimSpace(body)); perr != nil {
+				return nil, perr
+			}
+			r.off += int64(len(line))
+		}
+		if err == io.EOF {
+			break
+		}
 	}
-	return &Snapshot{DeviceTraces: [][]Entry{r.entries}}, nil
+	if r.entries == nil {
+		r.entries = []Entry{}
+	}
+	return &Snapshot{DeviceTraces: [][]Entry{slices.Clip(r.entries)}}, nil
+}
+
+// skipBlank consumes a run of line ends (blank lines) without a call per
+// line, so that a log of a billion blank lines costs its reading only.
+func (r *rmmReader) skipBlank(br *bufio.Reader) {
+	for {
+		if br.Buffered() == 0 {
+			if _, err := br.Peek(1); err != nil {
+				return
+			}
+		}
+		b, _ := br.Peek(br.Buffered())
+		i := 0
+		for i < len(b) && (b[i] == '\n' || b[i] == '\r') {
+			if b[i] == '\n' {
+				r.line++
+			}
+			i++
+		}
+		_, _ = br.Discard(i)
+		r.off += int64(i)
+		if i < len(b) {
+			return
+		}
+	}
 }
 
 func (r *rmmReader) errorf(kind error, format string, args ...any) error {
@@ -108,7 +155,7 @@ func (r *rmmReader) errorf(kind error, format string, args ...any) error {
 	if len(args) > 0 {
 		msg = fmt.Sprintf(format, args...)
 	}
-	return &DecodeError{Err: kind, Offset: int64(r.off), Line: r.line, Msg: msg}
+	return &DecodeError{Err: kind, Offset: r.off, Line: r.line, Msg: msg}
 }
 
 // parseLine converts one log line into entries.
@@ -149,6 +196,9 @@ func (r *rmmReader) parseLine(line []byte) error {
 }
 
 func (r *rmmReader) add(e Entry, action []byte) error {
+	if int64(len(r.entries)+2)*rmmEntryCost > r.lim.maxMemory {
+		return r.errorf(ErrTooLarge, "the log needs more memory than ReadOptions.MaxMemory (%s)", bytesString(r.lim.maxMemory))
+	}
 	switch string(action) {
 	case "allocate":
 		e.Action = ActionAlloc

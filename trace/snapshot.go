@@ -1,10 +1,5 @@
 package trace
 
-import (
-	"errors"
-	"fmt"
-)
-
 // Action is the kind of a trace entry, spelled as PyTorch spells it in the
 // snapshot ("alloc", "free_requested", ...).
 type Action string
@@ -181,58 +176,3 @@ func Merge(snaps ...*Snapshot) *Snapshot {
 	}
 	return out
 }
-
-// ReadOptions select what Read decodes beyond the essentials.
-type ReadOptions struct {
-	// Frames decodes the recorded stacks into Entry.Frames, Block.Frames
-	// and Segment.Frames. Without it the stacks are skipped, which is
-	// faster and smaller.
-	Frames bool
-}
-
-// Errors returned by Read, ReadFile and WritePickle, always wrapped; test
-// with errors.Is.
-var (
-	// ErrNotSnapshot: the input is not a pickle, gzip or RMM log, or the
-	// pickle's top level is not a dict with "device_traces" or "segments".
-	ErrNotSnapshot = errors.New("not a memory snapshot")
-	// ErrTruncated: the input ends before the pickle's STOP opcode.
-	ErrTruncated = errors.New("truncated input")
-	// ErrUnsupportedOpcode: the pickle uses an opcode a snapshot never
-	// contains (objects, globals, sets, protocol 0/1 text opcodes).
-	ErrUnsupportedOpcode = errors.New("unsupported pickle opcode")
-	// ErrMalformed: the input is of a known format but broken: a missing
-	// memo key, a stack underflow, a value of the wrong type or range, a
-	// snapshot structure PyTorch never writes, a bad RMM log line.
-	ErrMalformed = errors.New("malformed input")
-	// ErrUnknownAction: a trace entry's action is not one PyTorch records.
-	ErrUnknownAction = errors.New("unknown trace action")
-)
-
-// DecodeError is the error Read returns for bad input. It wraps one of the
-// Err* sentinels.
-type DecodeError struct {
-	// Err is the sentinel: ErrTruncated, ErrUnsupportedOpcode, ...
-	Err error
-	// Offset is the byte offset in the (decompressed) input where the
-	// problem was found, or -1 when the problem has no single position.
-	Offset int64
-	// Line is the 1-based line of an RMM log, 0 for a pickle.
-	Line int
-	// Msg says what was wrong.
-	Msg string
-}
-
-// Error formats the error with its position.
-func (e *DecodeError) Error() string {
-	switch {
-	case e.Line > 0:
-		return fmt.Sprintf("trace: %v: line %d: %s", e.Err, e.Line, e.Msg)
-	case e.Offset >= 0:
-		return fmt.Sprintf("trace: %v: offset %d: %s", e.Err, e.Offset, e.Msg)
-	}
-	return fmt.Sprintf("trace: %v: %s", e.Err, e.Msg)
-}
-
-// Unwrap returns the sentinel.
-func (e *DecodeError) Unwrap() error { return e.Err }

@@ -20,6 +20,9 @@ type decoder struct {
 	op    byte  // opcode being executed
 	opOff int64 // its input offset
 	opt   ReadOptions
+	lim   limits
+	used  int64 // estimated bytes kept, held to lim.maxMemory
+	devs  int   // device trace lists opened, held to MaxDevices
 
 	arena []byte // bytes of every string and bytes value (kStr, kBytes)
 
@@ -31,9 +34,10 @@ type decoder struct {
 	memoBig   map[uint64]val // memo keys too far past the end of memo
 	memoCount int            // distinct memo keys, the next MEMOIZE key
 
-	ctx   []openCont  // containers that may still receive items
-	conts []container // containers with a typed or generic payload
-	anys  []any       // boxed values (kAny)
+	ctx   []openCont   // containers that may still receive items
+	conts []*container // containers with a typed or generic payload, one
+	// allocation each, so that no growth copies them
+	anys []any // boxed values (kAny)
 
 	frameLists [][]Frame // kFrames values
 	frameDicts []Frame   // kFrame values
@@ -54,11 +58,12 @@ const (
 	maxWindow = 1 << 20
 )
 
-func newDecoder(in io.Reader, opt ReadOptions) *decoder {
+func newDecoder(in io.Reader, opt ReadOptions, lim limits) *decoder {
 	return &decoder{
 		in:     in,
 		buf:    make([]byte, minWindow),
 		opt:    opt,
+		lim:    lim,
 		stack:  make([]val, 0, 256),
 		marks:  make([]int32, 0, 64),
 		ctx:    make([]openCont, 0, 64),
@@ -216,11 +221,15 @@ func (d *decoder) run() (val, error) {
 			d.marks = append(d.marks, int32(len(d.stack)))
 			d.base = len(d.stack)
 		case opEmptyDict:
-			d.open(true)
+			err = d.open(true)
 		case opEmptyList:
-			d.open(false)
+			err = d.open(false)
 		case opEmptyTuple:
-			d.pushAny([]any{})
+			if d.ignored() {
+				d.stack = append(d.stack, val{kind: kSkip})
+			} else {
+				d.pushAny([]any{})
+			}
 		case opSetItems:
 			err = d.setItemsOp()
 		case opSetItem:
@@ -274,7 +283,36 @@ func (d *decoder) run() (val, error) {
 		if err != nil {
 			return val{}, err
 		}
+		// Each opcode adds at most one stack value or MARK, and a bounded
+		// amount of memory: checking after it keeps both within limits.
+		if len(d.stack)+len(d.marks) > MaxStack || d.used > d.lim.maxMemory {
+			return val{}, d.limitError()
+		}
 	}
+}
+
+// limitError reports the stack or memory limit that was exceeded.
+func (d *decoder) limitError() error {
+	if len(d.stack)+len(d.marks) > MaxStack {
+		return d.errAt(ErrTooLarge, "more than MaxStack (%d) values and MARKs on the pickle stack", MaxStack)
+	}
+	return d.errAt(ErrTooLarge, "the snapshot needs more memory than ReadOptions.MaxMemory (%s)", bytesString(d.lim.maxMemory))
+}
+
+// skip consumes n bytes of input without keeping them: the window does not
+// grow, whatever n.
+func (d *decoder) skip(n int64) error {
+	for n > 0 {
+		if d.pos == d.end {
+			if err := d.fill(1); err != nil {
+				return err
+			}
+		}
+		k := min(n, int64(d.end-d.pos))
+		d.pos += int(k)
+		n -= k
+	}
+	return nil
 }
 
 // require checks that n values lie above the innermost MARK.
@@ -317,7 +355,11 @@ func (d *decoder) popOp() error {
 	return err
 }
 
+// valSize is the size of a val.
+const valSize = 16
+
 func (d *decoder) pushAny(x any) {
+	d.used += 2 * valSize
 	d.stack = append(d.stack, val{kind: kAny, n: uint64(len(d.anys))})
 	d.anys = append(d.anys, x)
 }
@@ -331,6 +373,16 @@ func (d *decoder) long(size int) error {
 	n := int(b[0])
 	if size == 4 {
 		n = int(int32(binary.LittleEndian.Uint32(b)))
+	}
+	if n > maxLong {
+		if n < 0 || !d.ignored() {
+			return d.errAt(ErrTooLarge, "a %d-byte integer (Read keeps at most %d bytes)", n, maxLong)
+		}
+		if err := d.skip(int64(n)); err != nil {
+			return err
+		}
+		d.stack = append(d.stack, val{kind: kSkipped})
+		return nil
 	}
 	if b, err = d.need(n); err != nil {
 		return err
@@ -349,35 +401,64 @@ func (d *decoder) str(size int, kind vkind) error {
 	if err != nil {
 		return err
 	}
-	var n int
+	var u uint64
 	switch size {
 	case 1:
-		n = int(b[0])
+		u = uint64(b[0])
 	case 4:
-		n = int(int32(binary.LittleEndian.Uint32(b)))
-	default:
-		u := binary.LittleEndian.Uint64(b)
-		if u > math.MaxInt32 {
-			return d.errAt(ErrMalformed, "%d-byte string", u)
+		u = uint64(binary.LittleEndian.Uint32(b))
+		if d.op == opBinString && int32(u) < 0 { // signed, as Python reads it
+			return d.errAt(ErrMalformed, "negative length %d", int32(u))
 		}
-		n = int(u)
+	default:
+		u = binary.LittleEndian.Uint64(b)
 	}
+	if u > skipMin {
+		// A long string is streamed past when its value is not kept.
+		if d.ignored() {
+			if u > math.MaxInt64 {
+				return d.errAt(ErrMalformed, "%d-byte string", u)
+			}
+			if err := d.skip(int64(u)); err != nil {
+				return err
+			}
+			d.stack = append(d.stack, val{kind: kSkipped})
+			return nil
+		}
+		if u > MaxString {
+			return d.errAt(ErrTooLarge, "a %d-byte string is longer than MaxString (%s)", u, bytesString(MaxString))
+		}
+	}
+	n := int(u)
 	if b, err = d.need(n); err != nil {
 		return err
 	}
 	if ref, ok := packRef(len(d.arena), n); ok {
 		if len(d.arena)+n > cap(d.arena) {
-			d.arena = append(make([]byte, 0, max(2*cap(d.arena), len(d.arena)+n, 4096)), d.arena...)
+			c := max(2*cap(d.arena), len(d.arena)+n, 4096)
+			d.used += int64(c - cap(d.arena))
+			d.arena = append(make([]byte, 0, c), d.arena...)
 		}
 		d.arena = append(d.arena, b...)
 		d.stack = append(d.stack, val{kind: kind, n: ref})
 	} else if kind == kStr {
+		d.used += int64(n)
 		d.pushAny(string(b))
 	} else {
+		d.used += int64(n)
 		d.pushAny(append([]byte(nil), b...))
 	}
 	return nil
 }
+
+// Strings longer than skipMin bytes are not kept where their value is not
+// used; maxLong bounds the bytes of a LONG1/LONG4 integer that is kept.
+// (Shorter strings are kept: a key or a field may be memoized where it is
+// not used, and referenced where it is.)
+const (
+	skipMin = 256
+	maxLong = 1 << 10
+)
 
 // The memo is kept in chunks of memoChunk values: a snapshot memoizes
 // millions of values, and growing one slice would copy them all several
@@ -414,10 +495,13 @@ func (d *decoder) growMemo(key uint64) {
 		switch {
 		case len(d.memo) == 0:
 			d.memo = append(d.memo, make([]val, 64))
+			d.used += 64 * valSize
 		case len(d.memo) == 1 && len(d.memo[0]) < memoChunk:
+			d.used += int64(len(d.memo[0])) * valSize
 			d.memo[0] = append(d.memo[0], make([]val, len(d.memo[0]))...)
 		default:
 			d.memo = append(d.memo, make([]val, memoChunk))
+			d.used += memoChunk * valSize
 		}
 	}
 }
@@ -444,6 +528,7 @@ func (d *decoder) memoPut(key uint64) error {
 	}
 	if _, ok := d.memoBig[key]; !ok {
 		d.memoCount++
+		d.used += 4 * valSize // a map entry
 	}
 	d.memoBig[key] = v
 	return nil

@@ -12,18 +12,19 @@ type vkind uint8
 const (
 	kInvalid vkind = iota // the zero value: an unset memo slot
 	kNone
-	kBool   // n is 0 or 1
-	kInt    // n is an int64
-	kUint   // n is a uint64 above math.MaxInt64
-	kFloat  // n holds float64 bits
-	kStr    // n packs an offset and length into decoder.arena (packRef)
-	kBytes  // like kStr, for bytes
-	kAny    // n indexes decoder.anys: big ints, long strings, tuples, LIST/DICT
-	kCont   // n indexes decoder.conts: an open or finished container
-	kEntry  // n packs a pool generation and slot: an entry dict
-	kFrames // n indexes decoder.frameLists: a frames list
-	kFrame  // n indexes decoder.frameDicts: a frame dict
-	kSkip   // a container whose contents are not kept
+	kBool    // n is 0 or 1
+	kInt     // n is an int64
+	kUint    // n is a uint64 above math.MaxInt64
+	kFloat   // n holds float64 bits
+	kStr     // n packs an offset and length into decoder.arena (packRef)
+	kBytes   // like kStr, for bytes
+	kAny     // n indexes decoder.anys: big ints, long strings, tuples, LIST/DICT
+	kCont    // n indexes decoder.conts: an open or finished container
+	kEntry   // n packs a pool generation and slot: an entry dict
+	kFrames  // n indexes decoder.frameLists: a frames list
+	kFrame   // n indexes decoder.frameDicts: a frame dict
+	kSkip    // a container whose contents are not kept
+	kSkipped // a long string, bytes or integer streamed past, not kept
 )
 
 // val is one value on the decoder's stack or in its memo. It holds no Go
