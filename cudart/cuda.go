@@ -35,7 +35,13 @@
 // Runtime calls switch with cudaSetDevice only when cudaGetDevice reports
 // another device; driver calls always call cudaSetDevice first, which in
 // CUDA 12 and later makes the device's primary context current (a fresh
-// thread otherwise has no current context for the driver to use).
+// thread otherwise has no current context for the driver to use). A call
+// that switched devices switches back before it returns (the device guard
+// in shim.c): the thread belongs to the caller, PyTorch for instance, which
+// frees from threads whose current device is another one and keeps its own
+// idea of it. The way back is taken only when the previous device's primary
+// context is active, as c10::cuda::MaybeSetDevice does, so that restoring
+// never creates a context on a GPU the process did not use.
 //
 // Failed calls come back as a *CUDAError carrying the failing call, the
 // code, and the library's own name and description of it (the tables in
@@ -195,6 +201,16 @@ func platformLoad() loadResult {
 	}
 	r.runtimeVersion, r.driverVersion = int(rv), int(dv)
 	return r
+}
+
+func init() {
+	threadDevice = func() int { return int(C.allocd_current_device()) }
+	setThreadDevice = func(dev int) error {
+		if C.allocd_set_current_device(C.int(dev)) != 0 {
+			return fmt.Errorf("cudart: cudaSetDevice(%d) failed", dev)
+		}
+		return nil
+	}
 }
 
 // convStatus turns a shim status into nil (success) or a *CUDAError.

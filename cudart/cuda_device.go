@@ -21,6 +21,15 @@ var (
 	_ PoolReporter   = (*CUDA)(nil)
 )
 
+// Test hooks for the shim's device guard, set by cuda.go in cgo builds and
+// nil otherwise: the calling OS thread's current device (cudaGetDevice, -1
+// on error) and cudaSetDevice. Call them with the goroutine locked to its
+// thread.
+var (
+	threadDevice    func() int
+	setThreadDevice func(dev int) error
+)
+
 // minRuntimeVersion is the oldest libcudart Open accepts (CUDA 12.0): from
 // 12.0 on, cudaSetDevice makes the primary context current at once, which
 // the driver calls of the virtual-memory path rely on.

@@ -505,7 +505,7 @@ const mockEnv = "ALLOCD_CUDART_MOCK"
 var mockTests = []string{
 	"TestProbeAndCount", "TestInfo", "TestMallocFree", "TestMallocOOM", "TestMemsetMemcpyRoundTrip",
 	"TestStreamsAndEvents", "TestCheckStreamBogusHandle", "TestMallocAsync", "TestVirtualMemory",
-	"TestConcurrentUse", "TestCloseKeepsOtherHandles",
+	"TestConcurrentUse", "TestCloseKeepsOtherHandles", "TestDeviceRestored",
 }
 
 // TestShimAgainstMockCUDA covers the C shim and its Go plumbing on machines
@@ -1003,6 +1003,122 @@ func TestVirtualMemory(t *testing.T) {
 	if err := c.Synchronize(); err != nil {
 		t.Fatalf("device unusable after the VMM test: %v", err)
 	}
+}
+
+// TestDeviceRestored checks the shim's device guard: with device 1 current
+// on the calling thread, every kind of call on device 0 (runtime calls that
+// switch only when needed, driver calls that always switch, Open itself)
+// leaves device 1 current afterwards, and a call on the current device
+// leaves it there. It needs two devices (the mock has two).
+func TestDeviceRestored(t *testing.T) {
+	openOrSkip(t)
+	if threadDevice == nil {
+		t.Skip("no device hooks in this build")
+	}
+	if n, err := DeviceCount(); err != nil || n < 2 {
+		t.Skipf("needs two devices; DeviceCount = %d, %v", n, err)
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if _, err := Open(1); err != nil {
+		t.Fatal(err)
+	}
+	if err := setThreadDevice(1); err != nil {
+		t.Fatal(err)
+	}
+	var c *CUDA
+	steps := []struct {
+		name string
+		f    func() error
+	}{
+		{"Open(0)", func() (err error) { c, err = Open(0); return err }},
+		{"Malloc and Free", func() error {
+			p, err := c.Malloc(mib)
+			if err != nil {
+				return err
+			}
+			return c.Free(p)
+		}},
+		{"MemGetInfo", func() error { _, _, err := c.MemGetInfo(); return err }},
+		{"Synchronize", c0(&c, (*CUDA).Synchronize)},
+		{"streams and events", func() error {
+			s, err := c.StreamCreate()
+			if err != nil {
+				return err
+			}
+			ev, err := c.EventCreate()
+			if err != nil {
+				return err
+			}
+			if err := c.EventRecord(ev, s); err != nil {
+				return err
+			}
+			if _, err := c.EventQuery(ev); err != nil {
+				return err
+			}
+			if err := c.CheckStream(s); err != nil {
+				return err
+			}
+			if err := c.EventDestroy(ev); err != nil {
+				return err
+			}
+			return c.StreamDestroy(s)
+		}},
+		{"virtual memory (driver calls)", func() error {
+			g, err := c.Granularity()
+			if err != nil {
+				return err
+			}
+			r, err := c.Reserve(g)
+			if err != nil {
+				return err
+			}
+			h, err := c.Create(g)
+			if err != nil {
+				return err
+			}
+			if err := c.Map(r, g, h); err != nil {
+				return err
+			}
+			if err := c.Unmap(r, g); err != nil {
+				return err
+			}
+			if err := c.Release(h); err != nil {
+				return err
+			}
+			return c.ReleaseRange(r, g)
+		}},
+		{"failed Malloc", func() error {
+			if _, err := c.Malloc(1 << 50); !errors.Is(err, ErrOutOfMemory) {
+				return fmt.Errorf("Malloc(1 PiB) = %v, want ErrOutOfMemory", err)
+			}
+			return nil
+		}},
+	}
+	for _, st := range steps {
+		if err := st.f(); err != nil {
+			t.Fatalf("%s: %v", st.name, err)
+		}
+		if d := threadDevice(); d != 1 {
+			t.Errorf("after %s the thread's current device is %d, want 1 (restored)", st.name, d)
+			_ = setThreadDevice(1)
+		}
+	}
+	// On the current device nothing switches.
+	if err := setThreadDevice(0); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := c.MemGetInfo(); err != nil {
+		t.Fatal(err)
+	}
+	if d := threadDevice(); d != 0 {
+		t.Errorf("after MemGetInfo on the current device 0 the current device is %d", d)
+	}
+}
+
+// c0 adapts a method of *c that takes no arguments, read when called.
+func c0(c **CUDA, f func(*CUDA) error) func() error {
+	return func() error { return f(*c) }
 }
 
 func TestErrorNamesMatchLibrary(t *testing.T) {

@@ -124,6 +124,7 @@ static struct {
 	CUresult (*DeviceGetUuid)(CUuuid *, CUdevice);    // optional
 	CUresult (*DeviceTotalMem_v2)(size_t *, CUdevice);
 	CUresult (*DeviceGetAttribute)(int *, int, CUdevice);
+	CUresult (*DevicePrimaryCtxGetState)(CUdevice, unsigned int *, int *);
 	CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
 	CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
 	CUresult (*MemAddressFree)(CUdeviceptr, size_t);
@@ -219,6 +220,7 @@ int allocd_bind(void *cudart, void *cuda, char *missing, size_t missinglen) {
 	BIND(cuda, drv, DeviceGetName, "cuDeviceGetName");
 	BIND(cuda, drv, DeviceTotalMem_v2, "cuDeviceTotalMem_v2");
 	BIND(cuda, drv, DeviceGetAttribute, "cuDeviceGetAttribute");
+	BIND(cuda, drv, DevicePrimaryCtxGetState, "cuDevicePrimaryCtxGetState");
 	BIND(cuda, drv, MemGetAllocationGranularity, "cuMemGetAllocationGranularity");
 	BIND(cuda, drv, MemAddressReserve, "cuMemAddressReserve");
 	BIND(cuda, drv, MemAddressFree, "cuMemAddressFree");
@@ -304,26 +306,92 @@ static allocd_status synthetic(int code, const char *op, const char *text) {
 		}                                  \
 	} while (0)
 
-// use_device makes dev the runtime's current device on this thread, calling
-// cudaSetDevice only when it is not already current. Runtime calls that
+// ---- Device guard ------------------------------------------------------
+//
+// The caller's current device is its own state: PyTorch, for one, frees and
+// records streams from threads whose current device is not the block's, and
+// keeps using the thread afterwards. So every call that switches the device
+// declares a guard (DEVICE_GUARD, through USE_DEVICE or DRIVER_DEVICE) that
+// remembers the device it switched away from and, when the function returns
+// by any path, makes that device current again: get, set, call, set back.
+//
+// As c10::cuda::MaybeSetDevice does for PyTorch's CUDAGuard, the way back
+// calls cudaSetDevice only when the previous device's primary context is
+// active (cuDevicePrimaryCtxGetState): on CUDA 12+ cudaSetDevice creates the
+// context, and a thread that merely reported the default device 0 must not
+// make this process take memory on a GPU it never used. In that case the
+// thread is left on the device of the call.
+
+static int primary_context_active(int dev) {
+	CUdevice d = 0;
+	unsigned int flags = 0;
+	int active = 0;
+	if (drv.DeviceGet == NULL || drv.DevicePrimaryCtxGetState == NULL || drv.DeviceGet(&d, dev) != CUDA_SUCCESS ||
+	    drv.DevicePrimaryCtxGetState(d, &flags, &active) != CUDA_SUCCESS) {
+		return 0;
+	}
+	return active;
+}
+
+static void restore_device(const int *prev) {
+	if (*prev < 0 || !primary_context_active(*prev)) {
+		return;
+	}
+	if (rt.SetDevice(*prev) != cudaSuccess) {
+		(void)rt.GetLastError();
+	}
+}
+
+// current_device is cudaGetDevice, or -1 (and the error cleared) on failure.
+static int current_device(void) {
+	int cur = -1;
+	if (rt.GetDevice(&cur) != cudaSuccess) {
+		(void)rt.GetLastError();
+		return -1;
+	}
+	return cur;
+}
+
+#define DEVICE_GUARD int guard_prev_ __attribute__((cleanup(restore_device))) = -1
+
+// USE_DEVICE makes dev the runtime's current device on this thread for the
+// rest of the function, calling cudaSetDevice only when it is not already
+// current, and restores the previous device on return. Runtime calls that
 // follow initialise the primary context lazily if needed.
 #define USE_DEVICE(dev)                                      \
+	DEVICE_GUARD;                                            \
 	do {                                                     \
-		int cur_ = -1;                                       \
-		if (rt.GetDevice(&cur_) != cudaSuccess) {            \
-			(void)rt.GetLastError();                         \
-			cur_ = -1;                                       \
-		}                                                    \
+		int cur_ = current_device();                         \
 		if (cur_ != (dev)) {                                 \
 			RT(rt.SetDevice(dev), "cudaSetDevice");          \
+			guard_prev_ = cur_;                              \
 		}                                                    \
 	} while (0)
 
 // DRIVER_DEVICE precedes driver (cu*) calls, which need a current context:
 // cudaSetDevice (CUDA 12+) initialises dev's primary context and makes it
 // current, so it is called unconditionally; cudaGetDevice alone would report
-// device 0 on a fresh thread without any context being current.
-#define DRIVER_DEVICE(dev) RT(rt.SetDevice(dev), "cudaSetDevice")
+// device 0 on a fresh thread without any context being current. The previous
+// device is restored on return, as for USE_DEVICE.
+#define DRIVER_DEVICE(dev)                                   \
+	DEVICE_GUARD;                                            \
+	do {                                                     \
+		int cur_ = current_device();                         \
+		RT(rt.SetDevice(dev), "cudaSetDevice");              \
+		if (cur_ != (dev)) {                                 \
+			guard_prev_ = cur_;                              \
+		}                                                    \
+	} while (0)
+
+int allocd_current_device(void) { return current_device(); }
+
+int allocd_set_current_device(int dev) {
+	if (rt.SetDevice(dev) != cudaSuccess) {
+		(void)rt.GetLastError();
+		return -1;
+	}
+	return 0;
+}
 
 // ---- Process-wide ------------------------------------------------------
 
@@ -368,7 +436,7 @@ static void device_prop(CUmemAllocationProp *prop, CUdevice d) {
 allocd_status allocd_open(int dev, allocd_info *info) {
 	CUdevice d = 0;
 	memset(info, 0, sizeof *info);
-	RT(rt.SetDevice(dev), "cudaSetDevice");
+	DRIVER_DEVICE(dev);
 	DRV(drv.Init(0), "cuInit");
 	DRV(drv.DeviceGet(&d, dev), "cuDeviceGet");
 	DRV(drv.DeviceGetName(info->name, (int)sizeof info->name - 1, d), "cuDeviceGetName");

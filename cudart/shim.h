@@ -12,12 +12,22 @@
 // correct. Every call returns an allocd_status by value: code 0 is success;
 // otherwise it names the CUDA call that failed and carries the library's
 // name and description of the error (static strings owned by the library).
+// A call that switched the thread's current device switches it back before
+// returning (see DEVICE_GUARD in shim.c), so callers such as PyTorch, which
+// keep their own idea of the current device, see it unchanged.
+//
+// Symbol hygiene: every function here has hidden visibility, so a shared
+// library built from this package (cmd/liballocd's c-shared build) does not
+// export allocd_malloc and friends next to its own API. Definitions in
+// shim.c inherit the visibility of these declarations.
 
 #ifndef ALLOCD_SHIM_H
 #define ALLOCD_SHIM_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+#pragma GCC visibility push(hidden)
 
 typedef struct {
 	int code;         // cudaError_t or CUresult; 0 is success
@@ -87,5 +97,12 @@ allocd_status allocd_vmm_unmap(int dev, unsigned long long ptr, size_t size);
 // against, as name=value pairs (same names as abicheck/abicheck.c prints).
 // Returns the number of entries; fills at most cap of them.
 int allocd_abi(const char **names, long long *values, int cap);
+
+// Test hooks: the calling thread's current device (cudaGetDevice, -1 on
+// error) and cudaSetDevice; 0 on success.
+int allocd_current_device(void);
+int allocd_set_current_device(int dev);
+
+#pragma GCC visibility pop
 
 #endif

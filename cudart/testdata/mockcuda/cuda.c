@@ -23,16 +23,26 @@ typedef struct {
 typedef struct { loc location; int flags; } access_desc;
 
 #define GRAN (2u << 20)
+#define NDEV 2 // as cudart.c
+
 
 int cuInit(unsigned f) { return f == 0 ? 0 : 1; }
-int cuDeviceGet(int *d, int o) { if (o != 0) return 101; *d = o; return 0; }
+int cuDeviceGet(int *d, int o) { if (o < 0 || o >= NDEV) return 101; *d = o; return 0; }
+// Every device's primary context counts as active: the device guard of
+// cudart's shim then always restores the previous device.
+int cuDevicePrimaryCtxGetState(int d, unsigned *flags, int *active) {
+	if (d < 0 || d >= NDEV) return 101;
+	*flags = 0;
+	*active = 1;
+	return 0;
+}
 int cuDeviceGetName(char *n, int len, int d) { (void)d; snprintf(n, len, "Mock GPU"); return 0; }
 int cuDeviceGetUuid_v2(char *u, int d) { (void)d; for (int i = 0; i < 16; i++) u[i] = (char)(0x10 + i); return 0; }
 int cuDeviceGetUuid(char *u, int d) { return cuDeviceGetUuid_v2(u, d); }
 int cuDeviceTotalMem_v2(size_t *b, int d) { (void)d; *b = 2000ull << 20; return 0; }
 int cuDeviceGetAttribute(int *v, int a, int d) { (void)d; *v = (a == 102 || a == 115); return 0; }
 static int prop_ok(const prop *p) {
-	return p->type == 1 && p->handleTypes == 0 && p->location.type == 1 && p->location.id == 0 && p->win32 == NULL;
+	return p->type == 1 && p->handleTypes == 0 && p->location.type == 1 && p->location.id >= 0 && p->location.id < NDEV && p->win32 == NULL;
 }
 int cuMemGetAllocationGranularity(size_t *g, const prop *p, int o) {
 	if (!prop_ok(p) || o != 0) return 1;
@@ -66,7 +76,7 @@ int cuMemUnmap(unsigned long long p, size_t sz) {
 	return m == MAP_FAILED ? 1 : 0;
 }
 int cuMemSetAccess(unsigned long long p, size_t sz, const access_desc *d, size_t n) {
-	if (n != 1 || d->location.type != 1 || d->location.id != 0 || d->flags != 3) return 1;
+	if (n != 1 || d->location.type != 1 || d->location.id < 0 || d->location.id >= NDEV || d->flags != 3) return 1;
 	return mprotect((void *)(uintptr_t)p, sz, PROT_READ | PROT_WRITE) ? 1 : 0;
 }
 int cuGetErrorName(int e, const char **s) {

@@ -1,5 +1,6 @@
 // A stand-in for libcudart, for cudart's TestShimAgainstMockCUDA: host
-// memory plays device memory, one device (ordinal 0), streams and events
+// memory plays device memory, two devices (ordinals 0 and 1, sharing one
+// pool; the second lets TestDeviceRestored switch devices), streams and events
 // are heap objects with a magic number. An event reports cudaErrorNotReady
 // once after each record, so the not-ready path is exercised. Memsets over
 // 16 MiB do nothing, so the tests' large buffers cost only address space.
@@ -11,9 +12,10 @@
 static __thread int cur = 0, last = 0;
 static int fail(int e) { last = e; return e; }
 
-int cudaSetDevice(int d) { if (d != 0) return fail(101); cur = d; return 0; }
+#define NDEV 2
+int cudaSetDevice(int d) { if (d < 0 || d >= NDEV) return fail(101); cur = d; return 0; }
 int cudaGetDevice(int *d) { *d = cur; return 0; }
-int cudaGetDeviceCount(int *n) { *n = 1; return 0; }
+int cudaGetDeviceCount(int *n) { *n = NDEV; return 0; }
 int cudaMemGetInfo(size_t *f, size_t *t) { *f = 1000ull << 20; *t = 2000ull << 20; return 0; }
 int cudaMalloc(void **p, size_t n) {
 	if (n > (1ull << 40)) return fail(2);

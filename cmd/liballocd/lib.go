@@ -1,0 +1,479 @@
+// Command liballocd is allocd as a shared library that PyTorch loads as its
+// CUDA allocator (torch.cuda.memory.CUDAPluggableAllocator). Build it with
+//
+//	go build -buildmode=c-shared -o liballocd.so ./cmd/liballocd
+//
+// The exported C functions (exports.go) are thin: each recovers panics,
+// reports errors through allocd_last_error, and calls into this file, which
+// holds the library's state: one allocator per device index, created on
+// first use; the count of bad frees; the metrics server (server.go).
+//
+// Environment (read once, at initialisation):
+//
+//	ALLOCD_CONF            allocator configuration, PYTORCH_CUDA_ALLOC_CONF's keys
+//	ALLOCD_METRICS_LISTEN  address to serve /metrics and the debug pages on; unset: none
+//	ALLOCD_LOG_LEVEL       debug, info, warn (default) or error; zap JSON on stderr
+//	ALLOCD_DEVICE          "sim" or "sim:N" for N simulated devices (default 1);
+//	                       anything else, or unset, means CUDA
+//	ALLOCD_SIM_CAPACITY    simulated device memory, bytes or with KiB/MiB/GiB/TiB (default 80GiB)
+//	ALLOCD_SIM_MANUAL_EVENTS=1  simulated stream events stay pending until a
+//	                       synchronising call (empty_cache, the OOM path) waits for them
+//
+// A simulated device has the default stream 0 and streams 1 to 16.
+package main
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/cudart"
+)
+
+// maxDevices bounds the device index: PyTorch's c10::DeviceIndex is an
+// int8_t. A fixed array keeps the hot-path lookup a lock-free load and lets
+// initialisation run without asking CUDA anything.
+const maxDevices = 128
+
+// simStreams is the number of streams a simulated device has besides the
+// default stream 0 (handles 1 to simStreams).
+const simStreams = 16
+
+// defaultSimCapacity is a simulated device's memory without ALLOCD_SIM_CAPACITY.
+const defaultSimCapacity = 80 << 30
+
+// settings are the resolved initialisation arguments; two inits agree when
+// their settings are equal.
+type settings struct {
+	conf, listen, level string
+	device              string // ALLOCD_DEVICE
+	simCapacity         string // ALLOCD_SIM_CAPACITY
+	simManual           string // ALLOCD_SIM_MANUAL_EVENTS
+}
+
+// resolveSettings fills the arguments left NULL (nil) from the environment.
+func resolveSettings(conf, listen, level *string) settings {
+	pick := func(p *string, env, def string) string {
+		if p != nil {
+			return *p
+		}
+		if v, ok := os.LookupEnv(env); ok {
+			return v
+		}
+		return def
+	}
+	return settings{
+		conf:        pick(conf, "ALLOCD_CONF", ""),
+		listen:      pick(listen, "ALLOCD_METRICS_LISTEN", ""),
+		level:       pick(level, "ALLOCD_LOG_LEVEL", "warn"),
+		device:      os.Getenv("ALLOCD_DEVICE"),
+		simCapacity: os.Getenv("ALLOCD_SIM_CAPACITY"),
+		simManual:   os.Getenv("ALLOCD_SIM_MANUAL_EVENTS"),
+	}
+}
+
+// Reasons for a bad free, the reason label of allocd_bad_frees_total.
+const (
+	reasonUnknown = iota
+	reasonDoubleFree
+	reasonWrongDevice
+	reasonOther
+	numReasons
+)
+
+var reasonNames = [numReasons]string{"unknown_pointer", "double_free", "wrong_device", "error"}
+
+// lib is the library's state after a successful initialisation.
+type lib struct {
+	set     settings
+	cfg     allocator.Config
+	sim     simSpec
+	log     *zap.Logger
+	badLog  *zap.Logger // sampled: a storm of bad frees logs a few lines a second
+	devs    [maxDevices]atomic.Pointer[allocator.Allocator]
+	mu      sync.Mutex // serialises device creation
+	created atomic.Int32
+	bad     [maxDevices][numReasons]atomic.Int64
+	metrics *metricsServer // nil without metrics_listen
+}
+
+var (
+	initMu sync.Mutex
+	state  atomic.Pointer[lib]
+)
+
+// get returns the library, initialising it from the environment if no
+// allocd_init came first. A failed initialisation is not kept: the next
+// call tries again.
+func get() (*lib, error) {
+	if l := state.Load(); l != nil {
+		return l, nil
+	}
+	return initLib(resolveSettings(nil, nil, nil), false)
+}
+
+// initLib initialises the library with set. With explicit set (allocd_init),
+// an earlier initialisation with other settings is an error.
+func initLib(set settings, explicit bool) (*lib, error) {
+	initMu.Lock()
+	defer initMu.Unlock()
+	if l := state.Load(); l != nil {
+		if explicit && l.set != set {
+			return nil, fmt.Errorf("allocd: already initialised with conf %q, metrics_listen %q, log_level %q; "+
+				"a second init with conf %q, metrics_listen %q, log_level %q is refused",
+				l.set.conf, l.set.listen, l.set.level, set.conf, set.listen, set.level)
+		}
+		return l, nil
+	}
+	l, err := newLib(set)
+	if err != nil {
+		return nil, err
+	}
+	state.Store(l)
+	return l, nil
+}
+
+func newLib(set settings) (*lib, error) {
+	log, err := newLogger(set.level)
+	if err != nil {
+		return nil, err
+	}
+	cfg, err := allocator.ParseConfig(set.conf)
+	if err != nil {
+		return nil, fmt.Errorf("allocd: conf %q: %w", set.conf, err)
+	}
+	sim, err := parseSim(set)
+	if err != nil {
+		return nil, err
+	}
+	l := &lib{set: set, cfg: cfg, sim: sim, log: log}
+	l.badLog = log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
+		return zapcore.NewSamplerWithOptions(c, time.Second, 5, 0)
+	}))
+	if set.listen != "" {
+		m, err := startMetrics(l, set.listen)
+		if err != nil {
+			return nil, err
+		}
+		l.metrics = m
+	}
+	return l, nil
+}
+
+// newLogger returns zap JSON lines on stderr at level.
+func newLogger(level string) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil || lvl < zapcore.DebugLevel || lvl > zapcore.ErrorLevel {
+		return nil, fmt.Errorf("allocd: log_level %q: expected debug, info, warn or error", level)
+	}
+	enc := zap.NewProductionEncoderConfig()
+	enc.EncodeTime = zapcore.RFC3339NanoTimeEncoder
+	core := zapcore.NewCore(zapcore.NewJSONEncoder(enc), zapcore.Lock(os.Stderr), lvl)
+	return zap.New(core, zap.ErrorOutput(zapcore.Lock(os.Stderr))).Named("allocd"), nil
+}
+
+// simSpec says whether devices are simulated, and how.
+type simSpec struct {
+	on       bool
+	count    int
+	capacity uint64
+	manual   bool
+}
+
+func parseSim(set settings) (simSpec, error) {
+	d := set.device
+	if d != "sim" && !strings.HasPrefix(d, "sim:") {
+		return simSpec{}, nil
+	}
+	s := simSpec{on: true, count: 1, capacity: defaultSimCapacity, manual: set.simManual == "1"}
+	if n, ok := strings.CutPrefix(d, "sim:"); ok {
+		c, err := strconv.Atoi(n)
+		if err != nil || c < 1 || c > maxDevices {
+			return simSpec{}, fmt.Errorf("allocd: ALLOCD_DEVICE=%q: expected sim or sim:N with N in 1..%d", d, maxDevices)
+		}
+		s.count = c
+	}
+	if set.simCapacity != "" {
+		c, err := parseBytes(set.simCapacity)
+		if err != nil {
+			return simSpec{}, fmt.Errorf("allocd: ALLOCD_SIM_CAPACITY: %w", err)
+		}
+		s.capacity = c
+	}
+	return s, nil
+}
+
+// parseBytes reads "1073741824", "512MiB", "80GiB" or "1TiB".
+func parseBytes(s string) (uint64, error) {
+	mult := uint64(1)
+	num := s
+	for _, u := range []struct {
+		suffix string
+		m      uint64
+	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40}} {
+		if n, ok := strings.CutSuffix(s, u.suffix); ok {
+			num, mult = n, u.m
+			break
+		}
+	}
+	n, err := strconv.ParseUint(strings.TrimSpace(num), 10, 64)
+	if err != nil || n == 0 || n > ^uint64(0)/mult {
+		return 0, fmt.Errorf("%q: expected a positive byte count, optionally with KiB, MiB, GiB or TiB", s)
+	}
+	return n * mult, nil
+}
+
+// openDevice opens device index: a cudart.Sim under ALLOCD_DEVICE=sim, else
+// the CUDA device through the libcudart already loaded in the process.
+func openDevice(sim simSpec, index int) (cudart.Device, error) {
+	if !sim.on {
+		return cudart.Open(index)
+	}
+	if index >= sim.count {
+		return nil, fmt.Errorf("allocd: device %d: ALLOCD_DEVICE gives %d simulated devices: %w",
+			index, sim.count, allocator.ErrNoSuchDevice)
+	}
+	s, err := cudart.NewSim(cudart.SimConfig{Capacity: sim.capacity, Index: index, ManualEvents: sim.manual})
+	if err != nil {
+		return nil, err
+	}
+	for range simStreams {
+		if _, err := s.StreamCreate(); err != nil {
+			return nil, err
+		}
+	}
+	return s, nil
+}
+
+// alloc returns device's allocator, or nil if it has not been created.
+func (l *lib) alloc(device int) *allocator.Allocator {
+	if device < 0 || device >= maxDevices {
+		return nil
+	}
+	return l.devs[device].Load()
+}
+
+// device returns device's allocator, creating it on first use. Creating it
+// opens that device only (CUDA: makes it current, which creates its primary
+// context; the caller's current device is restored).
+func (l *lib) device(device int) (*allocator.Allocator, error) {
+	if a := l.alloc(device); a != nil {
+		return a, nil
+	}
+	if device < 0 || device >= maxDevices {
+		return nil, fmt.Errorf("allocd: device %d: index outside 0..%d: %w", device, maxDevices-1, allocator.ErrNoSuchDevice)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if a := l.devs[device].Load(); a != nil {
+		return a, nil
+	}
+	dev, err := openDevice(l.sim, device)
+	if err != nil {
+		return nil, fmt.Errorf("allocd: open device %d: %w", device, err)
+	}
+	a, err := allocator.New(dev, l.cfg, allocator.WithLogger(l.log.Named("allocator")))
+	if err != nil {
+		return nil, fmt.Errorf("allocd: device %d: %w", device, err)
+	}
+	l.devs[device].Store(a)
+	if int32(device) >= l.created.Load() {
+		l.created.Store(int32(device) + 1)
+	}
+	if !l.sim.on {
+		l.checkRuntimeCopies()
+	}
+	l.log.Info("device allocator created", zap.Int("device", device), zap.String("conf", l.cfg.String()))
+	return a, nil
+}
+
+// all returns the allocators created so far with their device indexes.
+func (l *lib) all() (idx []int, as []*allocator.Allocator) {
+	for i := range int(l.created.Load()) {
+		if a := l.devs[i].Load(); a != nil {
+			idx, as = append(idx, i), append(as, a)
+		}
+	}
+	return idx, as
+}
+
+func (l *lib) malloc(size uint64, device int, stream cudart.Stream) (cudart.Ptr, error) {
+	a := l.alloc(device)
+	if a == nil {
+		var err error
+		if a, err = l.device(device); err != nil {
+			return 0, err
+		}
+	}
+	return a.Malloc(size, stream)
+}
+
+// free frees p on device. A bad free (an unknown pointer, a double free, a
+// pointer of another device) changes nothing; it is counted and logged, and
+// returned.
+func (l *lib) free(p cudart.Ptr, device int) error {
+	a := l.alloc(device)
+	var err error
+	if a != nil {
+		if err = a.Free(p); err == nil {
+			return nil
+		}
+	} else {
+		err = fmt.Errorf("allocd: free of %#x on device %d, which has allocated nothing: %w", uint64(p), device, allocator.ErrUnknownPointer)
+	}
+	reason := reasonOther
+	switch {
+	case errors.Is(err, allocator.ErrDoubleFree):
+		reason = reasonDoubleFree
+	case errors.Is(err, allocator.ErrUnknownPointer):
+		reason = reasonUnknown
+		if owner, ok := l.owner(p, device); ok {
+			reason = reasonWrongDevice
+			err = fmt.Errorf("allocd: free of %#x on device %d, but it is device %d's memory (left allocated): %w",
+				uint64(p), device, owner, err)
+		}
+	}
+	if device >= 0 && device < maxDevices {
+		l.bad[device][reason].Add(1)
+	}
+	l.badLog.Warn("bad free", zap.String("reason", reasonNames[reason]), zap.Int("device", device),
+		zap.String("ptr", fmt.Sprintf("%#x", uint64(p))), zap.Error(err))
+	return err
+}
+
+// owner finds another device whose allocator holds p in one of its
+// segments. It reads snapshots: bad frees are rare, and the hot path stays
+// free of any cross-device structure.
+func (l *lib) owner(p cudart.Ptr, skip int) (int, bool) {
+	idx, as := l.all()
+	for j, a := range as {
+		if idx[j] == skip {
+			continue
+		}
+		for _, s := range a.Snapshot().Segments {
+			if uint64(p) >= s.Address && uint64(p) < s.Address+s.TotalSize {
+				return idx[j], true
+			}
+		}
+	}
+	return 0, false
+}
+
+// recordStream marks p as used by stream on the device whose allocator
+// handed it out.
+func (l *lib) recordStream(p cudart.Ptr, stream cudart.Stream) error {
+	_, as := l.all()
+	for _, a := range as {
+		err := a.RecordStream(p, stream)
+		if err == nil || !errors.Is(err, allocator.ErrUnknownPointer) {
+			return err
+		}
+	}
+	return fmt.Errorf("allocd: record_stream of %#x: no device allocator handed it out: %w", uint64(p), allocator.ErrUnknownPointer)
+}
+
+func (l *lib) emptyCache() error {
+	var errs []error
+	idx, as := l.all()
+	for j, a := range as {
+		if err := a.EmptyCache(); err != nil {
+			errs = append(errs, fmt.Errorf("allocd: empty cache of device %d: %w", idx[j], err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// badFrees returns the bad frees counted on device, all reasons together.
+func (l *lib) badFrees(device int) int64 {
+	if device < 0 || device >= maxDevices {
+		return 0
+	}
+	var n int64
+	for r := range numReasons {
+		n += l.bad[device][r].Load()
+	}
+	return n
+}
+
+// stats returns device's statistics (zero for a device not created) as
+// torch.cuda.memory_stats()'s flat keys plus num_bad_frees.
+func (l *lib) flatStats(device int) map[string]int64 {
+	var st allocator.Stats
+	if a := l.alloc(device); a != nil {
+		st = a.Stats()
+	}
+	m := st.Flat()
+	m["num_bad_frees"] = l.badFrees(device)
+	return m
+}
+
+func (l *lib) setHistory(h historyOptions) error {
+	var errs []error
+	idx, as := l.all()
+	for j, a := range as {
+		if err := recordHistory(a, h); err != nil {
+			errs = append(errs, fmt.Errorf("allocd: device %d: %w", idx[j], err))
+		}
+	}
+	if len(as) == 0 {
+		if err := recordHistory(nil, h); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// checkRuntimeCopies warns when the process maps more than one libcudart:
+// the library must share torch's copy (dlopen by soname returns it).
+func (l *lib) checkRuntimeCopies() {
+	paths, err := runtimeCopies()
+	if err != nil {
+		l.log.Debug("cannot read the process's mappings", zap.Error(err))
+		return
+	}
+	if len(paths) > 1 {
+		l.log.Warn("more than one CUDA runtime library is mapped; allocd may not share the program's", zap.Strings("paths", paths))
+	}
+}
+
+// runtimeCopies lists the distinct libcudart files mapped into this
+// process, from /proc/self/maps.
+func runtimeCopies() ([]string, error) {
+	b, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 6 {
+			continue
+		}
+		path := f[len(f)-1]
+		if strings.Contains(path[strings.LastIndex(path, "/")+1:], "libcudart") && !contains(out, path) {
+			out = append(out, path)
+		}
+	}
+	return out, nil
+}
+
+func contains(s []string, v string) bool {
+	for _, x := range s {
+		if x == v {
+			return true
+		}
+	}
+	return false
+}
+
+// zeroStats is the statistics of a device with no allocator yet.
+func zeroStats() allocator.Stats { return allocator.Stats{} }

@@ -1,0 +1,252 @@
+package main
+
+import (
+	"bufio"
+	"debug/elf"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/allocd/allocd/trace"
+)
+
+// abi is liballocd.so's C API: exactly these allocd_* symbols are exported.
+var abi = []string{
+	"allocd_init", "allocd_last_error",
+	"allocd_torch_malloc", "allocd_torch_free", "allocd_torch_record_stream",
+	"allocd_torch_empty_cache", "allocd_torch_set_memory_fraction",
+	"allocd_memory_stats_json", "allocd_memory_summary",
+	"allocd_memory_allocated", "allocd_memory_reserved",
+	"allocd_max_memory_allocated", "allocd_max_memory_reserved",
+	"allocd_reset_peak_stats", "allocd_record_history", "allocd_dump_snapshot",
+	"allocd_metrics_address",
+}
+
+// goToolchainSymbol reports the dynamic symbols every cgo c-shared library
+// exports: the runtime's C half and cgo's generated stubs (the
+// _cgo_<hash>_Cfunc_* call stubs name the C function they call, but are
+// Go's, not that function).
+func goToolchainSymbol(name string) bool {
+	for _, p := range []string{"_cgo_", "_cgoexp_", "x_cgo_", "crosscall", "x_crosscall"} {
+		if strings.HasPrefix(name, p) {
+			return true
+		}
+	}
+	return name == "fatalf"
+}
+
+var (
+	buildOnce sync.Once
+	builtLib  string
+	buildErr  string
+)
+
+// buildLib builds liballocd.so once per test binary, into a directory
+// removed when the tests end (TestMain).
+func buildLib(t *testing.T) string {
+	t.Helper()
+	if runtime.GOOS != "linux" {
+		t.Skip("the c-shared tests run on Linux")
+	}
+	if _, err := exec.LookPath("gcc"); err != nil {
+		t.Skip("gcc is absent: cannot build the c-shared library or the C driver")
+	}
+	buildOnce.Do(func() {
+		out := filepath.Join(libDir, "liballocd.so")
+		cmd := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "build", "-buildmode=c-shared", "-o", out, ".")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=1")
+		if b, err := cmd.CombinedOutput(); err != nil {
+			buildErr = err.Error() + "\n" + string(b)
+			return
+		}
+		builtLib = out
+	})
+	if buildErr != "" {
+		t.Fatalf("go build -buildmode=c-shared: %s", buildErr)
+	}
+	return builtLib
+}
+
+var libDir string
+
+func TestMain(m *testing.M) {
+	d, err := os.MkdirTemp("", "liballocd-test-")
+	if err != nil {
+		panic(err)
+	}
+	libDir = d
+	code := m.Run()
+	_ = os.RemoveAll(d)
+	os.Exit(code)
+}
+
+// TestExportedSymbols checks liballocd.so's dynamic symbol table: the ABI's
+// functions, all of them, and nothing else but the Go toolchain's own; in
+// particular none of the cudart shim's C functions (allocd_malloc, ...).
+func TestExportedSymbols(t *testing.T) {
+	f, err := elf.Open(buildLib(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	syms, err := f.DynamicSymbols()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ours []string
+	for _, s := range syms {
+		bind := elf.ST_BIND(s.Info)
+		if s.Section == elf.SHN_UNDEF || bind != elf.STB_GLOBAL && bind != elf.STB_WEAK {
+			continue
+		}
+		switch {
+		case slices.Contains(abi, s.Name):
+			ours = append(ours, s.Name)
+		case goToolchainSymbol(s.Name):
+		default:
+			t.Errorf("liballocd.so exports %s, which is neither the ABI's nor the Go toolchain's", s.Name)
+		}
+	}
+	slices.Sort(ours)
+	want := slices.Sorted(slices.Values(abi))
+	if !slices.Equal(ours, want) {
+		t.Errorf("exported API = %v\nwant %v", ours, want)
+	}
+}
+
+// TestDriver runs testdata/driver.c, which dlopens liballocd.so and drives
+// its API in its own process on two simulated devices of 1 GiB whose stream
+// events stay pending until waited for. The driver checks malloc on two
+// streams, free, record_stream (the freed block stays active and the next
+// malloc on the allocating stream gets other memory; without record_stream
+// it gets the same block), empty_cache, the stats JSON, the summary, peak
+// reset, bad frees (unknown, double, another device's: counted, process
+// alive, state unchanged), an OOM's NULL and message (per thread), the
+// second init, and dump_snapshot; this test scrapes the metrics server while
+// the driver waits, then reads the snapshot back.
+func TestDriver(t *testing.T) {
+	lib := buildLib(t)
+	dir := t.TempDir()
+	driver := filepath.Join(dir, "driver")
+	if b, err := exec.Command("gcc", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-o", driver, "testdata/driver.c", "-ldl").CombinedOutput(); err != nil {
+		t.Fatalf("gcc driver.c: %v\n%s", err, b)
+	}
+	snap := filepath.Join(dir, "snapshot.pickle")
+	cmd := exec.Command(driver, lib, snap)
+	cmd.Env = append(os.Environ(), "ALLOCD_DEVICE=sim:2", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=1",
+		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=warn")
+	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "ALLOCD_METRICS_LISTEN=") })
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	timer := time.AfterFunc(60*time.Second, func() { _ = cmd.Process.Kill() })
+	defer timer.Stop()
+	var out []string
+	sc := bufio.NewScanner(stdout)
+	for sc.Scan() {
+		line := sc.Text()
+		out = append(out, line)
+		if addr, ok := strings.CutPrefix(line, "METRICS "); ok {
+			scrape(t, addr)
+			_, _ = io.WriteString(stdin, "go\n")
+		}
+	}
+	_ = stdin.Close()
+	err = cmd.Wait()
+	t.Logf("driver stdout:\n%s", strings.Join(out, "\n"))
+	if err != nil || len(out) == 0 || out[len(out)-1] != "DONE" {
+		t.Fatalf("driver: %v\nstderr:\n%s", err, stderr.String())
+	}
+	// The bad frees were logged, as JSON warnings.
+	for _, want := range []string{`"msg":"bad free","reason":"unknown_pointer"`, `"reason":"double_free"`, `"reason":"wrong_device"`} {
+		if !strings.Contains(stderr.String(), want) {
+			t.Errorf("stderr lacks %s:\n%s", want, stderr.String())
+		}
+	}
+	s, err := trace.ReadFile(snap, trace.ReadOptions{})
+	if err != nil {
+		t.Fatalf("reading the dumped snapshot: %v", err)
+	}
+	devs := map[int]bool{}
+	for _, seg := range s.Segments {
+		devs[seg.Device] = true
+	}
+	if !devs[0] || !devs[1] || len(s.DeviceTraces) != 2 {
+		t.Errorf("snapshot: segments on devices %v, %d device traces; want devices 0 and 1, 2 traces", devs, len(s.DeviceTraces))
+	}
+}
+
+// scrape checks the driver's metrics server while the driver waits: one
+// live 3 MiB allocation on device 1, a wrong-device free counted on 0.
+func scrape(t *testing.T, addr string) {
+	t.Helper()
+	get := func(path string) string {
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			t.Errorf("GET %s: %v", path, err)
+			return ""
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != http.StatusOK {
+			t.Errorf("GET %s: %s\n%s", path, resp.Status, b)
+		}
+		return string(b)
+	}
+	metrics := get("/metrics")
+	for _, want := range []string{
+		`allocd_bad_frees_total{gpu="0",reason="wrong_device"} 1`,
+		`allocd_bad_frees_total{gpu="0",reason="double_free"} 1`,
+		`allocd_bad_frees_total{gpu="0",reason="unknown_pointer"} 1`,
+		`allocd_bad_frees_total{gpu="1",reason="wrong_device"} 0`,
+		`allocd_allocated_bytes{UUID=`,
+		`allocd_peak_allocated_bytes{UUID=`,
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	if !strings.Contains(metrics, `gpu="1",pool="large"} 3.145728e+06`) {
+		t.Errorf("/metrics does not show device 1's live 3 MiB:\n%s", grep(metrics, "allocd_allocated_bytes"))
+	}
+	if got := get("/healthz"); got != "ok\n" {
+		t.Errorf("/healthz = %q", got)
+	}
+	if got := get("/debug/stats"); !strings.Contains(got, `"num_bad_frees":3`) || !strings.Contains(got, `"1":{`) {
+		t.Errorf("/debug/stats = %.300s", got)
+	}
+	if got := get("/debug/summary"); strings.Count(got, "GPU reserved memory") != 2 {
+		t.Errorf("/debug/summary has not two devices' tables:\n%s", got)
+	}
+	if _, err := trace.Read(strings.NewReader(get("/debug/snapshot")), trace.ReadOptions{}); err != nil {
+		t.Errorf("/debug/snapshot: %v", err)
+	}
+}
+
+func grep(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
