@@ -175,7 +175,7 @@ func allocd_torch_set_memory_fraction(fraction C.double, device C.int) {
 	}
 	a, err := l.device(int(device))
 	if err == nil {
-		err = setMemoryFraction(a, float64(fraction))
+		err = a.SetMemoryFraction(float64(fraction))
 	}
 	if err != nil {
 		report(l, "set memory fraction failed", err)

@@ -100,7 +100,8 @@ type lib struct {
 	log     *zap.Logger
 	badLog  *zap.Logger // sampled: a storm of bad frees logs a few lines a second
 	devs    [maxDevices]atomic.Pointer[allocator.Allocator]
-	mu      sync.Mutex // serialises device creation
+	mu      sync.Mutex // serialises device creation and history changes
+	history allocator.HistoryOptions // applied to every allocator, now and later; guarded by mu
 	created atomic.Int32
 	bad     [maxDevices][numReasons]atomic.Int64
 	metrics *metricsServer // nil without metrics_listen
@@ -285,6 +286,10 @@ func (l *lib) device(device int) (*allocator.Allocator, error) {
 	if err != nil {
 		return nil, fmt.Errorf("allocd: device %d: %w", device, err)
 	}
+	if err := a.RecordHistory(l.history); err != nil {
+		_ = a.Close()
+		return nil, fmt.Errorf("allocd: device %d: %w", device, err)
+	}
 	l.devs[device].Store(a)
 	if int32(device) >= l.created.Load() {
 		l.created.Store(int32(device) + 1)
@@ -416,17 +421,40 @@ func (l *lib) flatStats(device int) map[string]int64 {
 	return m
 }
 
+// historyOptions is allocd_record_history's request.
+type historyOptions struct {
+	Enabled    bool
+	MaxEntries int
+	StackDepth int
+}
+
+// defaultHistoryEntries is the history bound when recording is switched on
+// without one.
+const defaultHistoryEntries = 1_000_000
+
+// setHistory switches history recording on or off for every allocator,
+// those created so far and those created later. Each allocator starts an
+// empty history. Options the allocator rejects change nothing.
 func (l *lib) setHistory(h historyOptions) error {
+	var opt allocator.HistoryOptions
+	if h.Enabled {
+		opt = allocator.HistoryOptions{MaxEntries: h.MaxEntries, StackDepth: h.StackDepth}
+		if opt.MaxEntries <= 0 {
+			opt.MaxEntries = defaultHistoryEntries
+		}
+		if opt.MaxEntries > allocator.MaxHistoryEntries || opt.StackDepth < 0 || opt.StackDepth > allocator.MaxStackDepth {
+			return fmt.Errorf("allocd: record_history: %d entries, stack depth %d: %w (want 1 to %d entries, depth 0 to %d)",
+				h.MaxEntries, h.StackDepth, allocator.ErrHistory, allocator.MaxHistoryEntries, allocator.MaxStackDepth)
+		}
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.history = opt
 	var errs []error
 	idx, as := l.all()
 	for j, a := range as {
-		if err := recordHistory(a, h); err != nil {
+		if err := a.RecordHistory(opt); err != nil {
 			errs = append(errs, fmt.Errorf("allocd: device %d: %w", idx[j], err))
-		}
-	}
-	if len(as) == 0 {
-		if err := recordHistory(nil, h); err != nil {
-			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)

@@ -190,7 +190,21 @@ func TestDriver(t *testing.T) {
 		devs[seg.Device] = true
 	}
 	if !devs[0] || !devs[1] || len(s.DeviceTraces) != 2 {
-		t.Errorf("snapshot: segments on devices %v, %d device traces; want devices 0 and 1, 2 traces", devs, len(s.DeviceTraces))
+		t.Fatalf("snapshot: segments on devices %v, %d device traces; want devices 0 and 1, 2 traces", devs, len(s.DeviceTraces))
+	}
+	// The history switched on at run time holds device 0's alloc and free
+	// of the 1 MiB block.
+	var alloc, free int
+	for _, e := range s.DeviceTraces[0] {
+		switch e.Action {
+		case trace.ActionAlloc:
+			alloc++
+		case trace.ActionFreeRequested:
+			free++
+		}
+	}
+	if alloc == 0 || free == 0 {
+		t.Errorf("device 0's history: %d allocs, %d free_requested; want the recorded malloc and free", alloc, free)
 	}
 }
 

@@ -16,8 +16,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
 
-	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/stats"
 	"github.com/allocd/allocd/trace"
 )
@@ -142,26 +140,18 @@ func (d *devicesCollector) Collect(ch chan<- prometheus.Metric) {
 // snapshot merges the snapshots of every device created so far, as
 // torch.cuda.memory._snapshot() covers every device: the segments of all,
 // each naming its device, and device_traces with one list per device index.
-func (l *lib) snapshot() allocator.Snapshot {
-	var out allocator.Snapshot
-	out.Config = l.cfg.String()
-	idx, as := l.all()
+func (l *lib) snapshot() *trace.Snapshot {
+	_, as := l.all()
+	snaps := make([]*trace.Snapshot, len(as))
 	for j, a := range as {
-		s := a.Snapshot()
-		out.Segments = append(out.Segments, s.Segments...)
-		for len(out.DeviceTraces) <= idx[j] {
-			out.DeviceTraces = append(out.DeviceTraces, nil)
-		}
-		for _, entries := range s.DeviceTraces {
-			out.DeviceTraces[idx[j]] = append(out.DeviceTraces[idx[j]], entries...)
-		}
+		snaps[j] = a.Snapshot()
 	}
-	return out
+	return trace.Merge(snaps...)
 }
 
 // writeSnapshot writes the merged snapshot as PyTorch's pickle.
 func (l *lib) writeSnapshot(w io.Writer) error {
-	return trace.WritePickle(w, bench.TraceSnapshot(l.snapshot()))
+	return trace.WritePickle(w, l.snapshot())
 }
 
 // dumpSnapshot writes the snapshot pickle to path.

@@ -198,8 +198,7 @@ int main(int argc, char **argv) {
 	CHECK(big == NULL, "a 2 GiB malloc on a 1 GiB device returned %p", big);
 	CHECK(strstr(err(), "out of memory") && strstr(err(), "tried to allocate"), "%s", err());
 	printf("OOM: %s\n", err());
-	// (num_ooms is the allocator's business: a request above the device's
-	// capacity is refused before the device is asked, and not counted.)
+	CHECK(stat(0, "num_ooms") == 1, "num_ooms %lld after an OOM", stat(0, "num_ooms"));
 	pthread_t th;
 	void *other_len = NULL;
 	CHECK(pthread_create(&th, NULL, other_thread, NULL) == 0 && pthread_join(th, &other_len) == 0, "thread");
@@ -208,10 +207,25 @@ int main(int argc, char **argv) {
 	void *after = tmalloc(MiB, 0, 0);
 	CHECK(after != NULL, "malloc after the OOM: %s", err());
 
-	// Pending in this build: both report and change nothing.
-	CHECK(record_history(1, 1000, 0) == -1 && strstr(err(), "not available"), "record_history: %s", err());
-	set_fraction(0.5, 0);
-	CHECK(strstr(err(), "not available") != NULL, "set_memory_fraction: %s", err());
+	// History, switched on at run time: the snapshot written below holds
+	// the malloc and free recorded from here on. Out-of-range options fail.
+	CHECK(record_history(1, 99999999999LL, 0) == -1 && strstr(err(), "history"), "record_history: %s", err());
+	CHECK(record_history(1, 1000, 4) == 0, "record_history: %s", err());
+	void *h = tmalloc(MiB, 0, s1);
+	CHECK(h != NULL, "%s", err());
+	tfree(h, MiB, 0, s1);
+
+	// The memory fraction, set at run time, caps what device 0 may reserve.
+	set_fraction(0.25, 0);
+	void *capped = tmalloc(512 * MiB, 0, 0);
+	CHECK(capped == NULL && strstr(err(), "out of memory"), "a 512 MiB malloc under a 0.25 cap of 1 GiB: %p %s", capped, err());
+	CHECK(stat(0, "num_ooms") == 2, "num_ooms %lld after the capped OOM", stat(0, "num_ooms"));
+	set_fraction(2.0, 0);
+	CHECK(strstr(err(), "fraction") != NULL, "a fraction of 2 was accepted: %s", err());
+	set_fraction(0, 0);
+	capped = tmalloc(512 * MiB, 0, 0);
+	CHECK(capped != NULL, "the cap was not lifted: %s", err());
+	tfree(capped, 512 * MiB, 0, 0);
 
 	CHECK(dump_snapshot(argv[2]) == 0, "%s", err());
 	CHECK(dump_snapshot("/nonexistent-dir/x.pickle") == -1 && strstr(err(), "dump snapshot"), "%s", err());
