@@ -100,7 +100,7 @@ type lib struct {
 	log     *zap.Logger
 	badLog  *zap.Logger // sampled: a storm of bad frees logs a few lines a second
 	devs    [maxDevices]atomic.Pointer[allocator.Allocator]
-	mu      sync.Mutex // serialises device creation and history changes
+	mu      sync.Mutex               // serialises device creation and history changes
 	history allocator.HistoryOptions // applied to every allocator, now and later; guarded by mu
 	created atomic.Int32
 	bad     [maxDevices][numReasons]atomic.Int64
