@@ -35,6 +35,10 @@ const defaultListen = "127.0.0.1:9612"
 // shell reports a process killed by SIGINT.
 const serveExitCode = 130
 
+// secondSignalGrace: a signal that follows the first by less than this
+// counts as a second signal even if the shutdown has finished by then.
+const secondSignalGrace = 100 * time.Millisecond
+
 // serveExit ends the process on a second signal; tests replace it.
 var serveExit = os.Exit
 
@@ -415,6 +419,7 @@ func watchServeSignals(parent context.Context, log *zap.Logger, sigs <-chan os.S
 		defer close(s.exited)
 		defer cancel(nil)
 		var first os.Signal
+		var firstAt time.Time
 		for {
 			select {
 			case sig := <-sigs:
@@ -422,18 +427,23 @@ func watchServeSignals(parent context.Context, log *zap.Logger, sigs <-chan os.S
 					second(sig)
 					return
 				}
-				first = sig
+				first, firstAt = sig, time.Now()
 				cancel(shutdownSignal{sig})
 			case <-s.done:
-				// A second signal that arrived with the last steps of
-				// the shutdown still exits 130, so that two signals
-				// sent together never end in status 0.
-				if first != nil {
-					select {
-					case sig := <-sigs:
-						second(sig)
-					default:
-					}
+				// Two signals sent together (a double Ctrl-C, a
+				// supervisor that signals twice) exit 130 even when the
+				// shutdown is quicker than the second one's delivery,
+				// as during trace loading: the exit waits until
+				// secondSignalGrace after the first signal.
+				if first == nil {
+					return
+				}
+				wait := time.NewTimer(secondSignalGrace - time.Since(firstAt))
+				defer wait.Stop()
+				select {
+				case sig := <-sigs:
+					second(sig)
+				case <-wait.C:
 				}
 				return
 			}
@@ -442,7 +452,8 @@ func watchServeSignals(parent context.Context, log *zap.Logger, sigs <-chan os.S
 	return s
 }
 
-// stop ends the watch; once it returns no signal calls serveExit.
+// stop ends the watch; once it returns no signal calls serveExit. It
+// returns at once unless a signal came less than secondSignalGrace ago.
 func (s *serveSignals) stop() {
 	close(s.done)
 	<-s.exited
