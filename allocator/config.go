@@ -203,6 +203,84 @@ func parseMB(key, v string, min uint64) (uint64, error) {
 	return n << 20, nil
 }
 
+// Accepted ranges of the float keys, as their errors state them.
+const (
+	acceptedThreshold = "expected a decimal number strictly between 0 and 1 (not NaN, Inf or subnormal)"
+	acceptedFraction  = "expected a decimal number from 0 to 1, 0 for no cap (not NaN, Inf or subnormal)"
+)
+
+// parseFraction parses the value of a float key: a plain decimal number
+// (digits, an optional point and exponent; no NaN, Inf or hexadecimal)
+// whose float64 is normal, in (0, 1), or in [0, 1] with 1 included when
+// fraction. A number so small that it rounds to zero or to a subnormal is
+// an error, not 0: it would silently turn the setting off.
+func parseFraction(key, v string, fraction bool) (float64, error) {
+	accepted := acceptedThreshold
+	if fraction {
+		accepted = acceptedFraction
+	}
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || !isDecimal(v) || !normalOrZero(f) ||
+		(f == 0 && strings.ContainsAny(mantissa(v), "123456789")) {
+		return 0, &ConfigError{Key: key, Value: v, Accepted: accepted}
+	}
+	if fraction && !(f >= 0 && f <= 1) || !fraction && !(f > 0 && f < 1) {
+		return 0, &ConfigError{Key: key, Value: v, Accepted: accepted}
+	}
+	return f, nil
+}
+
+// normalOrZero reports whether f is 0 or a normal finite float64: not NaN,
+// not ±Inf, not subnormal.
+func normalOrZero(f float64) bool {
+	if math.IsNaN(f) || math.IsInf(f, 0) {
+		return false
+	}
+	return f == 0 || math.Abs(f) >= 0x1p-1022
+}
+
+// isDecimal reports whether s is [+-]digits[.digits][e[+-]digits], with
+// digits on at least one side of the point.
+func isDecimal(s string) bool {
+	i := 0
+	if i < len(s) && (s[i] == '+' || s[i] == '-') {
+		i++
+	}
+	digits := func() int {
+		j := i
+		for i < len(s) && s[i] >= '0' && s[i] <= '9' {
+			i++
+		}
+		return i - j
+	}
+	n := digits()
+	if i < len(s) && s[i] == '.' {
+		i++
+		n += digits()
+	}
+	if n == 0 {
+		return false
+	}
+	if i < len(s) && (s[i] == 'e' || s[i] == 'E') {
+		i++
+		if i < len(s) && (s[i] == '+' || s[i] == '-') {
+			i++
+		}
+		if digits() == 0 {
+			return false
+		}
+	}
+	return i == len(s)
+}
+
+// mantissa is the part of a decimal number before its exponent.
+func mantissa(s string) string {
+	if i := strings.IndexAny(s, "eE"); i >= 0 {
+		return s[:i]
+	}
+	return s
+}
+
 func isPow2(n uint64) bool { return n != 0 && n&(n-1) == 0 }
 
 func (c *Config) set(key string, val []string) error {
@@ -243,9 +321,9 @@ func (c *Config) set(key string, val []string) error {
 		if err != nil {
 			return err
 		}
-		f, err := strconv.ParseFloat(v, 64)
-		if err != nil || !(f > 0 && f < 1) {
-			return &ConfigError{Key: key, Value: v, Accepted: "expected a number strictly between 0 and 1"}
+		f, err := parseFraction(key, v, false)
+		if err != nil {
+			return err
 		}
 		c.GarbageCollectionThreshold = f
 	case "per_process_memory_fraction":
@@ -253,9 +331,9 @@ func (c *Config) set(key string, val []string) error {
 		if err != nil {
 			return err
 		}
-		f, err := strconv.ParseFloat(v, 64)
-		if err != nil || !(f >= 0 && f <= 1) {
-			return &ConfigError{Key: key, Value: v, Accepted: "expected a number between 0 and 1"}
+		f, err := parseFraction(key, v, true)
+		if err != nil {
+			return err
 		}
 		c.PerProcessMemoryFraction = f
 	case "expandable_segments", "release_lock_on_cudamalloc":
@@ -280,15 +358,38 @@ func (c *Config) set(key string, val []string) error {
 	return nil
 }
 
+// maxRoundupDivisions is the largest number of divisions a
+// roundup_power2_divisions value may ask for: the largest power of two
+// PyTorch's parser (stoi) takes.
+const maxRoundupDivisions = 1 << 30
+
+// parseDivisions parses a roundup_power2_divisions value: a power of two
+// up to maxRoundupDivisions, or 0 (off) when zeroOK.
+func parseDivisions(key, whole, v string, zeroOK bool) (uint64, error) {
+	n, err := strconv.ParseUint(v, 10, 64)
+	if err == nil && n <= maxRoundupDivisions && (isPow2(n) || (zeroOK && n == 0)) {
+		return n, nil
+	}
+	accepted := fmt.Sprintf("divisions %q must be a power of two from 1 to %d", v, maxRoundupDivisions)
+	if zeroOK {
+		accepted += ", or 0"
+	}
+	return 0, &ConfigError{Key: key, Value: whole, Accepted: accepted}
+}
+
 // setRoundup follows PyTorch's parser: a single power of two applies to
 // every interval; a list maps interval starts in MiB (powers of two) or ">"
 // (all later intervals) to divisions (powers of two, or 0 to disable).
+// Where PyTorch is silent allocd is strict, so that no entry is ignored or
+// overwritten: the list is not empty, has no empty entry and no trailing
+// comma, its keys ascend and name each interval once, and ">", at most
+// once, comes last and covers at least one interval.
 func (c *Config) setRoundup(key string, val []string) error {
 	whole := strings.Join(val, "")
 	if len(val) == 1 {
 		n, err := strconv.ParseUint(val[0], 10, 64)
-		if err != nil || !isPow2(n) {
-			return &ConfigError{Key: key, Value: whole, Accepted: "expected a power of two, or a list like [256:1,512:2,>:8]"}
+		if err != nil || !isPow2(n) || n > maxRoundupDivisions {
+			return &ConfigError{Key: key, Value: whole, Accepted: fmt.Sprintf("expected a power of two from 1 to %d, or a list like [256:1,512:2,>:8]", maxRoundupDivisions)}
 		}
 		for i := range c.RoundupPower2Divisions {
 			c.RoundupPower2Divisions[i] = n
@@ -296,36 +397,65 @@ func (c *Config) setRoundup(key string, val []string) error {
 		return nil
 	}
 	items := val[1 : len(val)-1] // inside the brackets
+	if len(items) == 0 {
+		return &ConfigError{Key: key, Value: whole, Accepted: "empty list: expected at least one SIZE_MB:DIVISIONS entry, as in [256:1,512:2,>:8]"}
+	}
+	var div [roundupIntervals]uint64
 	// next is the first interval ">" covers: the one after the last
 	// explicit interval. (PyTorch fills from the last explicit interval
 	// itself, overwriting it; allocd keeps what the user wrote.)
 	next := 0
+	prevKey := "" // the last explicit key, for messages
+	sawRest := false
 	for i := 0; i < len(items); {
-		if i+2 >= len(items) || items[i+1] != ":" {
+		if items[i] == "," {
+			return &ConfigError{Key: key, Value: whole, Accepted: "empty list entry: expected SIZE_MB:DIVISIONS between commas"}
+		}
+		if i+2 >= len(items) || items[i+1] != ":" || isPunct(items[i+2]) {
 			return &ConfigError{Key: key, Value: whole, Accepted: "expected list items SIZE_MB:DIVISIONS"}
 		}
 		k, v := items[i], items[i+2]
-		div, err := strconv.ParseUint(v, 10, 64)
-		if err != nil || (div != 0 && !isPow2(div)) {
-			return &ConfigError{Key: key, Value: whole, Accepted: fmt.Sprintf("divisions %q must be a power of two or 0", v)}
+		if sawRest {
+			if k == ">" {
+				return &ConfigError{Key: key, Value: whole, Accepted: "> given twice: it may appear once, as the last entry"}
+			}
+			return &ConfigError{Key: key, Value: whole, Accepted: fmt.Sprintf("entry %s:%s after >: > must be the last entry", k, v)}
+		}
+		d, err := parseDivisions(key, whole, v, true)
+		if err != nil {
+			return err
 		}
 		if k == ">" {
-			for j := next; j < roundupIntervals; j++ {
-				c.RoundupPower2Divisions[j] = div
+			if next >= roundupIntervals {
+				return &ConfigError{Key: key, Value: whole, Accepted: fmt.Sprintf("> after %s covers no interval: %s MiB already names the last one (%d MiB and above)", prevKey, prevKey, uint64(1)<<(roundupIntervals-1))}
 			}
+			for j := next; j < roundupIntervals; j++ {
+				div[j] = d
+			}
+			sawRest = true
 		} else {
 			mb, err := strconv.ParseUint(k, 10, 64)
 			if err != nil || !isPow2(mb) {
 				return &ConfigError{Key: key, Value: whole, Accepted: fmt.Sprintf("interval %q must be a power of two (MiB) or >", k)}
 			}
 			idx := min(bits.Len64(mb)-1, roundupIntervals-1)
-			if next == 0 {
+			switch {
+			case prevKey != "" && idx == next-1:
+				accepted := fmt.Sprintf("key %s given twice: each interval may be given once", k)
+				if k != prevKey {
+					accepted = fmt.Sprintf("keys %s and %s name the same interval (every key from %d MiB up names the last one): each interval may be given once", prevKey, k, uint64(1)<<(roundupIntervals-1))
+				}
+				return &ConfigError{Key: key, Value: whole, Accepted: accepted}
+			case prevKey != "" && idx < next:
+				return &ConfigError{Key: key, Value: whole, Accepted: fmt.Sprintf("key %s after %s: keys must ascend", k, prevKey)}
+			}
+			if prevKey == "" {
 				for j := 0; j < idx; j++ {
-					c.RoundupPower2Divisions[j] = div
+					div[j] = d
 				}
 			}
-			c.RoundupPower2Divisions[idx] = div
-			next = idx + 1
+			div[idx] = d
+			next, prevKey = idx+1, k
 		}
 		i += 3
 		if i < len(items) {
@@ -333,8 +463,12 @@ func (c *Config) setRoundup(key string, val []string) error {
 				return &ConfigError{Key: key, Value: whole, Accepted: "expected , between list items"}
 			}
 			i++
+			if i == len(items) {
+				return &ConfigError{Key: key, Value: whole, Accepted: "trailing comma in the list: expected SIZE_MB:DIVISIONS after each ,"}
+			}
 		}
 	}
+	c.RoundupPower2Divisions = div
 	return nil
 }
 
@@ -352,15 +486,15 @@ func (c Config) Validate() error {
 	if c.MaxNonSplitRounding < 20<<20 {
 		return &ConfigError{Key: "max_non_split_rounding_mb", Value: strconv.FormatUint(c.MaxNonSplitRounding>>20, 10), Accepted: "expected at least 20"}
 	}
-	if g := c.GarbageCollectionThreshold; g != 0 && !(g > 0 && g < 1) {
-		return &ConfigError{Key: "garbage_collection_threshold", Value: fmt.Sprint(g), Accepted: "expected a number strictly between 0 and 1"}
+	if g := c.GarbageCollectionThreshold; g != 0 && !(normalOrZero(g) && g > 0 && g < 1) {
+		return &ConfigError{Key: "garbage_collection_threshold", Value: fmt.Sprint(g), Accepted: acceptedThreshold}
 	}
-	if f := c.PerProcessMemoryFraction; !(f >= 0 && f <= 1) {
-		return &ConfigError{Key: "per_process_memory_fraction", Value: fmt.Sprint(f), Accepted: "expected a number between 0 and 1"}
+	if f := c.PerProcessMemoryFraction; !(normalOrZero(f) && f >= 0 && f <= 1) {
+		return &ConfigError{Key: "per_process_memory_fraction", Value: fmt.Sprint(f), Accepted: acceptedFraction}
 	}
 	for _, d := range c.RoundupPower2Divisions {
-		if d != 0 && !isPow2(d) {
-			return &ConfigError{Key: "roundup_power2_divisions", Value: fmt.Sprint(d), Accepted: "divisions must be powers of two or 0"}
+		if d != 0 && (!isPow2(d) || d > maxRoundupDivisions) {
+			return &ConfigError{Key: "roundup_power2_divisions", Value: fmt.Sprint(d), Accepted: fmt.Sprintf("divisions must be powers of two from 1 to %d, or 0", maxRoundupDivisions)}
 		}
 	}
 	return nil

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -76,7 +77,38 @@ type mixedRow struct {
 	PeakReservedBytes  int64   `json:"peak_reserved_bytes"`
 }
 
+// maxBenchCount bounds --pair-iters and --mixed-steps: enough for minutes
+// of work, and threads × steps stays far from int overflow.
+const maxBenchCount = 1_000_000_000
+
+// checkBenchFlags checks the sizes the user gives bench: every count is
+// at least 1 and at most maxBenchCount, and every goroutine count of
+// --threads from 1 to bench.MixedWindow (each goroutine gets a share of
+// the window, at least one slot).
+func checkBenchFlags(f benchFlags) error {
+	for _, c := range []struct {
+		flag string
+		n    int
+	}{{"--pair-iters", f.pairIters}, {"--mixed-steps", f.mixedSteps}} {
+		if c.n < 1 || c.n > maxBenchCount {
+			return fmt.Errorf("%s %d: expected a count from 1 to %d", c.flag, c.n, maxBenchCount)
+		}
+	}
+	if !f.skipMixed && len(f.threads) == 0 {
+		return errors.New("--threads: expected at least one goroutine count (or --no-mixed)")
+	}
+	for _, th := range f.threads {
+		if th < 1 || th > bench.MixedWindow {
+			return fmt.Errorf("--threads %d: expected goroutine counts from 1 to %d", th, bench.MixedWindow)
+		}
+	}
+	return nil
+}
+
 func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
+	if err := checkBenchFlags(f); err != nil {
+		return err
+	}
 	cfg, err := parseConf(f.conf)
 	if err != nil {
 		return err

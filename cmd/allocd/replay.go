@@ -90,8 +90,10 @@ func parseBytes(s string) (uint64, error) {
 		}
 	}
 	v, err := strconv.ParseFloat(t, 64)
-	if err != nil || v <= 0 || v*mult >= 1<<63 {
-		return 0, fmt.Errorf("bad size %q: expected a positive number of bytes, optionally with KiB, MiB, GiB or TiB", s)
+	// !(b >= 1) also rejects NaN, and a size that truncates to 0 bytes
+	// (1e-300GiB); b < 1<<63 rejects +Inf.
+	if b := v * mult; err != nil || !(b >= 1 && b < 1<<63) {
+		return 0, fmt.Errorf("bad size %q: expected a number of bytes from 1 to 8 EiB, optionally with KiB, MiB, GiB or TiB (not NaN or Inf)", s)
 	}
 	return uint64(v * mult), nil
 }

@@ -172,10 +172,45 @@ func TestParseBytes(t *testing.T) {
 			t.Errorf("parseBytes(%q) = %d, %v; want %d", in, got, err, want)
 		}
 	}
-	for _, in := range []string{"", "-1", "abc", "0"} {
-		if _, err := parseBytes(in); err == nil {
-			t.Errorf("parseBytes(%q) accepted", in)
+	for _, in := range []string{"", "-1", "abc", "0", "NaN", "nan GiB", "Inf", "+InfGiB", "-Inf", "1e-300GiB",
+		"5e-324", "0.5", "1e19", "8388608TiB"} {
+		if got, err := parseBytes(in); err == nil || !strings.Contains(err.Error(), "from 1 to 8 EiB") {
+			t.Errorf("parseBytes(%q) = %d, %v; want an error stating the range", in, got, err)
 		}
+	}
+}
+
+// TestBenchFlagErrors: bench's counts are range-checked before anything
+// runs, with errors naming the flag and the range.
+func TestBenchFlagErrors(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--pair-iters", "0"}, "--pair-iters 0: expected a count from 1 to 1000000000"},
+		{[]string{"--pair-iters", "-5"}, "--pair-iters -5"},
+		{[]string{"--pair-iters", "99999999999"}, "--pair-iters 99999999999"},
+		{[]string{"--mixed-steps", "0"}, "--mixed-steps 0: expected a count from 1 to 1000000000"},
+		{[]string{"--threads", "0"}, "--threads 0: expected goroutine counts from 1 to 4096"},
+		{[]string{"--threads", "1,4097"}, "--threads 4097"},
+		{[]string{"--threads", "-1"}, "--threads -1"},
+		{[]string{"--sim-capacity", "NaN"}, "--sim-capacity"},
+	} {
+		_, _, err := runCLI(t, append([]string{"bench", "--device", "sim", "--no-pair"}, tc.args...)...)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("bench %v: %v, want an error saying %q", tc.args, err, tc.want)
+		}
+	}
+	for _, f := range []benchFlags{
+		{pairIters: 1, mixedSteps: 1, threads: []int{1, 4096}},
+		{pairIters: maxBenchCount, mixedSteps: maxBenchCount, skipMixed: true},
+	} {
+		if err := checkBenchFlags(f); err != nil {
+			t.Errorf("checkBenchFlags(%+v): %v", f, err)
+		}
+	}
+	if err := checkBenchFlags(benchFlags{pairIters: 1, mixedSteps: 1}); err == nil {
+		t.Error("no --threads and the mixed benchmark on: accepted")
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -33,6 +34,10 @@ const defaultListen = "127.0.0.1:9612"
 // serveExitCode is the exit status after a second SIGINT or SIGTERM, as a
 // shell reports a process killed by SIGINT.
 const serveExitCode = 130
+
+// secondSignalGrace: a signal that follows the first by less than this
+// counts as a second signal even if the shutdown has finished by then.
+const secondSignalGrace = 100 * time.Millisecond
 
 // serveExit ends the process on a second signal; tests replace it.
 var serveExit = os.Exit
@@ -78,13 +83,14 @@ cuda:all (every CUDA device this process can see).
 
 On simulated devices, --replay TRACE drives each allocator with a PyTorch
 memory snapshot (torch.cuda.memory._dump_snapshot()), once or, with --loop,
-over and over; --synthetic drives each with DESIGN.md's mixed workload
-instead. Each device gets its own goroutine. --replay-rate paces either
+over and over; --synthetic drives each with the mixed benchmark's random
+workload instead. Each device gets its own goroutine. --replay-rate paces either
 (operations per second on each device, 0: as fast as possible).
 
 SIGINT or SIGTERM shuts down gracefully: /readyz turns 503, in-flight requests
-finish, the workload stops and every segment goes back to the device. A second
-signal exits at once with status 130. Logs are JSON lines on stderr (--dev:
+finish, the workload stops and every segment goes back to the device. A signal
+while the --replay trace is still loading stops at once (status 0), as nothing
+has started yet. A second signal, at any time, exits at once with status 130. Logs are JSON lines on stderr (--dev:
 console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -107,8 +113,8 @@ console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
 	fl.StringVar(&f.replay, "replay", "", "replay this PyTorch memory snapshot through each allocator (--device sim or sim:N only)")
 	fl.BoolVar(&f.synthetic, "synthetic", false, "drive each allocator with the mixed benchmark workload (--device sim or sim:N only)")
 	fl.BoolVar(&f.loop, "loop", false, "with --replay: start the trace over when it ends, until shutdown")
-	fl.Float64Var(&f.rate, "replay-rate", 10000, "operations per second on each device for --replay and --synthetic (0: as fast as possible)")
-	fl.IntVar(&f.history, "history", 0, "record the last N allocator events for /debug/snapshot (0: off)")
+	fl.Float64Var(&f.rate, "replay-rate", 10000, fmt.Sprintf("operations per second on each device for --replay and --synthetic, from %g to %g (0: as fast as possible)", minReplayRate, maxReplayRate))
+	fl.IntVar(&f.history, "history", 0, fmt.Sprintf("record the last N allocator events for /debug/snapshot (0: off; at most %d)", maxServeHistory))
 	fl.BoolVar(&f.dev, "dev", false, "log human-readable console lines instead of JSON")
 	fl.StringVar(&f.logLevel, "log-level", "info", "log level: "+logLevels)
 	fl.StringVar(&f.readyFile, "ready-file", "", "once serving, write the listening address to this file")
@@ -172,12 +178,49 @@ func checkServeFlags(f serveFlags) (deviceSpec, uint64, error) {
 		return spec, 0, errors.New("--replay and --synthetic drive simulated devices only (--device sim or sim:N)")
 	case f.loop && f.replay == "":
 		return spec, 0, errors.New("--loop repeats a --replay trace; it needs --replay")
-	case f.rate < 0:
-		return spec, 0, fmt.Errorf("--replay-rate %g: expected operations per second, 0 for unlimited", f.rate)
-	case f.history < 0:
-		return spec, 0, fmt.Errorf("--history %d: expected a number of events, 0 for off", f.history)
+	}
+	if f.rate != 0 {
+		if err := checkFloatFlag("--replay-rate", f.rate, minReplayRate, maxReplayRate,
+			"0 (as fast as possible) or operations per second"); err != nil {
+			return spec, 0, err
+		}
+	}
+	if f.history < 0 || f.history > maxServeHistory {
+		return spec, 0, fmt.Errorf("--history %d: expected a number of events from 0 (off) to %d", f.history, maxServeHistory)
+	}
+	for _, d := range []struct {
+		flag string
+		v    time.Duration
+	}{{"--shutdown-timeout", f.shutdownTimeout}, {"--drain-delay", f.drainDelay}} {
+		if d.v < 0 || d.v > maxServeWait {
+			return spec, 0, fmt.Errorf("%s %v: expected a duration from 0 to %v", d.flag, d.v, maxServeWait)
+		}
 	}
 	return spec, capacity, nil
+}
+
+// Limits of serve's numeric flags (docs/operations.md lists them).
+const (
+	// minReplayRate and maxReplayRate bound --replay-rate (besides 0):
+	// one operation every 100 s, and a billion a second, more than a
+	// device's goroutine can do.
+	minReplayRate = 0.01
+	maxReplayRate = 1e9
+	// maxServeHistory bounds --history: each device's allocator keeps that
+	// many events, tens of bytes each, for /debug/snapshot.
+	maxServeHistory = 1 << 24
+	// maxServeWait bounds --shutdown-timeout and --drain-delay.
+	maxServeWait = time.Hour
+)
+
+// checkFloatFlag checks the value v of a float flag: a finite, normal
+// float64 from lo to hi. The error names the flag, the value and the
+// range, prefixed by what, the flag's meaning.
+func checkFloatFlag(flag string, v, lo, hi float64, what string) error {
+	if math.IsNaN(v) || math.IsInf(v, 0) || (v != 0 && math.Abs(v) < 0x1p-1022) || v < lo || v > hi {
+		return fmt.Errorf("%s %g: expected %s from %g to %g (not NaN, Inf or subnormal)", flag, v, what, lo, hi)
+	}
+	return nil
 }
 
 // openServeDevices opens the devices. For a replay, each simulated device
@@ -202,6 +245,10 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 		return err
 	}
 	defer func() { _ = log.Sync() }()
+	// Signals are watched from here to the end: the first one stops
+	// whatever start-up step is waiting, the second exits at once.
+	sig := watchServeSignals(ctx, log, sigs)
+	defer sig.stop()
 	cfg, err := parseConf(resolveConf(f.conf, f.confSet))
 	if err != nil {
 		return err
@@ -213,8 +260,13 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 	var load *serveWorkload
 	if f.replay != "" || f.synthetic {
 		// Read the trace before anything starts, so that a bad file fails
-		// the command rather than a background goroutine.
-		if load, err = newServeWorkload(f); err != nil {
+		// the command rather than a background goroutine. Reading a big
+		// trace takes seconds, so it runs in its own goroutine and a
+		// shutdown stops waiting for it: nothing else exists yet (no
+		// device is open, no allocator made), so there is nothing to undo.
+		// The abandoned read ends with the process; in a test that cancels
+		// ctx it runs on to the end of the file and its result is dropped.
+		if load, err = loadServeWorkload(sig.ctx, f, log); err != nil || load == nil {
 			return err
 		}
 	}
@@ -246,6 +298,11 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 		return err
 	}
 
+	if sig.ctx.Err() != nil {
+		// A signal came while the devices opened: stop before serving.
+		logShutdown(log, sig.ctx, "before serving")
+		return d.closeAllocators()
+	}
 	ln, err := net.Listen("tcp", f.listen)
 	if err != nil {
 		_ = allocs.Close()
@@ -292,36 +349,19 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 
 	var exitErr error
 	select {
-	case sig := <-sigs:
-		log.Info("shutting down", zap.String("signal", sig.String()))
-	case <-ctx.Done():
-		log.Info("shutting down", zap.String("reason", context.Cause(ctx).Error()))
+	case <-sig.ctx.Done():
+		logShutdown(log, sig.ctx, "")
 	case err := <-serveErr:
 		log.Error("HTTP server failed; shutting down", zap.Error(err))
 		exitErr = fmt.Errorf("serving %s: %w", addr, err)
 	}
 	d.ready.Store(false)
 
-	// A second signal while shutting down exits at once. (serveExit
-	// returns only in tests; forced then cuts the drain delay short.)
-	shutdownDone, forced := make(chan struct{}), make(chan struct{})
-	defer close(shutdownDone)
-	go func() {
-		select {
-		case sig := <-sigs:
-			log.Warn("second signal: exiting without cleanup", zap.String("signal", sig.String()), zap.Int("exit_code", serveExitCode))
-			_ = log.Sync()
-			serveExit(serveExitCode)
-			close(forced)
-		case <-shutdownDone:
-		}
-	}()
-
 	if f.drainDelay > 0 {
 		log.Info("draining: /readyz answers 503", zap.Duration("for", f.drainDelay))
 		select {
 		case <-time.After(f.drainDelay):
-		case <-forced:
+		case <-sig.forced: // a second signal, in a test where serveExit returns
 		}
 	}
 	shutCtx, cancel := context.WithTimeout(context.Background(), f.shutdownTimeout)
@@ -344,6 +384,127 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 	}
 	log.Info("shutdown complete")
 	return exitErr
+}
+
+// shutdownSignal is the cause of serveSignals' context once a signal has
+// cancelled it.
+type shutdownSignal struct{ sig os.Signal }
+
+func (s shutdownSignal) Error() string { return "signal " + s.sig.String() }
+
+// serveSignals watches a channel of SIGINT and SIGTERM for the whole of
+// runServe. The first signal cancels ctx, with a shutdownSignal as its
+// cause; a second one logs, calls serveExit(130) at once, whatever
+// runServe is doing, and then (serveExit returns only in tests) closes
+// forced.
+type serveSignals struct {
+	ctx    context.Context
+	forced chan struct{}
+	done   chan struct{}
+	exited chan struct{}
+}
+
+// watchServeSignals starts watching sigs. ctx is also cancelled when
+// parent is.
+func watchServeSignals(parent context.Context, log *zap.Logger, sigs <-chan os.Signal) *serveSignals {
+	ctx, cancel := context.WithCancelCause(parent)
+	s := &serveSignals{ctx: ctx, forced: make(chan struct{}), done: make(chan struct{}), exited: make(chan struct{})}
+	second := func(sig os.Signal) {
+		log.Warn("second signal: exiting without cleanup", zap.String("signal", sig.String()), zap.Int("exit_code", serveExitCode))
+		_ = log.Sync()
+		serveExit(serveExitCode)
+		close(s.forced)
+	}
+	go func() {
+		defer close(s.exited)
+		defer cancel(nil)
+		var first os.Signal
+		var firstAt time.Time
+		for {
+			select {
+			case sig := <-sigs:
+				if first != nil {
+					second(sig)
+					return
+				}
+				first, firstAt = sig, time.Now()
+				cancel(shutdownSignal{sig})
+			case <-s.done:
+				// Two signals sent together (a double Ctrl-C, a
+				// supervisor that signals twice) exit 130 even when the
+				// shutdown is quicker than the second one's delivery,
+				// as during trace loading: the exit waits until
+				// secondSignalGrace after the first signal.
+				if first == nil {
+					return
+				}
+				wait := time.NewTimer(secondSignalGrace - time.Since(firstAt))
+				defer wait.Stop()
+				select {
+				case sig := <-sigs:
+					second(sig)
+				case <-wait.C:
+				}
+				return
+			}
+		}
+	}()
+	return s
+}
+
+// stop ends the watch; once it returns no signal calls serveExit. It
+// returns at once unless a signal came less than secondSignalGrace ago.
+func (s *serveSignals) stop() {
+	close(s.done)
+	<-s.exited
+}
+
+// logShutdown logs why ctx, serveSignals' context, ended: the signal, or
+// the reason its parent was cancelled; during says which start-up step it
+// interrupted, when one did.
+func logShutdown(log *zap.Logger, ctx context.Context, during string) {
+	fields := []zap.Field{}
+	var ss shutdownSignal
+	if cause := context.Cause(ctx); errors.As(cause, &ss) {
+		fields = append(fields, zap.String("signal", ss.sig.String()))
+	} else {
+		fields = append(fields, zap.String("reason", cause.Error()))
+	}
+	if during != "" {
+		fields = append(fields, zap.String("during", during))
+	}
+	log.Info("shutting down", fields...)
+}
+
+// loadServeWorkload runs newServeWorkload in a goroutine and waits for it
+// or for ctx. It returns nil, nil when ctx ended first (logged as a
+// shutdown during loading).
+func loadServeWorkload(ctx context.Context, f serveFlags, log *zap.Logger) (*serveWorkload, error) {
+	type result struct {
+		w   *serveWorkload
+		err error
+	}
+	if f.replay != "" {
+		log.Info("loading trace", zap.String("trace", f.replay))
+	}
+	t0 := time.Now()
+	done := make(chan result, 1) // never blocks the loader
+	go func() {
+		w, err := newServeWorkload(f)
+		done <- result{w, err}
+	}()
+	select {
+	case r := <-done:
+		if r.err == nil && r.w.ops != nil {
+			log.Info("trace loaded", zap.String("trace", f.replay), zap.Int("ops", len(r.w.ops.Ops)),
+				zap.Duration("took", time.Since(t0)))
+		}
+		return r.w, r.err
+	case <-ctx.Done():
+		logShutdown(log, ctx, "trace loading")
+		log.Info("shutdown complete: nothing was started")
+		return nil, nil
+	}
 }
 
 // register adds the daemon's collectors to its own registry: the

@@ -171,6 +171,32 @@ type servePacer struct {
 	timer *time.Timer
 }
 
+// maxPacerDue bounds the due time of an operation: about 146 years, far
+// beyond any run, and far from time.Duration's overflow.
+const maxPacerDue = time.Duration(1 << 62)
+
+// pacerDue is when the nth operation is due at rate operations a second,
+// measured from the start. It never overflows: a due time beyond
+// maxPacerDue, and a NaN (rate NaN, or n and rate infinite), give
+// maxPacerDue, so that a rate too small to represent holds the workload
+// until its context ends rather than letting it run unpaced. (Converting
+// an out-of-range float64 to time.Duration is implementation-defined in
+// Go; on amd64 it gives math.MinInt64, a due time far in the past.)
+func pacerDue(n, rate float64) time.Duration {
+	ns := n / rate * float64(time.Second)
+	if !(ns < float64(maxPacerDue)) { // also NaN
+		return maxPacerDue
+	}
+	if ns < 0 {
+		return 0
+	}
+	return time.Duration(ns)
+}
+
+// newServePacer paces at rate operations a second; rate 0 (or below)
+// leaves the workload unpaced. checkServeFlags keeps rate to 0 or
+// [minReplayRate, maxReplayRate]; any other value still paces safely
+// (pacerDue).
 func newServePacer(ctx context.Context, rate float64) *servePacer {
 	return &servePacer{ctx: ctx, rate: rate, start: time.Now()}
 }
@@ -181,7 +207,7 @@ func (p *servePacer) observe(int) {
 		return
 	}
 	p.n++
-	ahead := time.Until(p.start.Add(time.Duration(p.n / p.rate * float64(time.Second))))
+	ahead := pacerDue(p.n, p.rate) - time.Since(p.start)
 	if ahead < time.Millisecond || p.ctx.Err() != nil {
 		return
 	}

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"math"
 	"os"
 	"strings"
 	"testing"
@@ -187,6 +189,8 @@ func TestServeFlagErrors(t *testing.T) {
 		{serveFlags{device: "sim", simCapacity: "1GiB", loop: true}, "--loop"},
 		{serveFlags{device: "sim", simCapacity: "1GiB", rate: -1}, "--replay-rate"},
 		{serveFlags{device: "sim", simCapacity: "1GiB", history: -1}, "--history"},
+		{serveFlags{device: "sim", simCapacity: "NaN"}, "--sim-capacity"},
+		{serveFlags{device: "sim", simCapacity: "1e-300GiB"}, "--sim-capacity"},
 	} {
 		if _, _, err := checkServeFlags(c.f); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("checkServeFlags(%+v) = %v, want an error about %s", c.f, err, c.want)
@@ -197,6 +201,118 @@ func TestServeFlagErrors(t *testing.T) {
 	}
 	if _, err := newLoggerTo(os.Stderr, false, "verbose"); err == nil || !strings.Contains(err.Error(), "--log-level") {
 		t.Errorf("newLoggerTo(verbose) = %v", err)
+	}
+}
+
+// TestServeNumericFlagLimits: every float and user-sized integer flag of
+// serve is range-checked, with an error naming the flag, the value and
+// the accepted range; the limits themselves are accepted.
+func TestServeNumericFlagLimits(t *testing.T) {
+	base := func() serveFlags {
+		return serveFlags{device: "sim", simCapacity: "1GiB", rate: 10000, shutdownTimeout: 10 * time.Second}
+	}
+	const rateRange = "--replay-rate %s: expected 0 (as fast as possible) or operations per second from 0.01 to 1e+09 (not NaN, Inf or subnormal)"
+	for _, tc := range []struct {
+		name string
+		set  func(*serveFlags)
+		want string
+	}{
+		{"rate NaN", func(f *serveFlags) { f.rate = math.NaN() }, fmt.Sprintf(rateRange, "NaN")},
+		{"rate +Inf", func(f *serveFlags) { f.rate = math.Inf(1) }, fmt.Sprintf(rateRange, "+Inf")},
+		{"rate -Inf", func(f *serveFlags) { f.rate = math.Inf(-1) }, fmt.Sprintf(rateRange, "-Inf")},
+		{"rate 1e-300", func(f *serveFlags) { f.rate = 1e-300 }, fmt.Sprintf(rateRange, "1e-300")},
+		{"rate subnormal", func(f *serveFlags) { f.rate = 5e-324 }, fmt.Sprintf(rateRange, "5e-324")},
+		{"rate below the minimum", func(f *serveFlags) { f.rate = 0.009 }, fmt.Sprintf(rateRange, "0.009")},
+		{"rate above the maximum", func(f *serveFlags) { f.rate = 1.5e9 }, fmt.Sprintf(rateRange, "1.5e+09")},
+		{"rate negative", func(f *serveFlags) { f.rate = -1 }, fmt.Sprintf(rateRange, "-1")},
+		{"history negative", func(f *serveFlags) { f.history = -1 }, "--history -1: expected a number of events from 0 (off) to 16777216"},
+		{"history over the maximum", func(f *serveFlags) { f.history = maxServeHistory + 1 }, "--history 16777217: expected a number of events from 0 (off) to 16777216"},
+		{"history huge", func(f *serveFlags) { f.history = 99999999999 }, "--history 99999999999"},
+		{"shutdown timeout negative", func(f *serveFlags) { f.shutdownTimeout = -time.Second }, "--shutdown-timeout -1s: expected a duration from 0 to 1h0m0s"},
+		{"shutdown timeout too long", func(f *serveFlags) { f.shutdownTimeout = 2 * time.Hour }, "--shutdown-timeout 2h0m0s"},
+		{"drain delay negative", func(f *serveFlags) { f.drainDelay = -time.Nanosecond }, "--drain-delay -1ns"},
+		{"drain delay too long", func(f *serveFlags) { f.drainDelay = 61 * time.Minute }, "--drain-delay 1h1m0s: expected a duration from 0 to 1h0m0s"},
+	} {
+		f := base()
+		tc.set(&f)
+		if _, _, err := checkServeFlags(f); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: checkServeFlags = %v, want %q", tc.name, err, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		set  func(*serveFlags)
+	}{
+		{"rate 0", func(f *serveFlags) { f.rate = 0 }},
+		{"rate at the minimum", func(f *serveFlags) { f.rate = minReplayRate }},
+		{"rate at the maximum", func(f *serveFlags) { f.rate = maxReplayRate }},
+		{"history at the maximum", func(f *serveFlags) { f.history = maxServeHistory }},
+		{"waits at the maximum", func(f *serveFlags) { f.shutdownTimeout, f.drainDelay = time.Hour, time.Hour }},
+		{"waits 0", func(f *serveFlags) { f.shutdownTimeout, f.drainDelay = 0, 0 }},
+	} {
+		f := base()
+		tc.set(&f)
+		if _, _, err := checkServeFlags(f); err != nil {
+			t.Errorf("%s: checkServeFlags = %v", tc.name, err)
+		}
+	}
+	// The same checks through the command line, flag parsing included.
+	for _, args := range [][]string{
+		{"--replay-rate", "NaN"}, {"--replay-rate", "nan"}, {"--replay-rate", "1e-300"}, {"--replay-rate", "Inf"},
+		{"--history", "99999999999"},
+	} {
+		_, _, err := runCLI(t, append([]string{"serve", "--device", "sim", "--listen", "127.0.0.1:0"}, args...)...)
+		if err == nil || !strings.Contains(err.Error(), args[0]+" ") {
+			t.Errorf("serve %v: %v, want an error naming %s", args, err, args[0])
+		}
+	}
+}
+
+// TestPacerDue: the due time of an operation never overflows. A rate too
+// small for the due time to fit, or NaN, gives the largest due time (the
+// workload waits), never a time in the past (the workload would run
+// unpaced).
+func TestPacerDue(t *testing.T) {
+	for _, tc := range []struct {
+		n, rate float64
+		want    time.Duration
+	}{
+		{1, 1000, time.Millisecond},
+		{3, 2, 1500 * time.Millisecond},
+		{1e6, 1e9, time.Millisecond},
+		{1, 1e-300, maxPacerDue},
+		{1, 5e-324, maxPacerDue},
+		{1, math.NaN(), maxPacerDue},
+		{math.Inf(1), math.Inf(1), maxPacerDue},
+		{1e12, 0.01, maxPacerDue}, // 1e14 s: beyond 146 years
+		{1, math.Inf(1), 0},
+		{1, -1, 0},
+	} {
+		if got := pacerDue(tc.n, tc.rate); got != tc.want {
+			t.Errorf("pacerDue(%g, %g) = %v, want %v", tc.n, tc.rate, got, tc.want)
+		}
+	}
+}
+
+// TestPacerTinyRate: a pacer at a rate too small to represent (which the
+// flags reject) holds the workload until its context ends instead of
+// running it unpaced.
+func TestPacerTinyRate(t *testing.T) {
+	for _, rate := range []float64{1e-300, math.NaN()} {
+		ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
+		p := newServePacer(ctx, rate)
+		t0 := time.Now()
+		done := 0
+		for i := range 1000 {
+			p.observe(i)
+			if ctx.Err() == nil {
+				done++
+			}
+		}
+		cancel()
+		if d := time.Since(t0); done > 1 || d < 100*time.Millisecond || d > 5*time.Second {
+			t.Errorf("rate %g: %d operations before the context ended, %v in all; want 1, then a wait until the context ended (150ms)", rate, done, d)
+		}
 	}
 }
 

@@ -18,6 +18,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
+
+	"github.com/allocd/allocd/trace"
 )
 
 // serveLogBuffer is a bytes buffer safe for a writer and a reader at once.
@@ -163,8 +165,18 @@ func buildServeBinary(t *testing.T) string {
 func startServe(t *testing.T, bin string, args ...string) *servedProcess {
 	t.Helper()
 	ready := filepath.Join(t.TempDir(), "ready")
+	p := startServeProcess(t, bin, append([]string{"--ready-file", ready}, args...)...)
+	p.url = serveReadyAddr(t, ready, p.exited, p.logs)
+	return p
+}
+
+// startServeProcess starts `allocd serve --listen 127.0.0.1:0 args...` and
+// returns at once. The process is killed at the end of the test if it is
+// still running.
+func startServeProcess(t *testing.T, bin string, args ...string) *servedProcess {
+	t.Helper()
 	p := &servedProcess{logs: &serveLogBuffer{}, exited: make(chan struct{})}
-	p.cmd = exec.Command(bin, append([]string{"serve", "--listen", "127.0.0.1:0", "--ready-file", ready}, args...)...)
+	p.cmd = exec.Command(bin, append([]string{"serve", "--listen", "127.0.0.1:0"}, args...)...)
 	p.cmd.Stderr = p.logs
 	p.cmd.Stdout = p.logs
 	if err := p.cmd.Start(); err != nil {
@@ -182,7 +194,6 @@ func startServe(t *testing.T, bin string, args ...string) *servedProcess {
 			<-p.exited
 		}
 	})
-	p.url = serveReadyAddr(t, ready, p.exited, p.logs)
 	return p
 }
 
@@ -218,6 +229,140 @@ func TestServeBinary(t *testing.T) {
 	t.Run("EndToEnd", func(t *testing.T) { testServeEndToEnd(t, bin) })
 	t.Run("SecondSignalExitsAtOnce", func(t *testing.T) { testServeSecondSignal(t, bin) })
 	t.Run("SeveralSimulatedGPUs", func(t *testing.T) { testServeSeveralGPUs(t, bin) })
+	t.Run("BadNumericFlags", func(t *testing.T) { testServeBadNumericFlags(t, bin) })
+	t.Run("SignalDuringTraceLoading", func(t *testing.T) { testServeSignalDuringLoading(t, bin) })
+}
+
+// testServeBadNumericFlags: out-of-range numbers stop the binary at start
+// with status 1 and one clear line, never a Go crash (the --history
+// case used to reserve the ring up front and die out of memory).
+func testServeBadNumericFlags(t *testing.T, bin string) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--history", "99999999999"}, "allocd: --history 99999999999: expected a number of events from 0 (off) to 16777216"},
+		{[]string{"--replay-rate", "NaN", "--synthetic"}, "allocd: --replay-rate NaN: expected 0 (as fast as possible) or operations per second from 0.01 to 1e+09"},
+		{[]string{"--replay-rate", "1e-300", "--synthetic"}, "allocd: --replay-rate 1e-300: expected"},
+		{[]string{"--sim-capacity", "NaN"}, "allocd: --sim-capacity: bad size"},
+		{[]string{"--drain-delay", "-1s"}, "allocd: --drain-delay -1s: expected a duration from 0 to 1h0m0s"},
+	} {
+		p := startServeProcess(t, bin, append([]string{"--device", "sim"}, tc.args...)...)
+		code := p.wait(t, 30*time.Second)
+		out := p.logs.String()
+		if code != 1 || !strings.Contains(out, tc.want) || strings.Contains(out, "goroutine ") || strings.Contains(out, "fatal error") {
+			t.Errorf("serve %v: exit %d, output:\n%s\nwant exit 1 and %q", tc.args, code, out, tc.want)
+		}
+	}
+}
+
+// signalTestTraceEntries and signalTestTraceDevices size the trace that
+// testServeSignalDuringLoading loads: three device traces of 4M entries,
+// about 440 MB of pickle, which takes over 3 s to read on an idle core.
+// (One []Entry serves as every device's, so that writing it costs the
+// test little memory.)
+const (
+	signalTestTraceEntries = 4_000_000
+	signalTestTraceDevices = 3
+)
+
+// writeBigTrace writes a snapshot of devices device traces, each of n
+// alloc and free_completed entries cycling over 1000 addresses, as a plain
+// pickle into dir.
+func writeBigTrace(t *testing.T, dir string, n, devices int) string {
+	t.Helper()
+	entries := make([]trace.Entry, 0, n)
+	for i := range n / 2 {
+		addr := uint64(0x7f0000000000 + (i%1000)*4096)
+		entries = append(entries,
+			trace.Entry{Action: trace.ActionAlloc, Addr: addr, Size: 4096, TimeUS: int64(i)},
+			trace.Entry{Action: trace.ActionFreeCompleted, Addr: addr, Size: 4096, TimeUS: int64(i)})
+	}
+	path := filepath.Join(dir, "big.pickle")
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := bufio.NewWriterSize(f, 1<<20)
+	traces := make([][]trace.Entry, devices)
+	for i := range traces {
+		traces[i] = entries
+	}
+	if err := trace.WritePickle(w, &trace.Snapshot{DeviceTraces: traces}); err != nil {
+		t.Fatal(err)
+	}
+	if err := errors.Join(w.Flush(), f.Close()); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// testServeSignalDuringLoading: a SIGTERM while `serve --replay` still
+// reads its trace exits 0 within a second, having opened no device; two
+// signals together exit 130 at once.
+func testServeSignalDuringLoading(t *testing.T, bin string) {
+	big := writeBigTrace(t, t.TempDir(), signalTestTraceEntries, signalTestTraceDevices)
+	start := func(t *testing.T) *servedProcess {
+		p := startServeProcess(t, bin, "--device", "sim", "--replay", big, "--loop")
+		serveWaitFor(t, 10*time.Second, "the trace loading log", func() bool {
+			return serveFindLog(p.logs.String(), "loading trace") != nil
+		})
+		time.Sleep(200 * time.Millisecond) // well into the read
+		if serveFindLog(p.logs.String(), "trace loaded") != nil {
+			t.Skip("the big trace loaded in under 200ms; it is too small to test a signal during loading")
+		}
+		return p
+	}
+	// notStarted checks that the process exited before any device or
+	// allocator existed, and that loading really was interrupted.
+	notStarted := func(t *testing.T, logs string) {
+		for _, msg := range []string{"trace loaded", "device opened", "listening", "allocd serve starting"} {
+			if serveFindLog(logs, msg) != nil {
+				t.Errorf("%q logged: the signal did not interrupt loading:\n%s", msg, logs)
+			}
+		}
+	}
+
+	t.Run("SIGTERM", func(t *testing.T) {
+		p := start(t)
+		t0 := time.Now()
+		p.signal(t, syscall.SIGTERM)
+		code := p.wait(t, 5*time.Second)
+		took := time.Since(t0)
+		logs := p.logs.String()
+		if code != 0 || took > time.Second {
+			t.Errorf("exit %d %v after SIGTERM during loading, want 0 within 1s:\n%s", code, took, logs)
+		}
+		if m := serveFindLog(logs, "shutting down"); m == nil || m["signal"] != "terminated" || m["during"] != "trace loading" {
+			t.Errorf("shutdown log %v, want signal terminated during trace loading", m)
+		}
+		if serveFindLog(logs, "shutdown complete: nothing was started") == nil {
+			t.Errorf("no shutdown-complete log:\n%s", logs)
+		}
+		notStarted(t, logs)
+	})
+
+	t.Run("TwoSignals", func(t *testing.T) {
+		p := start(t)
+		// Stopped, the process receives both signals before it handles
+		// either: they arrive together, as from an impatient operator
+		// or a supervisor that signals twice.
+		for _, sig := range []syscall.Signal{syscall.SIGSTOP, syscall.SIGTERM, syscall.SIGINT} {
+			p.signal(t, sig)
+		}
+		t0 := time.Now()
+		p.signal(t, syscall.SIGCONT)
+		code := p.wait(t, 5*time.Second)
+		took := time.Since(t0)
+		logs := p.logs.String()
+		if code != serveExitCode || took > time.Second {
+			t.Errorf("exit %d %v after two signals during loading, want %d within 1s:\n%s", code, took, serveExitCode, logs)
+		}
+		if serveFindLog(logs, "second signal: exiting without cleanup") == nil {
+			t.Errorf("no log of the second signal:\n%s", logs)
+		}
+		notStarted(t, logs)
+	})
 }
 
 // testServeEndToEnd runs the binary on the simulated device driven by the

@@ -1,0 +1,192 @@
+package allocator
+
+import (
+	"errors"
+	"math"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// TestParseConfigRejects: every malformed string is a *ConfigError
+// wrapping ErrConfig whose message names the key, the value and what is
+// accepted (the want fragment), and ParseConfig returns the defaults.
+func TestParseConfigRejects(t *testing.T) {
+	const rp = "roundup_power2_divisions"
+	for _, tc := range []struct {
+		conf, key, want string
+	}{
+		// roundup_power2_divisions lists.
+		{rp + ":[256:4,256:2]", rp, "key 256 given twice"},
+		{rp + ":[256:1,512:2,]", rp, "trailing comma"},
+		{rp + ":[256:1,]", rp, "trailing comma"},
+		{rp + ":[]", rp, "empty list"},
+		{rp + ":[,256:1]", rp, "empty list entry"},
+		{rp + ":[256:1,,512:2]", rp, "empty list entry"},
+		{rp + ":[,]", rp, "empty list entry"},
+		{rp + ":[256:1,>:8,>:4]", rp, "> given twice"},
+		{rp + ":[>:8,256:1]", rp, "> must be the last entry"},
+		{rp + ":[512:2,256:1]", rp, "keys must ascend"},
+		{rp + ":[32768:2,65536:4]", rp, "name the same interval"},
+		{rp + ":[32768:2,>:4]", rp, "covers no interval"},
+		{rp + ":[256:3]", rp, "power of two"},
+		{rp + ":[256:2147483648]", rp, "from 1 to 1073741824, or 0"},
+		{rp + ":[100:2]", rp, `interval "100" must be a power of two`},
+		{rp + ":[0:2]", rp, `interval "0" must be a power of two`},
+		{rp + ":[-256:2]", rp, "must be a power of two"},
+		{rp + ":[256:1", rp, "unterminated list"},
+		{rp + ":[256]", rp, "SIZE_MB:DIVISIONS"},
+		{rp + ":[256:]", rp, "SIZE_MB:DIVISIONS"},
+		{rp + ":[256::]", rp, "SIZE_MB:DIVISIONS"},
+		{rp + ":[256:1:2]", rp, "expected , between list items"},
+		{rp + ":[256:1 512:2]", rp, "expected , between list items"},
+		{rp + ":[256:+1]", rp, "power of two"},
+		{rp + ":3", rp, "expected a power of two from 1 to 1073741824"},
+		{rp + ":0", rp, "expected a power of two"},
+		{rp + ":2147483648", rp, "expected a power of two from 1 to 1073741824"},
+		// Float keys.
+		{"garbage_collection_threshold:NaN", "garbage_collection_threshold", "strictly between 0 and 1"},
+		{"garbage_collection_threshold:nan", "garbage_collection_threshold", "not NaN, Inf or subnormal"},
+		{"garbage_collection_threshold:Inf", "garbage_collection_threshold", "strictly between 0 and 1"},
+		{"garbage_collection_threshold:-Inf", "garbage_collection_threshold", "strictly between 0 and 1"},
+		{"garbage_collection_threshold:infinity", "garbage_collection_threshold", "strictly between 0 and 1"},
+		{"garbage_collection_threshold:0", "garbage_collection_threshold", "strictly between 0 and 1"},
+		{"garbage_collection_threshold:1", "garbage_collection_threshold", "strictly between 0 and 1"},
+		{"garbage_collection_threshold:1.5", "garbage_collection_threshold", "strictly between 0 and 1"},
+		{"garbage_collection_threshold:-0.5", "garbage_collection_threshold", "strictly between 0 and 1"},
+		{"garbage_collection_threshold:0.99999999999999999999", "garbage_collection_threshold", "strictly between 0 and 1"},
+		{"garbage_collection_threshold:1e-310", "garbage_collection_threshold", "subnormal"},
+		{"garbage_collection_threshold:1e-400", "garbage_collection_threshold", "subnormal"},
+		{"garbage_collection_threshold:0x1p-2", "garbage_collection_threshold", "decimal number"},
+		{"garbage_collection_threshold:0_5", "garbage_collection_threshold", "decimal number"},
+		{"garbage_collection_threshold:.", "garbage_collection_threshold", "decimal number"},
+		{"garbage_collection_threshold:5e", "garbage_collection_threshold", "decimal number"},
+		{"per_process_memory_fraction:NaN", "per_process_memory_fraction", "from 0 to 1"},
+		{"per_process_memory_fraction:+Inf", "per_process_memory_fraction", "from 0 to 1"},
+		{"per_process_memory_fraction:2", "per_process_memory_fraction", "from 0 to 1"},
+		{"per_process_memory_fraction:1.0000001", "per_process_memory_fraction", "from 0 to 1"},
+		{"per_process_memory_fraction:-0.1", "per_process_memory_fraction", "from 0 to 1"},
+		{"per_process_memory_fraction:4.9e-324", "per_process_memory_fraction", "subnormal"},
+		{"per_process_memory_fraction:1e-400", "per_process_memory_fraction", "subnormal"},
+		{"per_process_memory_fraction:1e400", "per_process_memory_fraction", "from 0 to 1"},
+		// The top level.
+		{"max_split_size_mb:100,", "", "trailing comma"},
+		{"max_split_size_mb:100,,expandable_segments:True", "", "expected a key"},
+		{",max_split_size_mb:100", "", "expected a key"},
+		{"max_split_size_mb:100,max_split_size_mb:200", "max_split_size_mb", "key given twice"},
+		{"max_split_size_mb:1 28", "max_split_size_mb", "expected , between key:value pairs"},
+		{"max_split_size_mb:", "max_split_size_mb", "missing value"},
+		{"max_split_size_mb:[128]", "max_split_size_mb", "not a list"},
+		{"max_split_size_mb:10", "max_split_size_mb", "at least 20"},
+		{"expandable_segments:yes", "expandable_segments", "True or False"},
+		{"nonsense:1", "nonsense", "unknown key"},
+	} {
+		cfg, err := ParseConfig(tc.conf)
+		var ce *ConfigError
+		if !errors.Is(err, ErrConfig) || !errors.As(err, &ce) {
+			t.Errorf("ParseConfig(%q) = %v, want a *ConfigError", tc.conf, err)
+			continue
+		}
+		msg := err.Error()
+		if ce.Key != tc.key || (tc.key != "" && !strings.Contains(msg, `"`+tc.key+`"`)) {
+			t.Errorf("ParseConfig(%q): key %q in %q, want %q", tc.conf, ce.Key, msg, tc.key)
+		}
+		if (ce.Value == "" && !strings.HasSuffix(tc.conf, ":")) || !strings.Contains(msg, strconv.Quote(ce.Value)) {
+			t.Errorf("ParseConfig(%q): %q does not name the value", tc.conf, msg)
+		}
+		if !strings.Contains(msg, tc.want) {
+			t.Errorf("ParseConfig(%q) = %q, want it to say %q", tc.conf, msg, tc.want)
+		}
+		if cfg != DefaultConfig() {
+			t.Errorf("ParseConfig(%q) returned %+v with its error, want the defaults", tc.conf, cfg)
+		}
+	}
+}
+
+// TestParseConfigAccepts pins what the rules still accept, and the value
+// each gives.
+func TestParseConfigAccepts(t *testing.T) {
+	all := func(d uint64) (a [roundupIntervals]uint64) {
+		for i := range a {
+			a[i] = d
+		}
+		return a
+	}
+	for _, tc := range []struct {
+		conf  string
+		check func(Config) bool
+	}{
+		{"", func(c Config) bool { return c == DefaultConfig() }},
+		{"  ", func(c Config) bool { return c == DefaultConfig() }},
+		{"roundup_power2_divisions:4", func(c Config) bool { return c.RoundupPower2Divisions == all(4) }},
+		{"roundup_power2_divisions:[>:8]", func(c Config) bool { return c.RoundupPower2Divisions == all(8) }},
+		{"roundup_power2_divisions:[1:2,64:4,>:8]", func(c Config) bool {
+			return c.RoundupPower2Divisions == [roundupIntervals]uint64{2, 0, 0, 0, 0, 0, 4, 8, 8, 8, 8, 8, 8, 8, 8, 8}
+		}},
+		{"roundup_power2_divisions:[ 256 : 1 , 512 : 0 ]", func(c Config) bool {
+			return c.RoundupPower2Divisions == [roundupIntervals]uint64{1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0}
+		}},
+		// A key past the last interval names the last one, as in PyTorch.
+		{"roundup_power2_divisions:[65536:4]", func(c Config) bool { return c.RoundupPower2Divisions == all(4) }},
+		{"roundup_power2_divisions:[1:1073741824]", func(c Config) bool { return c.RoundupPower2Divisions[0] == 1<<30 }},
+		{"garbage_collection_threshold:0.6", func(c Config) bool { return c.GarbageCollectionThreshold == 0.6 }},
+		{"garbage_collection_threshold:.5", func(c Config) bool { return c.GarbageCollectionThreshold == 0.5 }},
+		{"garbage_collection_threshold:5e-1", func(c Config) bool { return c.GarbageCollectionThreshold == 0.5 }},
+		{"garbage_collection_threshold:1e-300", func(c Config) bool { return c.GarbageCollectionThreshold == 1e-300 }},
+		{"per_process_memory_fraction:0", func(c Config) bool { return c.PerProcessMemoryFraction == 0 }},
+		{"per_process_memory_fraction:0.0e5", func(c Config) bool { return c.PerProcessMemoryFraction == 0 }},
+		{"per_process_memory_fraction:1", func(c Config) bool { return c.PerProcessMemoryFraction == 1 }},
+		{"per_process_memory_fraction:+0.25", func(c Config) bool { return c.PerProcessMemoryFraction == 0.25 }},
+	} {
+		cfg, err := ParseConfig(tc.conf)
+		if err != nil {
+			t.Errorf("ParseConfig(%q): %v", tc.conf, err)
+			continue
+		}
+		if !tc.check(cfg) {
+			t.Errorf("ParseConfig(%q) = %+v", tc.conf, cfg)
+		}
+		if back, err := ParseConfig(cfg.String()); err != nil || back != cfg {
+			t.Errorf("round trip of %q via %q: %+v, %v", tc.conf, cfg.String(), back, err)
+		}
+	}
+}
+
+// TestValidateFloats: a Config built in Go gets the same float checks as
+// a parsed one.
+func TestValidateFloats(t *testing.T) {
+	bad := []float64{math.NaN(), math.Inf(1), math.Inf(-1), 5e-324, 0x1p-1023, -0.5, 1.5}
+	for _, f := range bad {
+		c := DefaultConfig()
+		c.GarbageCollectionThreshold = f
+		if err := c.Validate(); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "garbage_collection_threshold") {
+			t.Errorf("Validate with garbage_collection_threshold %v = %v", f, err)
+		}
+		c = DefaultConfig()
+		c.PerProcessMemoryFraction = f
+		if err := c.Validate(); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "per_process_memory_fraction") {
+			t.Errorf("Validate with per_process_memory_fraction %v = %v", f, err)
+		}
+	}
+	c := DefaultConfig()
+	c.GarbageCollectionThreshold, c.PerProcessMemoryFraction = 0x1p-1022, 1
+	if err := c.Validate(); err != nil {
+		t.Errorf("Validate of the smallest normal threshold: %v", err)
+	}
+	c.RoundupPower2Divisions[3] = 1 << 31
+	if err := c.Validate(); !errors.Is(err, ErrConfig) {
+		t.Errorf("Validate with 2^31 divisions = %v", err)
+	}
+}
+
+func TestIsDecimal(t *testing.T) {
+	for s, want := range map[string]bool{
+		"0": true, "1.": true, ".5": true, "-2.5e-3": true, "+1E+2": true, "007": true,
+		"": false, ".": false, "e5": false, "1e": false, "1e+": false, "nan": false, "Inf": false,
+		"0x1p-2": false, "1_000": false, "1.2.3": false, " 1": false, "--1": false,
+	} {
+		if got := isDecimal(s); got != want {
+			t.Errorf("isDecimal(%q) = %v, want %v", s, got, want)
+		}
+	}
+}
