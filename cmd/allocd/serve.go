@@ -206,9 +206,9 @@ const (
 	// device's goroutine can do.
 	minReplayRate = 0.01
 	maxReplayRate = 1e9
-	// maxServeHistory bounds --history: each device's allocator keeps that
-	// many events, tens of bytes each, for /debug/snapshot.
-	maxServeHistory = 1 << 24
+	// maxServeHistory bounds --history: the allocator's own bound on the
+	// events it keeps (tens of bytes each) for /debug/snapshot.
+	maxServeHistory = allocator.MaxHistoryEntries
 	// maxServeWait bounds --shutdown-timeout and --drain-delay.
 	maxServeWait = time.Hour
 )

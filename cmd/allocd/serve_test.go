@@ -241,7 +241,7 @@ func testServeBadNumericFlags(t *testing.T, bin string) {
 		args []string
 		want string
 	}{
-		{[]string{"--history", "99999999999"}, "allocd: --history 99999999999: expected a number of events from 0 (off) to 16777216"},
+		{[]string{"--history", "99999999999"}, "allocd: --history 99999999999: expected a number of events from 0 (off) to 10000000"},
 		{[]string{"--replay-rate", "NaN", "--synthetic"}, "allocd: --replay-rate NaN: expected 0 (as fast as possible) or operations per second from 0.01 to 1e+09"},
 		{[]string{"--replay-rate", "1e-300", "--synthetic"}, "allocd: --replay-rate 1e-300: expected"},
 		{[]string{"--sim-capacity", "NaN"}, "allocd: --sim-capacity: bad size"},
