@@ -33,7 +33,10 @@
 // At most Options.MaxInFlight requests (default 4) are served at once,
 // as promhttp's MaxRequestsInFlight bounds /metrics; a request beyond
 // that gets 503 Service Unavailable with "Retry-After: 1" at once,
-// instead of queueing. The snapshot is streamed: JSON is written segment
+// instead of queueing. Snapshots are built one at a time, and spaced so
+// that building them takes at most Options.LockShare (default 10%) of the
+// time: a snapshot asked for while another is built, or too soon after
+// the last, gets 503 with a Retry-After of the seconds left (at least 1). The snapshot is streamed: JSON is written segment
 // by segment and trace entry by trace entry through a 64 KiB buffer, the
 // pickle by trace.WritePickle through its own, so a response costs no
 // document-sized buffer. What stays in memory per request is the
@@ -69,6 +72,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
@@ -100,6 +105,8 @@ const (
 	DefaultEntries = 100_000
 	// DefaultMaxEntries is Options.MaxEntries when zero.
 	DefaultMaxEntries = 1_000_000
+	// DefaultLockShare is Options.LockShare when zero.
+	DefaultLockShare = 0.1
 )
 
 // Options configure the handler. The zero Options is valid and gives the
@@ -119,6 +126,14 @@ type Options struct {
 	// MaxBodyBytes, above 0, caps the bytes of a snapshot response (see
 	// the package doc); 0 means no cap.
 	MaxBodyBytes int64
+	// LockShare, in (0, 1], is the largest share of the time that
+	// snapshot builds may take: one snapshot is built at a time, and after
+	// a build that took t the next starts no sooner than
+	// t × (1/LockShare − 1) later; a snapshot request before that gets 503
+	// with Retry-After. Allocator.Snapshot holds the allocator's lock for
+	// nearly all of its build, so this bounds how much of the time debug
+	// requests stall Malloc and Free. 0 means DefaultLockShare.
+	LockShare float64
 	// ErrorLog, when set, receives errors of writing a response (a client
 	// that went away, a body over MaxBodyBytes). Nil logs nothing.
 	ErrorLog *log.Logger
@@ -166,6 +181,11 @@ type Handler struct {
 	opts    Options
 	slots   chan struct{}
 	serving func() // tests: called while a request holds its slot
+
+	buildMu   sync.Mutex
+	building  bool      // a snapshot is being built
+	nextBuild time.Time // no build starts before
+	now       func() time.Time
 }
 
 // New returns a handler over sources, which must be non-nil, with a
@@ -177,6 +197,12 @@ func New(opts Options, sources ...Source) (*Handler, error) {
 	}
 	if opts.MaxInFlight < 0 || opts.DefaultEntries < 0 || opts.MaxEntries < 0 || opts.MaxBodyBytes < 0 {
 		return nil, fmt.Errorf("debughttp: %w: MaxInFlight, DefaultEntries, MaxEntries and MaxBodyBytes must not be negative", ErrOptions)
+	}
+	if !(opts.LockShare >= 0 && opts.LockShare <= 1) { // NaN too
+		return nil, fmt.Errorf("debughttp: %w: LockShare %v: want a share in (0, 1], or 0 for the default", ErrOptions, opts.LockShare)
+	}
+	if opts.LockShare == 0 {
+		opts.LockShare = DefaultLockShare
 	}
 	if opts.MaxInFlight == 0 {
 		opts.MaxInFlight = DefaultMaxInFlight
@@ -190,7 +216,7 @@ func New(opts Options, sources ...Source) (*Handler, error) {
 	if opts.DefaultEntries > opts.MaxEntries {
 		return nil, fmt.Errorf("debughttp: %w: DefaultEntries %d above MaxEntries %d", ErrOptions, opts.DefaultEntries, opts.MaxEntries)
 	}
-	h := &Handler{opts: opts, slots: make(chan struct{}, opts.MaxInFlight)}
+	h := &Handler{opts: opts, slots: make(chan struct{}, opts.MaxInFlight), now: time.Now}
 	for i, s := range sources {
 		if s == nil {
 			return nil, fmt.Errorf("debughttp: source %d is nil", i)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -13,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
@@ -390,11 +392,11 @@ func TestMaxBodyBytes(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	srv := serve(t, must(t)(ForDevices(d, Options{MaxBodyBytes: 1 << 20})))
+	srv := serve(t, must(t)(ForDevices(d, Options{MaxBodyBytes: 1 << 20, LockShare: 1})))
 	if resp, body := get(t, srv.URL+"/debug/snapshot?entries=10"); resp.StatusCode != 200 {
 		t.Errorf("small snapshot = %d %q", resp.StatusCode, body)
 	}
-	srv2 := serve(t, must(t)(ForDevices(d, Options{MaxBodyBytes: 1000})))
+	srv2 := serve(t, must(t)(ForDevices(d, Options{MaxBodyBytes: 1000, LockShare: 1})))
 	if resp, body := get(t, srv2.URL+"/debug/snapshot?entries=1000"); resp.StatusCode != http.StatusRequestEntityTooLarge || !strings.Contains(string(body), "1000-byte limit") {
 		t.Errorf("snapshot over 1000 bytes = %d %q, want 413", resp.StatusCode, body)
 	}
@@ -418,6 +420,9 @@ func TestNewErrors(t *testing.T) {
 		"negative entries":    {DefaultEntries: -1},
 		"default above max":   {DefaultEntries: 11, MaxEntries: 10},
 		"negative body bytes": {MaxBodyBytes: -5},
+		"lock share above 1":  {LockShare: 1.5},
+		"negative lock share": {LockShare: -0.1},
+		"NaN lock share":      {LockShare: math.NaN()},
 	} {
 		if _, err := New(o, a); !errors.Is(err, ErrOptions) {
 			t.Errorf("%s: New = %v, want ErrOptions", name, err)
@@ -485,4 +490,58 @@ func TestConcurrentSnapshots(t *testing.T) {
 	clients.Wait()
 	close(stop)
 	wg.Wait()
+}
+
+// fakeClock is a clock that moves only when told.
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *fakeClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *fakeClock) add(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+// slowSource is an allocator whose Snapshot takes a second of a fake clock.
+type slowSource struct {
+	*allocator.Allocator
+	clock *fakeClock
+}
+
+func (s slowSource) Snapshot() *trace.Snapshot {
+	s.clock.add(time.Second)
+	return s.Allocator.Snapshot()
+}
+
+// TestLockShare: after a build of 1 s, the next may start only 9 s later
+// with the default share of 10% (less the burst allowance).
+func TestLockShare(t *testing.T) {
+	clock := &fakeClock{t: time.Unix(1000, 0)}
+	a := newDevices(t, 1, 100).All()[0]
+	h := must(t)(New(Options{}, slowSource{a, clock}))
+	h.now = clock.now
+	srv := serve(t, h)
+	if resp, _ := get(t, srv.URL+"/debug/snapshot"); resp.StatusCode != 200 {
+		t.Fatalf("first snapshot = %d", resp.StatusCode)
+	}
+	resp, body := get(t, srv.URL+"/debug/snapshot?format=pickle")
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") != "9" || resp.Header.Get("Content-Disposition") != "" ||
+		!strings.Contains(string(body), "at most 0.1 of the time; retry in 8.9s") {
+		t.Errorf("snapshot right after = %d, Retry-After %q, %q; want 503 and 9", resp.StatusCode, resp.Header.Get("Retry-After"), body)
+	}
+	if resp, _ := get(t, srv.URL+"/debug/stats"); resp.StatusCode != 200 {
+		t.Errorf("/debug/stats while snapshots wait = %d, want 200", resp.StatusCode)
+	}
+	clock.add(8*time.Second + 950*time.Millisecond)
+	if resp, _ := get(t, srv.URL+"/debug/snapshot"); resp.StatusCode != 200 {
+		t.Errorf("snapshot 8.95 s later = %d, want 200", resp.StatusCode)
+	}
 }

@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
+	"time"
 
 	"github.com/allocd/allocd/trace"
 )
@@ -47,12 +49,14 @@ func (h *Handler) serveSnapshot(w http.ResponseWriter, r *http.Request, devs []d
 	if r.Method == http.MethodHead {
 		return
 	}
-	snaps := make([]*trace.Snapshot, len(devs))
-	for i, d := range devs {
-		snaps[i] = d.src.Snapshot()
+	snap, wait := h.build(devs, entries)
+	if snap == nil {
+		w.Header().Del("Content-Disposition")
+		w.Header().Set("Retry-After", strconv.Itoa(max(1, int(math.Ceil(wait.Seconds())))))
+		http.Error(w, fmt.Sprintf("%s: snapshots are built one at a time and may take at most %g of the time; retry in %v",
+			r.URL.Path, h.opts.LockShare, max(wait, 0).Round(time.Millisecond)), http.StatusServiceUnavailable)
+		return
 	}
-	snap := capMerge(snaps, entries)
-	clear(snaps) // the full histories can go as soon as the collector wants them
 	lw := &limitWriter{w: w, max: h.opts.MaxBodyBytes}
 	var err error
 	if format == formatPickle {
@@ -73,6 +77,46 @@ func (h *Handler) serveSnapshot(w http.ResponseWriter, r *http.Request, devs []d
 		panic(http.ErrAbortHandler) // the client must not take a cut document for a whole one
 	}
 	h.logErr(0, err)
+}
+
+// lockBurst is how far ahead of its share snapshot building may run:
+// builds shorter than this in total never wait for one another.
+const lockBurst = 100 * time.Millisecond
+
+// build takes the snapshots of devs and keeps the last entries of each
+// trace (capMerge), when no other build runs and building has not taken
+// more than Options.LockShare of the time (allowing lockBurst ahead).
+// Otherwise it returns nil and how long to wait.
+func (h *Handler) build(devs []device, entries int) (*trace.Snapshot, time.Duration) {
+	h.buildMu.Lock()
+	start := h.now()
+	if h.building || start.Before(h.nextBuild.Add(-lockBurst)) {
+		wait := h.nextBuild.Add(-lockBurst).Sub(start)
+		h.buildMu.Unlock()
+		return nil, wait
+	}
+	h.building = true
+	h.buildMu.Unlock()
+
+	var took time.Duration
+	defer func() {
+		h.buildMu.Lock()
+		defer h.buildMu.Unlock()
+		h.building = false
+		end := start.Add(took)
+		if h.nextBuild.Before(end) {
+			h.nextBuild = end
+		}
+		h.nextBuild = h.nextBuild.Add(time.Duration(float64(took) * (1/h.opts.LockShare - 1)))
+	}()
+	snaps := make([]*trace.Snapshot, len(devs))
+	for i, d := range devs {
+		snaps[i] = d.src.Snapshot()
+	}
+	took = h.now().Sub(start)
+	snap := capMerge(snaps, entries)
+	clear(snaps) // the full histories are garbage from here on
+	return snap, 0
 }
 
 // capMerge merges snaps as trace.Merge does, keeping the last n entries of
