@@ -4,12 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
-	"slices"
 	"strconv"
-	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
@@ -47,11 +44,12 @@ var _ Source = (*allocator.Allocator)(nil)
 type metricKind uint8
 
 const (
-	kindPool   metricKind = iota // one gauge or counter per pool
-	kindPlain                    // one gauge or counter per device
-	kindDevice                   // from MemGetInfo
-	kindHist                     // the device-malloc latency histogram
-	kindInfo                     // allocd_device_info
+	kindPool        metricKind = iota // one gauge or counter per pool
+	kindPlain                         // one gauge or counter per device
+	kindDeviceFree                    // MemGetInfo's free bytes
+	kindDeviceTotal                   // MemGetInfo's total bytes
+	kindHist                          // the device-malloc latency histogram
+	kindInfo                          // allocd_device_info
 )
 
 // MetricInfo describes one metric the Collector exports. Metrics lists
@@ -159,9 +157,9 @@ var metrics = []MetricInfo{
 		"", func(s *allocator.Stats) int64 { return s.NumEmptyCache }),
 
 	{Name: Namespace + "_device_free_bytes", Type: "gauge", Help: "Free device memory as the device reports it (cudaMemGetInfo), all processes counted.",
-		Labels: deviceLabels, PyTorch: "torch.cuda.mem_get_info()[0]", kind: kindDevice},
+		Labels: deviceLabels, PyTorch: "torch.cuda.mem_get_info()[0]", kind: kindDeviceFree},
 	{Name: Namespace + "_device_total_bytes", Type: "gauge", Help: "Total device memory (cudaMemGetInfo).",
-		Labels: deviceLabels, PyTorch: "torch.cuda.mem_get_info()[1]", kind: kindDevice},
+		Labels: deviceLabels, PyTorch: "torch.cuda.mem_get_info()[1]", kind: kindDeviceTotal},
 	{Name: Namespace + "_device_malloc_duration_seconds", Type: "histogram", Help: "Time spent in each successful device malloc (the allocator's slow path).",
 		Labels: deviceLabels, kind: kindHist},
 	{Name: Namespace + "_device_info", Type: "gauge", Help: "Constant 1, labelled with the device's index, UUID and name.",
@@ -171,60 +169,20 @@ var metrics = []MetricInfo{
 // Metrics describes every metric the Collector exports, in its order.
 func Metrics() []MetricInfo { return append([]MetricInfo(nil), metrics...) }
 
-// source is one allocator and its label pairs, built once: the metrics of
-// every scrape share them (label pairs are immutable by the
-// prometheus.Metric contract).
+// source is one allocator and its label values, read once.
 type source struct {
-	src          Source
-	dev          cudart.Device
-	labels       []string         // gpu, UUID: for the histogram
-	device       []*dto.LabelPair // gpu, UUID
-	small, large []*dto.LabelPair // gpu, UUID, pool
-	info         []*dto.LabelPair // gpu, UUID, model_name
-}
-
-// sample is a gauge or counter whose label pairs are shared: it costs one
-// allocation when written instead of a const metric's dozen.
-type sample struct {
-	desc   *prometheus.Desc
-	labels []*dto.LabelPair
-	vtype  prometheus.ValueType
-	value  float64
-}
-
-// Desc implements prometheus.Metric.
-func (s *sample) Desc() *prometheus.Desc { return s.desc }
-
-// Write implements prometheus.Metric.
-func (s *sample) Write(out *dto.Metric) error {
-	out.Label = s.labels
-	if s.vtype == prometheus.CounterValue {
-		out.Counter = &dto.Counter{Value: &s.value}
-	} else {
-		out.Gauge = &dto.Gauge{Value: &s.value}
-	}
-	return nil
+	src              Source
+	dev              cudart.Device
+	gpu, uuid, model string
 }
 
 // Collector is a prometheus.Collector over one or more allocators, one per
 // GPU. Each Collect takes one Stats() copy and one MemGetInfo() per
-// allocator and sends the metrics built from them; the allocator's lock
+// allocator and sends const metrics built from them; the allocator's lock
 // is held only for the copy. Collector is safe for concurrent scrapes.
 type Collector struct {
-	sources   []source
-	descs     []*prometheus.Desc // parallel to metrics
-	totalDesc *prometheus.Desc   // allocd_device_total_bytes, among descs
-	samples   int                // gauges and counters per source
-}
-
-// labelPairs builds label pairs sorted by name, as Prometheus wants them.
-func labelPairs(names []string, values ...string) []*dto.LabelPair {
-	lps := make([]*dto.LabelPair, len(names))
-	for i := range names {
-		lps[i] = &dto.LabelPair{Name: &names[i], Value: &values[i]}
-	}
-	slices.SortFunc(lps, func(a, b *dto.LabelPair) int { return strings.Compare(a.GetName(), b.GetName()) })
-	return lps
+	sources []source
+	descs   []*prometheus.Desc // parallel to metrics
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -252,30 +210,26 @@ func NewCollector(sources ...Source) (*Collector, error) {
 			return nil, fmt.Errorf("stats: two sources for device %d: each gpu label value must be unique", info.Index)
 		}
 		seen[info.Index] = true
-		gpu := strconv.Itoa(info.Index)
-		c.sources = append(c.sources, source{
-			src:    s,
-			dev:    dev,
-			labels: []string{gpu, info.UUID},
-			device: labelPairs(deviceLabels, gpu, info.UUID),
-			small:  labelPairs(poolLabels, gpu, info.UUID, "small"),
-			large:  labelPairs(poolLabels, gpu, info.UUID, "large"),
-			info:   labelPairs(infoLabels, gpu, info.UUID, info.Name),
-		})
+		c.sources = append(c.sources, source{src: s, dev: dev, gpu: strconv.Itoa(info.Index), uuid: info.UUID, model: info.Name})
 	}
 	for i, m := range metrics {
 		c.descs[i] = prometheus.NewDesc(m.Name, m.Help, m.Labels, nil)
-		if m.Name == Namespace+"_device_total_bytes" {
-			c.totalDesc = c.descs[i]
-		}
-		switch m.kind {
-		case kindPool:
-			c.samples += 2
-		case kindPlain, kindDevice, kindInfo:
-			c.samples++
-		}
 	}
 	return c, nil
+}
+
+// NewDevicesCollector returns a collector over every allocator of d, each
+// under its device index: NewCollector of d.All().
+func NewDevicesCollector(d *allocator.Devices) (*Collector, error) {
+	if d == nil {
+		return nil, errors.New("stats: NewDevicesCollector of nil Devices")
+	}
+	all := d.All()
+	srcs := make([]Source, len(all))
+	for i, a := range all {
+		srcs[i] = a
+	}
+	return NewCollector(srcs...)
 }
 
 // Describe sends the fixed descriptors of every metric.
@@ -298,30 +252,25 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 func (c *Collector) collect(ch chan<- prometheus.Metric, s *source) {
 	st := s.src.Stats()
 	free, total, memErr := s.dev.MemGetInfo()
-	samples := make([]sample, 0, c.samples) // one allocation for them all
-	send := func(d *prometheus.Desc, lps []*dto.LabelPair, vt prometheus.ValueType, v float64) {
-		samples = append(samples, sample{desc: d, labels: lps, vtype: vt, value: v})
-		ch <- &samples[len(samples)-1]
-	}
 	for i := range metrics {
 		m := &metrics[i]
 		d := c.descs[i]
 		switch m.kind {
 		case kindPool:
-			send(d, s.small, m.vtype, float64(m.pool(&st, allocator.PoolSmall)))
-			send(d, s.large, m.vtype, float64(m.pool(&st, allocator.PoolLarge)))
+			ch <- prometheus.MustNewConstMetric(d, m.vtype, float64(m.pool(&st, allocator.PoolSmall)), s.gpu, s.uuid, "small")
+			ch <- prometheus.MustNewConstMetric(d, m.vtype, float64(m.pool(&st, allocator.PoolLarge)), s.gpu, s.uuid, "large")
 		case kindPlain:
-			send(d, s.device, m.vtype, float64(m.plain(&st)))
-		case kindDevice:
+			ch <- prometheus.MustNewConstMetric(d, m.vtype, float64(m.plain(&st)), s.gpu, s.uuid)
+		case kindDeviceFree, kindDeviceTotal:
 			if memErr != nil {
-				ch <- prometheus.NewInvalidMetric(d, fmt.Errorf("gpu %s: reading device memory: %w", s.labels[0], memErr))
+				ch <- prometheus.NewInvalidMetric(d, fmt.Errorf("gpu %s: reading device memory: %w", s.gpu, memErr))
 				continue
 			}
 			v := free
-			if d == c.totalDesc {
+			if m.kind == kindDeviceTotal {
 				v = total
 			}
-			send(d, s.device, prometheus.GaugeValue, float64(v))
+			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, float64(v), s.gpu, s.uuid)
 		case kindHist:
 			h := &st.DeviceMallocLatency
 			buckets := make(map[float64]uint64, len(allocator.DeviceMallocBuckets))
@@ -332,9 +281,9 @@ func (c *Collector) collect(ch chan<- prometheus.Metric, s *source) {
 			}
 			// The last count (above every bound) is the +Inf bucket,
 			// which Prometheus derives from the total count.
-			ch <- prometheus.MustNewConstHistogram(d, h.Count, h.Sum, buckets, s.labels...)
+			ch <- prometheus.MustNewConstHistogram(d, h.Count, h.Sum, buckets, s.gpu, s.uuid)
 		case kindInfo:
-			send(d, s.info, prometheus.GaugeValue, 1)
+			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, 1, s.gpu, s.uuid, s.model)
 		}
 	}
 }

@@ -373,3 +373,34 @@ func BenchmarkScrape(b *testing.B) {
 func lintResponse(r io.Reader) ([]promlint.Problem, error) {
 	return promlint.New(r).Lint()
 }
+
+// TestNewDevicesCollector labels each allocator of a Devices with its
+// device index.
+func TestNewDevicesCollector(t *testing.T) {
+	d, err := allocator.NewDevices([]cudart.Device{newSim(t, 1), newSim(t, 0)}, allocator.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if _, err := d.MallocOn(1, 3<<20, cudart.DefaultStream); err != nil {
+		t.Fatal(err)
+	}
+	c, err := NewDevicesCollector(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `
+# HELP allocd_live_allocations Allocations handed out and not yet freed.
+# TYPE allocd_live_allocations gauge
+allocd_live_allocations{UUID="SIM-00000000-0000-0000-0000-000000000000",gpu="0",pool="large"} 0
+allocd_live_allocations{UUID="SIM-00000000-0000-0000-0000-000000000000",gpu="0",pool="small"} 0
+allocd_live_allocations{UUID="SIM-00000001-0000-0000-0000-000000000000",gpu="1",pool="large"} 1
+allocd_live_allocations{UUID="SIM-00000001-0000-0000-0000-000000000000",gpu="1",pool="small"} 0
+`
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), "allocd_live_allocations"); err != nil {
+		t.Error(err)
+	}
+	if _, err := NewDevicesCollector(nil); err == nil {
+		t.Error("NewDevicesCollector(nil) succeeded")
+	}
+}
