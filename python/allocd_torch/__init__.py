@@ -59,7 +59,7 @@ def hooks_installed():
     return bool(st and st.hooks is not None)
 
 
-def _lib():
+def _library():
     from . import _torch
     return _torch.require().lib
 
@@ -72,7 +72,7 @@ def _device(device):
 def memory_stats(device=None):
     """allocd's statistics under torch.cuda.memory_stats()'s flat keys, as an OrderedDict of int
     sorted by key (as torch sorts them), plus "num_bad_frees". device=None: the current device."""
-    return _lib().memory_stats(_device(device))
+    return _library().memory_stats(_device(device))
 
 
 def memory_stats_as_nested_dict(device=None):
@@ -89,38 +89,38 @@ def memory_stats_as_nested_dict(device=None):
 
 def memory_summary(device=None, abbreviated=False):
     """allocd's table of memory statistics, in the layout of torch.cuda.memory_summary()."""
-    return _lib().memory_summary(_device(device), abbreviated)
+    return _library().memory_summary(_device(device), abbreviated)
 
 
 def memory_allocated(device=None):
     """Bytes of live allocations (rounded sizes) on the device."""
-    return _lib().memory_allocated(_device(device))
+    return _library().memory_allocated(_device(device))
 
 
 def memory_reserved(device=None):
     """Bytes of segments allocd holds from the device."""
-    return _lib().memory_reserved(_device(device))
+    return _library().memory_reserved(_device(device))
 
 
 def max_memory_allocated(device=None):
     """Peak of memory_allocated() since the start or the last reset_peak_memory_stats()."""
-    return _lib().max_memory_allocated(_device(device))
+    return _library().max_memory_allocated(_device(device))
 
 
 def max_memory_reserved(device=None):
     """Peak of memory_reserved() since the start or the last reset_peak_memory_stats()."""
-    return _lib().max_memory_reserved(_device(device))
+    return _library().max_memory_reserved(_device(device))
 
 
 def reset_peak_memory_stats(device=None):
     """Set every peak of the device to its current value."""
-    _lib().reset_peak_stats(_device(device))
+    _library().reset_peak_stats(_device(device))
 
 
 def empty_cache():
     """Release the cached, unused segments of every device to the driver
     (what torch.cuda.empty_cache() does through the installed hook)."""
-    _lib().empty_cache()
+    _library().empty_cache()
 
 
 def record_memory_history(enabled=True, max_entries=100_000, stacks=0):
@@ -138,15 +138,15 @@ def record_memory_history(enabled=True, max_entries=100_000, stacks=0):
         warnings.warn("allocd_torch.record_memory_history: Python stacks are not recorded; "
                       f"stacks={stacks!r} records no stack frames", stacklevel=2)
         stacks = 0
-    _lib().record_history(on, max_entries, stacks)
+    _library().record_history(on, max_entries, stacks)
 
 
 def dump_snapshot(path):
     """Write a PyTorch memory snapshot pickle of every device to path: viewable in PyTorch's
     memory_viz (https://pytorch.org/memory_viz) and readable by torch.cuda._memory_viz."""
-    _lib().dump_snapshot(path)
+    _library().dump_snapshot(path)
 
 
 def metrics_address():
     """The address the /metrics server is bound to ("127.0.0.1:9612"), "" when there is none."""
-    return _lib().metrics_address()
+    return _library().metrics_address()
