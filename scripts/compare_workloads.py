@@ -23,6 +23,7 @@ Criteria, per workload:
 """
 
 import argparse
+import math
 import os
 import sys
 
@@ -50,7 +51,14 @@ def value_delta(a, b):
     n = min(len(va), len(vb))
     if a["kind"] == "tokens":
         return sum(1 for x, y in zip(va[:n], vb[:n]) if x != y), n
-    return max((abs(x - y) for x, y in zip(va[:n], vb[:n])), default=0.0), n
+    return max((_absdiff(x, y) for x, y in zip(va[:n], vb[:n])), default=0.0), n
+
+
+def _absdiff(x, y):
+    """|x - y|, with two NaNs equal (both runs diverged alike) and one NaN infinitely far."""
+    if math.isnan(x) or math.isnan(y):
+        return 0.0 if math.isnan(x) and math.isnan(y) else math.inf
+    return abs(x - y)
 
 
 def fmt_delta(d, kind):

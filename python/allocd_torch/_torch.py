@@ -72,13 +72,21 @@ def device_index(device):
 
 def _torch_build_inputs(torch):
     """Include dirs, library dirs, libraries and defines for compiling against this torch."""
-    from torch.utils import cpp_extension
+    base = os.path.join(os.path.dirname(torch.__file__), "include")
+    includes = [base, os.path.join(base, "torch", "csrc", "api", "include")]
     try:
-        includes = list(cpp_extension.include_paths(device_type="cuda"))
-    except TypeError:  # torch before 2.6 spells it cuda=True
-        includes = list(cpp_extension.include_paths(cuda=True))
-    except Exception:  # no CUDA_HOME: the torch headers alone, the CUDA ones searched below
-        includes = list(cpp_extension.include_paths())
+        from torch.utils import cpp_extension  # imports setuptools, which may be absent
+    except ImportError:
+        cpp_extension = None
+    if cpp_extension is not None:
+        # torch >= 2.6 takes device_type, older ones cuda=True; both fail without CUDA_HOME,
+        # and then the torch headers alone do, with the CUDA ones searched below.
+        for kwargs in ({"device_type": "cuda"}, {"cuda": True}, {}):
+            try:
+                includes = list(cpp_extension.include_paths(**kwargs))
+                break
+            except Exception:
+                continue
     if not any(os.path.isfile(os.path.join(d, "cuda_runtime_api.h")) for d in includes):
         cands = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"), "/usr/local/cuda/include"]
         for p in sys.path:  # the pip CUDA runtime beside torch (nvidia/cu13, nvidia/cuda_runtime)
@@ -138,13 +146,13 @@ def _check_not_initialised(torch, hooks):
         buf = ctypes.create_string_buffer(256)
         rc = hooks.allocd_hooks_allocator_state(buf, 256)
         name = buf.value.decode("utf-8", "replace")
-        if rc == 1:
-            raise RuntimeError(TOO_LATE.format(why=f"torch's current CUDA allocator ({name!r}) is already initialised"))
         if rc < 0:
             raise RuntimeError(f"allocd_torch: reading torch's current allocator failed: {name}")
         if name == "pluggable":
             raise RuntimeError("allocd_torch.enable(): another pluggable CUDA allocator is already installed "
                                "in this process; torch can swap its allocator only once")
+        if rc == 1:
+            raise RuntimeError(TOO_LATE.format(why=f"torch's current CUDA allocator ({name!r}) is already initialised"))
 
 
 def enable(conf, metrics_listen, *, patch_torch=True):
