@@ -141,7 +141,8 @@ class AllocdGPUTest(unittest.TestCase):
         self.assertIn("allocd", msg)
         self.assertTrue(all(math.isfinite(v) for v in losses))
         self.assertLess(losses[-1], losses[0])
-        self.assertEqual(torch.cuda.memory_stats()["num_ooms"], n_ooms + 1)
+        self.assertEqual(torch.cuda.memory_stats()["num_ooms"], n_ooms + 1,
+                         "num_ooms must count the failed request, as PyTorch's does")
 
     def test_one_libcudart(self):
         torch.ones(1 << 20, device="cuda").sum().item()

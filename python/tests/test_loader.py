@@ -303,7 +303,8 @@ class SimLibraryTest(unittest.TestCase):
         msg = self.lib.last_error()
         self.assertIn("out of memory", msg)
         self.assertIn("tried to allocate 10.00 TiB", msg)
-        self.assertEqual(self.lib.memory_stats(0)["num_ooms"], n + 1)
+        self.assertEqual(self.lib.memory_stats(0)["num_ooms"], n + 1,
+                         "num_ooms must count the failed request, as PyTorch's does")
 
     def test_metrics(self):
         addr = self.lib.metrics_address()
