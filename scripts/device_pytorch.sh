@@ -56,7 +56,7 @@ unit_rc=skipped
 if [ "$UNIT" = 1 ]; then
 	say "GPU unit tests (python/tests/test_gpu.py) -> $OUT/test_gpu.log"
 	t=$(date +%s)
-	timeout 300 python3 -m unittest -v python/tests/test_gpu.py >"$OUT/test_gpu.log" 2>&1
+	timeout 240 python3 -m unittest -v python/tests/test_gpu.py >"$OUT/test_gpu.log" 2>&1
 	unit_rc=$?
 	grep -E '^GPU |^(FAIL|ERROR):|^Ran |^OK|^FAILED' "$OUT/test_gpu.log" | sed 's/^/  /'
 	say "unit tests exit $unit_rc in $(( $(date +%s) - t )) s"

@@ -269,10 +269,11 @@ class AllocdGPUTest(unittest.TestCase):
         text = _metrics.scrape(addr)
         alloc = _metrics.total(text, "allocd_allocated_bytes", gpu="0")
         res = _metrics.total(text, "allocd_reserved_bytes", gpu="0")
+        self.assertIsNotNone(alloc, f"no allocd_allocated_bytes with gpu=\"0\" in:\n{text[:2000]}")
+        self.assertIsNotNone(res, "no allocd_reserved_bytes with gpu=\"0\"")
         report("metrics", f"http://{addr}/metrics: allocd_allocated_bytes{{gpu=\"0\"}} = {alloc:.0f}, "
                f"allocd_reserved_bytes{{gpu=\"0\"}} = {res:.0f} (torch.cuda.memory_allocated() = "
                f"{torch.cuda.memory_allocated()})")
-        self.assertIsNotNone(alloc)
         self.assertGreaterEqual(alloc, 32 * MiB)
         self.assertGreaterEqual(res, alloc)
         del x
