@@ -1,0 +1,62 @@
+"""Subprocess probes for test_gpu.py: each runs in a fresh process (the allocator is chosen
+before CUDA init) and prints one JSON line. Usage: python3 gpu_probe.py record_stream CYCLES | too_late
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def record_stream(cycles):
+    """x made on stream A, used on a busy stream B, x.record_stream(B), del x, then at once
+    an allocation of the same size on A: does it get x's memory while B still runs?"""
+    import torch
+    import allocd_torch
+    allocd_torch.enable()
+    n = (37 << 20) + 3 * 512  # a size nothing else in this process uses
+    a = torch.cuda.current_stream()
+    b = torch.cuda.Stream()
+    x = torch.ones(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    b.wait_stream(a)
+    with torch.cuda.stream(b):
+        torch.cuda._sleep(cycles)
+        x.add_(1)
+    x.record_stream(b)
+    ptr = x.data_ptr()
+    del x
+    busy_at_alloc = not b.query()
+    z = torch.empty(n, dtype=torch.uint8, device="cuda")
+    reused_while_busy = z.data_ptr() == ptr
+    still_busy = not b.query()
+    b.synchronize()
+    w = torch.empty(n, dtype=torch.uint8, device="cuda")  # polls B's event: x's block is free now
+    reused_after_sync = w.data_ptr() == ptr
+    return {"hooks": allocd_torch.hooks_installed(), "busy_at_alloc": busy_at_alloc, "still_busy": still_busy,
+            "reused_while_busy": reused_while_busy, "reused_after_sync": reused_after_sync,
+            "skip_hook_env": os.environ.get("ALLOCD_TORCH_TEST_SKIP_RECORD_STREAM_HOOK", "")}
+
+
+def too_late():
+    """enable() after CUDA is initialised must raise RuntimeError saying so."""
+    import torch
+    torch.zeros(1, device="cuda")
+    import allocd_torch
+    try:
+        allocd_torch.enable()
+    except RuntimeError as e:
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None, "message": ""}
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    if what == "record_stream":
+        out = record_stream(int(sys.argv[2]))
+    elif what == "too_late":
+        out = too_late()
+    else:
+        raise SystemExit(f"unknown probe {what!r}")
+    print("PROBE " + json.dumps(out), flush=True)

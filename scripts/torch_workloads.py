@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Real PyTorch workloads under PyTorch's allocator or allocd, with timed step loops.
+
+    python3 scripts/torch_workloads.py --allocator native|allocd --workloads a,b,c --out result.json
+
+The models come from the anchor workloads file (--anchor; its gpt2() builder and
+torchvision's ResNets); the step loops are this script's own:
+
+  gpt2_train            HF GPT-2 (124M) training, batch 8 x 512 tokens, bf16 autocast, AdamW
+  resnet50_train        torchvision ResNet-50 training, batch 64 x 224², bf16 autocast, SGD momentum
+  multistream_prefetch  ResNet-18 training whose batches a side stream produces one step ahead,
+                        handed over with record_stream (batch 16/32/48 x 160², seeded)
+  gpt2m_generate        GPT-2 medium (350M) greedy generation: a step is one generate() of
+                        4 prompts x 64 tokens, 32 new tokens
+
+Every workload starts from the same seeds (torch.manual_seed, random.seed), runs W warm-up
+steps and N timed steps (torch.cuda.synchronize() before and after each; the median is
+reported), records each step's loss (or the generated token ids), the peak reserved and
+allocated bytes (torch.cuda.memory_stats() natively, allocd_torch.memory_stats() under
+allocd) and, under allocd, one scrape of /metrics between two timed steps half way through.
+After each workload: gc, empty_cache and reset_peak_memory_stats, so peaks are per workload.
+
+The allocator's configuration comes from the environment (PYTORCH_CUDA_ALLOC_CONF for
+native, ALLOCD_CONF for allocd) and is recorded in the JSON. One process per allocator:
+it is chosen before CUDA is initialised.
+"""
+
+import argparse
+import gc
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEED = 1234
+# name: (warm-up steps, timed steps)
+DEFAULT_STEPS = {
+    "gpt2_train": (5, 30),
+    "resnet50_train": (5, 30),
+    "multistream_prefetch": (5, 40),
+    "gpt2m_generate": (2, 20),
+}
+MIN_TIMED = 20
+
+
+def default_anchor():
+    for p in (os.path.join(REPO, ".devrun", "anchor", "workloads.py"),
+              os.path.join(os.path.dirname(REPO), "shared", "anchor", "workloads.py")):
+        if os.path.isfile(p):
+            return p
+    return os.path.join(os.path.dirname(REPO), "shared", "anchor", "workloads.py")
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def load_anchor(path):
+    if not os.path.isfile(path):
+        raise SystemExit(f"anchor workloads file not found: {path} (give --anchor)")
+    spec = importlib.util.spec_from_file_location("anchor_workloads", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, "gpt2"):
+        raise SystemExit(f"{path} has no gpt2() model builder")
+    return mod
+
+
+# --- the workloads: each returns (step function, kind); step(i) returns a 0-dim loss tensor
+# --- (kind "loss") or a token-id tensor (kind "tokens").
+
+def gpt2_train(torch, anchor):
+    model = anchor.gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(i):
+        x = torch.randint(0, 50257, (8, 512), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step, "loss"
+
+
+def resnet50_train(torch, anchor):
+    import torchvision
+    model = torchvision.models.resnet50(weights=None).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(i):
+        x = torch.randn(64, 3, 224, 224, device="cuda")
+        y = torch.randint(0, 1000, (64,), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step, "loss"
+
+
+def multistream_prefetch(torch, anchor):
+    import torchvision
+    model = torchvision.models.resnet18(weights=None).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    rng = random.Random(17)
+
+    def produce():
+        bs = rng.choice([16, 32, 48])
+        with torch.cuda.stream(side):
+            x = torch.randn(bs, 3, 160, 160, device="cuda")
+            y = torch.randint(0, 1000, (bs,), device="cuda")
+        return x, y
+
+    ahead = [produce()]
+
+    def step(i):
+        x, y = ahead.pop()
+        main.wait_stream(side)
+        x.record_stream(main)
+        y.record_stream(main)
+        ahead.append(produce())  # the side stream makes the next batch while this one trains
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del x, y  # freed on the side stream's pool, in use on main: record_stream holds them
+        return loss.detach()
+    return step, "loss"
+
+
+def gpt2m_generate(torch, anchor):
+    model = anchor.gpt2(n_layer=24, n_embd=1024, n_head=16).eval()
+
+    def step(i):
+        x = torch.randint(0, 50257, (4, 64), device="cuda")
+        with torch.no_grad():
+            return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, min_new_tokens=32,
+                                  do_sample=False, pad_token_id=0)
+    return step, "tokens"
+
+
+WORKLOADS = {f.__name__: f for f in (gpt2_train, resnet50_train, multistream_prefetch, gpt2m_generate)}
+
+
+def scrape_mid_run(addr):
+    from allocd_torch import _metrics
+    try:
+        text = _metrics.scrape(addr)
+    except OSError as e:
+        return {"error": f"scrape of http://{addr}/metrics failed: {e}"}
+    return {"address": addr,
+            "allocd_reserved_bytes": _metrics.total(text, "allocd_reserved_bytes", gpu="0"),
+            "allocd_allocated_bytes": _metrics.total(text, "allocd_allocated_bytes", gpu="0"),
+            "allocd_segments": _metrics.total(text, "allocd_segments", gpu="0")}
+
+
+def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
+    random.seed(SEED)
+    torch.manual_seed(SEED)
+    t0 = time.time()
+    step, kind = WORKLOADS[name](torch, anchor)
+    torch.cuda.synchronize()
+    build_s = time.time() - t0
+    values, tokens, ms = [], [], []
+    metrics = None
+    mid = warmup + steps // 2
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = step(i)
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t) * 1e3
+        if i >= warmup:
+            ms.append(dt)
+        if kind == "loss":
+            values.append(out.item())
+        else:
+            ids = out.tolist()
+            tokens.append(ids)
+            values.append(hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16])
+        del out
+        if i == mid and metrics_addr:
+            metrics = scrape_mid_run(metrics_addr)
+    st = api["memory_stats"]()
+    wall = time.time() - t0
+    res = {
+        "kind": kind, "warmup": warmup, "steps": steps, "values": values,
+        "step_ms": [round(x, 4) for x in ms], "median_ms": statistics.median(ms),
+        "min_ms": min(ms), "build_s": round(build_s, 2), "wall_s": round(wall, 2),
+        "peak_reserved": st["reserved_bytes.all.peak"], "peak_allocated": st["allocated_bytes.all.peak"],
+        "stats": {k: st.get(k) for k in ("reserved_bytes.all.current", "allocated_bytes.all.current",
+                                         "num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms",
+                                         "segment.all.peak", "num_bad_frees") if k in st},
+        "metrics_mid_run": metrics,
+    }
+    if tokens:
+        res["tokens"] = tokens
+    del step
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--allocator", choices=["native", "allocd"], required=True)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, from: " + ", ".join(WORKLOADS))
+    ap.add_argument("--out", required=True, help="result JSON path")
+    ap.add_argument("--anchor", default=default_anchor(), help="the anchor workloads.py (model builders)")
+    ap.add_argument("--steps", type=int, default=0, help="timed steps for every workload (default: per workload)")
+    ap.add_argument("--warmup", type=int, default=-1, help="warm-up steps for every workload (default: per workload)")
+    args = ap.parse_args()
+    names = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
+
+    t_start = time.time()
+    metrics_addr = ""
+    if args.allocator == "allocd":
+        sys.path.insert(0, os.path.join(REPO, "python"))
+        import allocd_torch
+        allocd_torch.enable(metrics_listen=os.environ.get("ALLOCD_METRICS_LISTEN") or "127.0.0.1:0")
+        metrics_addr = allocd_torch.metrics_address()
+        api = {"memory_stats": allocd_torch.memory_stats, "empty_cache": allocd_torch.empty_cache,
+               "reset_peak": allocd_torch.reset_peak_memory_stats}
+        log(f"allocd enabled (hooks={allocd_torch.hooks_installed()}, ALLOCD_CONF="
+            f"{os.environ.get('ALLOCD_CONF', '')!r}, metrics at {metrics_addr!r})")
+    import torch
+    if args.allocator == "native":
+        api = {"memory_stats": torch.cuda.memory_stats, "empty_cache": torch.cuda.empty_cache,
+               "reset_peak": torch.cuda.reset_peak_memory_stats}
+        log(f"native allocator (PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r})")
+    anchor = load_anchor(args.anchor)
+    result = {
+        "allocator": args.allocator,
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "allocd_conf": os.environ.get("ALLOCD_CONF", "") if args.allocator == "allocd" else "",
+        "torch": torch.__version__, "device": torch.cuda.get_device_name(0), "seed": SEED,
+        "anchor": os.path.basename(args.anchor), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "workloads": {},
+    }
+    api["reset_peak"]()
+    for name in names:
+        warmup, steps = DEFAULT_STEPS[name]
+        steps = args.steps or steps
+        warmup = warmup if args.warmup < 0 else args.warmup
+        if steps < MIN_TIMED:
+            log(f"WARNING: {name}: {steps} timed steps, fewer than the {MIN_TIMED} the comparison asks for")
+        r = run_one(torch, anchor, name, warmup, steps, api, metrics_addr)
+        result["workloads"][name] = r
+        m = r["metrics_mid_run"] or {}
+        log(f"{name}: median {r['median_ms']:.2f} ms over {steps} steps (+{warmup} warm-up), build {r['build_s']} s, "
+            f"wall {r['wall_s']} s, peak reserved {r['peak_reserved'] / 2**20:.0f} MiB, peak allocated "
+            f"{r['peak_allocated'] / 2**20:.0f} MiB, first/last {r['kind']} {r['values'][0]} / {r['values'][-1]}"
+            + (f", /metrics mid-run reserved {m.get('allocd_reserved_bytes')} allocated "
+               f"{m.get('allocd_allocated_bytes')}" if m else ""))
+        gc.collect()
+        torch.cuda.synchronize()
+        api["empty_cache"]()
+        api["reset_peak"]()
+        with open(args.out, "w") as f:  # after every workload, so a timeout keeps what finished
+            json.dump(result, f)
+    result["wall_s"] = round(time.time() - t_start, 1)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    log(f"wrote {args.out} ({len(names)} workloads, {result['wall_s']} s)")
+
+
+if __name__ == "__main__":
+    main()
