@@ -18,6 +18,15 @@ def record_stream(cycles):
     n = (37 << 20) + 3 * 512  # a size nothing else in this process uses
     a = torch.cuda.current_stream()
     b = torch.cuda.Stream()
+    # Launch both kernels once first: the first launch of a kernel loads its
+    # module (CUDA lazy loading), which synchronises the context and would end
+    # B's sleep before the check.
+    warm = torch.ones(1024, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(b):
+        torch.cuda._sleep(1000)
+        warm.add_(1)
+    torch.cuda.synchronize()
+    del warm
     x = torch.ones(n, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     b.wait_stream(a)
