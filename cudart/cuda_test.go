@@ -505,7 +505,7 @@ const mockEnv = "ALLOCD_CUDART_MOCK"
 var mockTests = []string{
 	"TestProbeAndCount", "TestInfo", "TestMallocFree", "TestMallocOOM", "TestMemsetMemcpyRoundTrip",
 	"TestStreamsAndEvents", "TestCheckStreamBogusHandle", "TestMallocAsync", "TestVirtualMemory",
-	"TestConcurrentUse", "TestCloseKeepsOtherHandles", "TestDeviceRestored",
+	"TestConcurrentUse", "TestCloseKeepsOtherHandles", "TestDeviceRestored", "TestHostMemory",
 }
 
 // TestShimAgainstMockCUDA covers the C shim and its Go plumbing on machines

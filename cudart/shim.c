@@ -67,6 +67,10 @@ _Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes");
 #define cudaErrorNotReady 600
 #define cudaMemcpyHostToDevice 1
 #define cudaMemcpyDeviceToHost 2
+#define cudaMemcpyDeviceToDevice 3
+#define cudaHostAllocPortable 0x01
+#define cudaHostAllocMapped 0x02
+#define cudaHostAllocWriteCombined 0x04
 #define cudaStreamNonBlocking 0x01
 #define cudaEventDisableTiming 0x02
 #define cudaMemPoolAttrReleaseThreshold 0x4
@@ -99,6 +103,9 @@ static struct {
 	cudaError_t (*Memset)(void *, int, size_t);
 	cudaError_t (*MemsetAsync)(void *, int, size_t, cudaStream_t);
 	cudaError_t (*Memcpy)(void *, const void *, size_t, int);
+	cudaError_t (*MemcpyAsync)(void *, const void *, size_t, int, cudaStream_t);
+	cudaError_t (*HostAlloc)(void **, size_t, unsigned int);
+	cudaError_t (*FreeHost)(void *);
 	cudaError_t (*StreamCreateWithFlags)(cudaStream_t *, unsigned int);
 	cudaError_t (*StreamDestroy)(cudaStream_t);
 	cudaError_t (*StreamSynchronize)(cudaStream_t);
@@ -199,6 +206,9 @@ int allocd_bind(void *cudart, void *cuda, char *missing, size_t missinglen) {
 	BIND(cudart, rt, Memset, "cudaMemset");
 	BIND(cudart, rt, MemsetAsync, "cudaMemsetAsync");
 	BIND(cudart, rt, Memcpy, "cudaMemcpy");
+	BIND(cudart, rt, MemcpyAsync, "cudaMemcpyAsync");
+	BIND(cudart, rt, HostAlloc, "cudaHostAlloc");
+	BIND(cudart, rt, FreeHost, "cudaFreeHost");
 	BIND(cudart, rt, StreamCreateWithFlags, "cudaStreamCreateWithFlags");
 	BIND(cudart, rt, StreamDestroy, "cudaStreamDestroy");
 	BIND(cudart, rt, StreamSynchronize, "cudaStreamSynchronize");
@@ -520,6 +530,48 @@ allocd_status allocd_memcpy_dtoh(int dev, void *dst, unsigned long long src, siz
 	return ok_status();
 }
 
+// ---- Page-locked host memory and stream-ordered copies ------------------
+//
+// cudaHostAlloc memory belongs to the process, not to a device, but the call
+// needs a context: the one of dev is made current, as for every other call,
+// so that a process that only ever used device 1 does not create a context on
+// device 0 for its host buffers. cudaFreeHost synchronises the device.
+
+allocd_status allocd_host_alloc(int dev, size_t size, unsigned int flags, void **ptr) {
+	void *p = NULL;
+	USE_DEVICE(dev);
+	RT(rt.HostAlloc(&p, size, flags), "cudaHostAlloc");
+	*ptr = p;
+	return ok_status();
+}
+
+allocd_status allocd_free_host(int dev, void *ptr) {
+	USE_DEVICE(dev);
+	RT(rt.FreeHost(ptr), "cudaFreeHost");
+	return ok_status();
+}
+
+allocd_status allocd_memcpy_htod_async(int dev, unsigned long long dst, const void *src, size_t n, uintptr_t stream) {
+	USE_DEVICE(dev);
+	RT(rt.MemcpyAsync((void *)(uintptr_t)dst, src, n, cudaMemcpyHostToDevice, (cudaStream_t)stream),
+	   "cudaMemcpyAsync(HostToDevice)");
+	return ok_status();
+}
+
+allocd_status allocd_memcpy_dtoh_async(int dev, void *dst, unsigned long long src, size_t n, uintptr_t stream) {
+	USE_DEVICE(dev);
+	RT(rt.MemcpyAsync(dst, (const void *)(uintptr_t)src, n, cudaMemcpyDeviceToHost, (cudaStream_t)stream),
+	   "cudaMemcpyAsync(DeviceToHost)");
+	return ok_status();
+}
+
+allocd_status allocd_memcpy_dtod_async(int dev, unsigned long long dst, unsigned long long src, size_t n, uintptr_t stream) {
+	USE_DEVICE(dev);
+	RT(rt.MemcpyAsync((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n, cudaMemcpyDeviceToDevice, (cudaStream_t)stream),
+	   "cudaMemcpyAsync(DeviceToDevice)");
+	return ok_status();
+}
+
 // ---- Streams and events ------------------------------------------------
 
 allocd_status allocd_stream_create(int dev, uintptr_t *stream) {
@@ -783,6 +835,10 @@ int allocd_abi(const char **names, long long *values, int cap) {
 	ABI("cudaErrorNotReady", cudaErrorNotReady);
 	ABI("cudaMemcpyHostToDevice", cudaMemcpyHostToDevice);
 	ABI("cudaMemcpyDeviceToHost", cudaMemcpyDeviceToHost);
+	ABI("cudaMemcpyDeviceToDevice", cudaMemcpyDeviceToDevice);
+	ABI("cudaHostAllocPortable", cudaHostAllocPortable);
+	ABI("cudaHostAllocMapped", cudaHostAllocMapped);
+	ABI("cudaHostAllocWriteCombined", cudaHostAllocWriteCombined);
 	ABI("cudaStreamNonBlocking", cudaStreamNonBlocking);
 	ABI("cudaEventDisableTiming", cudaEventDisableTiming);
 	ABI("cudaMemPoolAttrReleaseThreshold", cudaMemPoolAttrReleaseThreshold);

@@ -70,6 +70,12 @@ allocd_status allocd_memset_async(int dev, unsigned long long ptr, int value, si
 allocd_status allocd_memcpy_htod(int dev, unsigned long long dst, const void *src, size_t n);
 allocd_status allocd_memcpy_dtoh(int dev, void *dst, unsigned long long src, size_t n);
 
+allocd_status allocd_host_alloc(int dev, size_t size, unsigned int flags, void **ptr);
+allocd_status allocd_free_host(int dev, void *ptr);
+allocd_status allocd_memcpy_htod_async(int dev, unsigned long long dst, const void *src, size_t n, uintptr_t stream);
+allocd_status allocd_memcpy_dtoh_async(int dev, void *dst, unsigned long long src, size_t n, uintptr_t stream);
+allocd_status allocd_memcpy_dtod_async(int dev, unsigned long long dst, unsigned long long src, size_t n, uintptr_t stream);
+
 allocd_status allocd_stream_create(int dev, uintptr_t *stream);
 allocd_status allocd_stream_destroy(int dev, uintptr_t stream);
 allocd_status allocd_stream_synchronize(int dev, uintptr_t stream);

@@ -76,6 +76,7 @@ type simEvent struct {
 	stream   Stream
 	recorded bool
 	done     bool
+	seq      uint64 // copies queued on stream up to this one precede it (host_sim.go)
 }
 
 // Sim is a simulated Device. It is safe for concurrent use. Addresses come
@@ -101,7 +102,8 @@ type Sim struct {
 	failErr  error
 	calls    int64 // malloc calls so far, failed ones included
 	counters SimCounters
-	vmm      simVMM // virtual memory (sim_vmm.go)
+	vmm      simVMM  // virtual memory (sim_vmm.go)
+	host     simHost // host memory and queued copies (host_sim.go)
 }
 
 var _ Device = (*Sim)(nil)
@@ -290,6 +292,7 @@ func (s *Sim) Synchronize() error {
 }
 
 func (s *Sim) completeAllLocked() {
+	s.runCopies(true, 0, 0)
 	for _, e := range s.events {
 		if e.recorded {
 			e.done = true
@@ -357,6 +360,7 @@ func (s *Sim) StreamSynchronize(st Stream) error {
 }
 
 func (s *Sim) completeStreamLocked(st Stream) {
+	s.runCopies(false, st, s.host.seq)
 	for _, e := range s.events {
 		if e.recorded && e.stream == st {
 			e.done = true
@@ -401,7 +405,7 @@ func (s *Sim) EventRecord(e Event, st Stream) error {
 	if err := s.checkStream("event record", st); err != nil {
 		return err
 	}
-	ev.stream, ev.recorded, ev.done = st, true, !s.cfg.ManualEvents
+	ev.stream, ev.recorded, ev.done, ev.seq = st, true, !s.cfg.ManualEvents, s.host.seq
 	s.counters.EventRecords++
 	return nil
 }
@@ -427,7 +431,7 @@ func (s *Sim) EventSynchronize(e Event) error {
 		return err
 	}
 	s.counters.EventSyncs++
-	ev.done = true
+	s.completeEventLocked(ev)
 	return nil
 }
 
@@ -451,8 +455,17 @@ func (s *Sim) CompleteEvent(e Event) error {
 	if err != nil {
 		return err
 	}
-	ev.done = true
+	s.completeEventLocked(ev)
 	return nil
+}
+
+// completeEventLocked marks ev done, running the copies queued on its
+// stream before it was recorded.
+func (s *Sim) completeEventLocked(ev *simEvent) {
+	if ev.recorded && !ev.done {
+		s.runCopies(false, ev.stream, ev.seq)
+	}
+	ev.done = true
 }
 
 // CompleteStream marks every event recorded on st so far complete, as if the

@@ -24,6 +24,7 @@ int main(void) {
 	S(cudaError_t); S(cudaStream_t); S(cudaEvent_t); S(cudaMemPool_t);
 	E(cudaSuccess); E(cudaErrorInvalidResourceHandle); E(cudaErrorNotReady);
 	E(cudaMemcpyHostToDevice); E(cudaMemcpyDeviceToHost); E(cudaStreamNonBlocking); E(cudaEventDisableTiming);
+	E(cudaMemcpyDeviceToDevice); E(cudaHostAllocPortable); E(cudaHostAllocMapped); E(cudaHostAllocWriteCombined);
 	E(cudaMemPoolAttrReleaseThreshold); E(cudaMemPoolAttrReservedMemCurrent); E(cudaMemPoolAttrUsedMemCurrent);
 	E(cudaStreamLegacy); E(cudaStreamPerThread);
 	E(CUDA_SUCCESS); E(CU_MEM_ALLOCATION_TYPE_PINNED); E(CU_MEM_HANDLE_TYPE_NONE); E(CU_MEM_LOCATION_TYPE_DEVICE);

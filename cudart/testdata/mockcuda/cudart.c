@@ -75,6 +75,20 @@ int cudaMemcpy(void *d, const void *s, size_t n, int k) {
 	memcpy(d, s, n);
 	return 0;
 }
+int cudaMemcpyAsync(void *d, const void *s, size_t n, int k, void *st) {
+	(void)st;
+	if (k != 1 && k != 2 && k != 3) return fail(21); // HostToDevice, DeviceToHost, DeviceToDevice
+	memcpy(d, s, n);
+	return 0;
+}
+// Host memory: flags other than portable|mapped|write-combined are refused.
+int cudaHostAlloc(void **p, size_t n, unsigned f) {
+	if (f & ~7u) return fail(1);
+	if (n > (1ull << 40)) return fail(2);
+	*p = aligned_alloc(4096, (n + 4095) / 4096 * 4096);
+	return *p ? 0 : fail(2);
+}
+int cudaFreeHost(void *p) { free(p); return 0; }
 
 #define MAGIC 0x5354524dU
 typedef struct { unsigned magic; unsigned flags; int pending; } obj;

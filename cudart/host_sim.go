@@ -1,0 +1,273 @@
+package cudart
+
+import (
+	"fmt"
+	"unsafe"
+)
+
+// The Sim's page-locked host memory and stream-ordered copies.
+//
+// HostAlloc hands out ordinary Go memory and remembers it as "pinned". A
+// copy between device memory and pinned host memory is queued on its stream
+// and moves its bytes only when the work of the stream completes: when an
+// event recorded after it completes (CompleteEvent, EventSynchronize), when
+// its stream does (CompleteStream, StreamSynchronize) or when the device
+// does (CompleteAll, Synchronize, Free, FreeHost). Without
+// SimConfig.ManualEvents every recorded event completes at once, and so do
+// copies. A copy from host memory not made by HostAlloc (pageable memory)
+// happens at once, as CUDA does it. So a test on a Sim with ManualEvents
+// sees what a GPU would do to a buffer that is reused too early: the bytes
+// a queued H2D copy reads are those in the buffer when the stream reaches
+// it, and a queued D2H copy overwrites the buffer when it does.
+
+// simHost is the Sim's host-memory state, guarded by Sim.mu.
+type simHost struct {
+	live     map[uintptr][]byte // HostAlloc memory by base address
+	used     uint64             // bytes of live HostAlloc memory
+	capacity uint64             // 0: unlimited
+	pending  []simCopy          // queued copies, in the order they were queued
+	seq      uint64             // sequence number of the last queued copy
+	failAt   int64              // fail the HostAlloc whose ordinal equals failAt
+	failErr  error
+	calls    int64
+	counters SimHostCounters
+}
+
+// SimHostCounters counts the host-memory calls a Sim has served.
+type SimHostCounters struct {
+	// HostAllocs and HostFrees count successful HostAlloc and FreeHost
+	// calls; FailedHostAllocs the refused ones.
+	HostAllocs, HostFrees, FailedHostAllocs int64
+	// AsyncCopies counts queued copies; CopiesRun those that have moved
+	// their bytes.
+	AsyncCopies, CopiesRun int64
+	// LiveHostAllocations and LiveHostBytes describe the HostAlloc memory
+	// not yet freed; PendingCopies the copies not yet run.
+	LiveHostAllocations, LiveHostBytes, PendingCopies int64
+}
+
+// simCopy is one queued copy: dst ← src when its stream reaches it.
+type simCopy struct {
+	seq    uint64
+	stream Stream
+	host   []byte // the host side, nil for device to device
+	dev    Ptr    // the device side (the destination of D2D)
+	src    Ptr    // the source of D2D
+	n      uint64
+	dir    uint8 // copyHtoD, copyDtoH, copyDtoD
+}
+
+const (
+	copyHtoD uint8 = iota + 1
+	copyDtoH
+	copyDtoD
+)
+
+// SetHostCapacity caps the Sim's live HostAlloc memory at n bytes (0:
+// unlimited); a HostAlloc past it fails with ErrOutOfMemory.
+func (s *Sim) SetHostCapacity(n uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.host.capacity = n
+}
+
+// FailHostAlloc makes the n-th HostAlloc call from now (n = 1: the next)
+// fail with err, or with an out-of-memory error when err is nil. n <= 0
+// clears a pending fault.
+func (s *Sim) FailHostAlloc(n int, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if n <= 0 {
+		s.host.failAt = 0
+		return
+	}
+	s.host.failAt = s.host.calls + int64(n)
+	s.host.failErr = err
+}
+
+// HostCounters returns a copy of the host-memory counters.
+func (s *Sim) HostCounters() SimHostCounters {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := s.host.counters
+	c.LiveHostAllocations = int64(len(s.host.live))
+	c.LiveHostBytes = int64(s.host.used)
+	c.PendingCopies = int64(len(s.host.pending))
+	return c
+}
+
+// HostAlloc implements HostDevice with Go memory, which the Sim then treats
+// as page-locked. flags are checked as CUDA checks them and otherwise
+// ignored.
+func (s *Sim) HostAlloc(size uint64, flags HostAllocFlags) ([]byte, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, fmt.Errorf("cudart: sim host alloc: %w", ErrClosed)
+	}
+	s.host.calls++
+	if s.host.failAt != 0 && s.host.calls == s.host.failAt {
+		s.host.failAt = 0
+		s.host.counters.FailedHostAllocs++
+		if s.host.failErr != nil {
+			return nil, s.host.failErr
+		}
+		return nil, s.oom("cudaHostAlloc")
+	}
+	if size == 0 {
+		return nil, fmt.Errorf("cudart: sim host alloc of 0 bytes: %w", ErrInvalidValue)
+	}
+	if flags&^hostAllocFlagsMask != 0 {
+		return nil, fmt.Errorf("cudart: sim host alloc: unknown flags %#x: %w", uint32(flags), ErrInvalidValue)
+	}
+	if s.host.capacity != 0 && size > s.host.capacity-s.host.used {
+		s.host.counters.FailedHostAllocs++
+		return nil, s.oom("cudaHostAlloc")
+	}
+	b := make([]byte, size)
+	if s.host.live == nil {
+		s.host.live = map[uintptr][]byte{}
+	}
+	s.host.live[uintptr(unsafe.Pointer(&b[0]))] = b
+	s.host.used += size
+	s.host.counters.HostAllocs++
+	return b, nil
+}
+
+// FreeHost implements HostDevice. Like cudaFreeHost it synchronises the
+// device first, so every queued copy runs.
+func (s *Sim) FreeHost(b []byte) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return fmt.Errorf("cudart: sim free host: %w", ErrClosed)
+	}
+	p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	live, ok := s.host.live[p]
+	if p == 0 || !ok {
+		return fmt.Errorf("cudart: sim free host of %#x, which is not a live host allocation: %w", p, ErrInvalidValue)
+	}
+	s.completeAllLocked()
+	delete(s.host.live, p)
+	s.host.used -= uint64(len(live))
+	s.host.counters.HostFrees++
+	return nil
+}
+
+// pinned reports whether b lies inside one live HostAlloc allocation.
+func (s *Sim) pinned(b []byte) bool {
+	p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	for base, m := range s.host.live {
+		if p >= base && p-base+uintptr(len(b)) <= uintptr(len(m)) {
+			return true
+		}
+	}
+	return false
+}
+
+// queueCopy checks a copy and runs it at once (pageable host memory, or no
+// ManualEvents) or queues it on its stream.
+func (s *Sim) queueCopy(op string, c simCopy) error {
+	if err := s.checkStream(op, c.stream); err != nil {
+		return err
+	}
+	if c.n == 0 {
+		return nil
+	}
+	if _, err := s.backed(op, c.dev, c.n); err != nil {
+		return err
+	}
+	if c.dir == copyDtoD {
+		if _, err := s.backed(op, c.src, c.n); err != nil {
+			return err
+		}
+	}
+	s.host.counters.AsyncCopies++
+	if !s.cfg.ManualEvents || (c.dir != copyDtoD && !s.pinned(c.host)) {
+		return s.runCopy(op, &c)
+	}
+	s.host.seq++
+	c.seq = s.host.seq
+	s.host.pending = append(s.host.pending, c)
+	return nil
+}
+
+// runCopy moves a copy's bytes. The device ranges were live when the copy
+// was queued and Free runs queued copies before it frees; a copy whose
+// range was unmapped (VirtualMemory) meanwhile moves nothing.
+func (s *Sim) runCopy(op string, c *simCopy) error {
+	s.host.counters.CopiesRun++
+	dev, err := s.backed(op, c.dev, c.n)
+	if err != nil {
+		return err
+	}
+	switch c.dir {
+	case copyHtoD:
+		src := c.host
+		for _, b := range dev {
+			src = src[copy(b, src):]
+		}
+	case copyDtoH:
+		dst := c.host
+		for _, b := range dev {
+			dst = dst[copy(dst, b):]
+		}
+	case copyDtoD:
+		srcs, err := s.backed(op, c.src, c.n)
+		if err != nil {
+			return err
+		}
+		tmp := make([]byte, 0, c.n) // source and destination may overlap
+		for _, b := range srcs {
+			tmp = append(tmp, b...)
+		}
+		for _, b := range dev {
+			tmp = tmp[copy(b, tmp):]
+		}
+	}
+	return nil
+}
+
+// runCopies runs, in queue order, the pending copies that match: all of
+// them (all), or those on stream st queued before sequence number upTo.
+// s.mu must be held.
+func (s *Sim) runCopies(all bool, st Stream, upTo uint64) {
+	if len(s.host.pending) == 0 {
+		return
+	}
+	kept := s.host.pending[:0]
+	for i := range s.host.pending {
+		c := s.host.pending[i]
+		if all || (c.stream == st && c.seq <= upTo) {
+			_ = s.runCopy("queued copy", &c) // checked when queued
+			continue
+		}
+		kept = append(kept, c)
+	}
+	clear(s.host.pending[len(kept):])
+	s.host.pending = kept
+}
+
+// MemcpyHtoDAsync implements HostDevice. Without SimConfig.Backed it fails
+// with ErrNotBacked.
+func (s *Sim) MemcpyHtoDAsync(dst Ptr, src []byte, st Stream) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.queueCopy("memcpy async host to device", simCopy{stream: st, host: src, dev: dst, n: uint64(len(src)), dir: copyHtoD})
+}
+
+// MemcpyDtoHAsync implements HostDevice. Without SimConfig.Backed it fails
+// with ErrNotBacked.
+func (s *Sim) MemcpyDtoHAsync(dst []byte, src Ptr, st Stream) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.queueCopy("memcpy async device to host", simCopy{stream: st, host: dst, dev: src, n: uint64(len(dst)), dir: copyDtoH})
+}
+
+// MemcpyDtoDAsync implements HostDevice. Without SimConfig.Backed it fails
+// with ErrNotBacked.
+func (s *Sim) MemcpyDtoDAsync(dst, src Ptr, size uint64, st Stream) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.queueCopy("memcpy async device to device", simCopy{stream: st, dev: dst, src: src, n: size, dir: copyDtoD})
+}
