@@ -1,0 +1,185 @@
+package pinned
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/allocd/allocd/allocator"
+)
+
+// The host allocator's keys in ALLOCD_CONF.
+const (
+	// keyDivisions is allocd's own: size classes per power of two.
+	keyDivisions = "pinned_roundup_power2_divisions"
+	// keyHostRegister and keyBackground are PyTorch's; allocd accepts them
+	// with the value it implements (False) and refuses the other.
+	keyHostRegister = "pinned_use_cuda_host_register"
+	keyBackground   = "pinned_use_background_threads"
+)
+
+// ConfigKeys lists the keys ParseConfig takes for the host allocator; the
+// device allocator's keys (allocator.ConfigKeys) are accepted and skipped.
+var ConfigKeys = []string{keyDivisions, keyHostRegister, keyBackground}
+
+// unsupportedKeys are PyTorch's host-allocator keys that allocd does not
+// implement, with the reason given in the error.
+var unsupportedKeys = map[string]string{
+	"pinned_num_register_threads":    "allocd page-locks with cudaHostAlloc, not malloc+cudaHostRegister, so there are no register threads",
+	"pinned_max_register_threads":    "allocd page-locks with cudaHostAlloc, not malloc+cudaHostRegister, so there are no register threads",
+	"pinned_reserve_segment_size_mb": "allocd does not carve small blocks from a reserved segment",
+}
+
+// ErrConfig is wrapped by every configuration error.
+var ErrConfig = errors.New("invalid pinned allocator configuration")
+
+// ConfigError names the key and value that were wrong and what is accepted.
+type ConfigError struct {
+	Key, Value string
+	// Accepted says what the key takes.
+	Accepted string
+}
+
+// Error formats the error.
+func (e *ConfigError) Error() string {
+	if e.Key == "" {
+		return fmt.Sprintf("pinned config: %s (got %q)", e.Accepted, e.Value)
+	}
+	return fmt.Sprintf("pinned config: key %q: bad value %q: %s", e.Key, e.Value, e.Accepted)
+}
+
+// Unwrap makes errors.Is(err, ErrConfig) hold.
+func (e *ConfigError) Unwrap() error { return ErrConfig }
+
+// ParseConfig reads the host allocator's keys from a configuration string
+// in ALLOCD_CONF's grammar (PYTORCH_CUDA_ALLOC_CONF's: comma-separated
+// key:value pairs, lists in brackets), starting from DefaultConfig:
+//
+//   - pinned_roundup_power2_divisions:N (allocd's): N size classes per
+//     power of two, N a power of two up to 64; 1 is PyTorch's rounding;
+//   - pinned_use_cuda_host_register:False and
+//     pinned_use_background_threads:False (PyTorch's): what allocd does;
+//     True is refused, as are PyTorch's register-thread and reserved-segment
+//     keys, each with the reason.
+//
+// The device allocator's keys are skipped (their values are checked by
+// allocator.ParseConfig, not here). Unknown keys, keys given twice and
+// stray tokens are errors wrapping ErrConfig.
+func ParseConfig(s string) (Config, error) {
+	cfg := DefaultConfig()
+	toks := tokenize(s)
+	seen := map[string]bool{}
+	for i := 0; i < len(toks); {
+		key := toks[i]
+		if isPunct(key) || i+1 >= len(toks) || toks[i+1] != ":" {
+			return DefaultConfig(), &ConfigError{Value: key, Accepted: "expected key:value"}
+		}
+		i += 2
+		if i >= len(toks) || toks[i] == "," {
+			return DefaultConfig(), &ConfigError{Key: key, Accepted: "missing value"}
+		}
+		var val []string
+		if toks[i] == "[" {
+			j := slices.Index(toks[i:], "]")
+			if j < 0 {
+				return DefaultConfig(), &ConfigError{Key: key, Value: strings.Join(toks[i:], ""), Accepted: "unterminated list: missing ]"}
+			}
+			val = toks[i : i+j+1]
+			i += j + 1
+		} else {
+			val = toks[i : i+1]
+			i++
+		}
+		if i < len(toks) {
+			if toks[i] != "," || i+1 == len(toks) {
+				return DefaultConfig(), &ConfigError{Key: key, Value: toks[i], Accepted: "expected , between key:value pairs and no trailing comma"}
+			}
+			i++
+		}
+		if seen[key] {
+			return DefaultConfig(), &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "key given twice"}
+		}
+		seen[key] = true
+		if err := cfg.set(key, val); err != nil {
+			return DefaultConfig(), err
+		}
+	}
+	return cfg, nil
+}
+
+// ConfigFromEnv parses $ALLOCD_CONF (allocator.EnvConf) with ParseConfig;
+// unset or empty gives DefaultConfig.
+func ConfigFromEnv() (Config, error) {
+	cfg, err := ParseConfig(os.Getenv(allocator.EnvConf))
+	if err != nil {
+		return cfg, fmt.Errorf("pinned: $%s: %w", allocator.EnvConf, err)
+	}
+	return cfg, nil
+}
+
+func (c *Config) set(key string, val []string) error {
+	if slices.Contains(allocator.ConfigKeys, key) {
+		return nil // the device allocator's
+	}
+	if why, ok := unsupportedKeys[key]; ok {
+		return &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "not supported: " + why}
+	}
+	if !slices.Contains(ConfigKeys, key) {
+		return &ConfigError{Key: key, Value: strings.Join(val, ""),
+			Accepted: "unknown key; the host allocator takes " + strings.Join(ConfigKeys, ", ")}
+	}
+	if len(val) != 1 {
+		return &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "expected a single value, not a list"}
+	}
+	v := val[0]
+	switch key {
+	case keyDivisions:
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > 64 || n&(n-1) != 0 {
+			return &ConfigError{Key: key, Value: v, Accepted: "a power of two from 1 to 64"}
+		}
+		c.RoundupDivisions = n
+	case keyHostRegister, keyBackground:
+		switch v {
+		case "False", "false":
+		case "True", "true":
+			why := "allocd page-locks with cudaHostAlloc, not malloc+cudaHostRegister"
+			if key == keyBackground {
+				why = "allocd queries events on a cache miss, in the caller's goroutine"
+			}
+			return &ConfigError{Key: key, Value: v, Accepted: "only False is supported: " + why}
+		default:
+			return &ConfigError{Key: key, Value: v, Accepted: "expected True or False"}
+		}
+	}
+	return nil
+}
+
+func isPunct(t string) bool { return t == "," || t == ":" || t == "[" || t == "]" }
+
+func tokenize(s string) []string {
+	var toks []string
+	var cur strings.Builder
+	flush := func() {
+		if cur.Len() > 0 {
+			toks = append(toks, cur.String())
+			cur.Reset()
+		}
+	}
+	for _, r := range s {
+		switch r {
+		case ',', ':', '[', ']':
+			flush()
+			toks = append(toks, string(r))
+		case ' ', '\t', '\n', '\r':
+			flush()
+		default:
+			cur.WriteRune(r)
+		}
+	}
+	flush()
+	return toks
+}
