@@ -75,6 +75,8 @@ import (
 // async copies and events. *cudart.CUDA and *cudart.Sim implement it.
 type Device interface {
 	cudart.HostDevice
+	// Info describes the device (its index labels the metrics).
+	Info() cudart.Info
 	// EventCreate creates an event with timing disabled.
 	EventCreate() (cudart.Event, error)
 	// EventRecord records e on s.
