@@ -28,6 +28,7 @@ type benchFlags struct {
 	skipPair    bool
 	skipMixed   bool
 	json        bool
+	copies      bool
 }
 
 func newBenchCmd() *cobra.Command {
@@ -56,6 +57,7 @@ a replay. Each benchmark gets a fresh allocator.`,
 	fl.BoolVar(&f.skipPair, "no-pair", false, "skip the pair benchmark")
 	fl.BoolVar(&f.skipMixed, "no-mixed", false, "skip the mixed benchmark")
 	fl.BoolVar(&f.json, "json", false, "print one JSON object with every result")
+	fl.BoolVar(&f.copies, "copies", false, "run only the host-device copy benchmark (bench.RunCopies): pageable vs pinned bandwidth, cached pinned alloc vs cudaHostAlloc")
 	return cmd
 }
 
@@ -119,6 +121,13 @@ func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
 	}
 	defer target.close()
 	fmt.Fprintf(stderr, "allocd: benchmarking on the %s\n", target.desc)
+	if f.copies {
+		dev, err := target.device(nil)
+		if err != nil {
+			return err
+		}
+		return bench.RunCopies(stdout, dev, f.json)
+	}
 	rep := benchReport{Device: target.desc, Conf: f.conf, Pair: map[string]float64{}}
 	fresh := func() (*allocator.Allocator, error) {
 		dev, err := target.device(nil)
