@@ -231,8 +231,8 @@ func allocRow(dev CopyDevice, h *pinned.Allocator, n int, opt CopyOptions) (Allo
 // RunCopies runs Copies on dev and writes the tables (or, with asJSON, the
 // CopyReport) to w: what `allocd bench --copies` prints. On the simulated
 // device it uses a backed Sim of the same capacity, whose copies move
-// bytes, with sizes up to 64 MiB, and says that its figures are Go memory
-// speeds, not a GPU's.
+// bytes, with sizes up to 64 MiB, one short run each, and says that its
+// figures are Go memory speeds, not a GPU's.
 func RunCopies(w io.Writer, dev cudart.Device, asJSON bool) error {
 	opt := CopyOptions{}
 	if sim, ok := dev.(*cudart.Sim); ok {
@@ -246,7 +246,8 @@ func RunCopies(w io.Writer, dev cudart.Device, asJSON bool) error {
 				opt.Sizes = append(opt.Sizes, n)
 			}
 		}
-		opt.HostAllocTime = 100 * time.Millisecond
+		// Its figures mean nothing for a GPU: run the harness briefly.
+		opt.Bytes, opt.Trials, opt.CachedIters, opt.HostAllocTime = 64<<20, 1, 10_000, 100*time.Millisecond
 	}
 	cd, ok := dev.(CopyDevice)
 	if !ok {

@@ -14,8 +14,8 @@ import (
 // its stream does (CompleteStream, StreamSynchronize) or when the device
 // does (CompleteAll, Synchronize, Free, FreeHost). Without
 // SimConfig.ManualEvents every recorded event completes at once, and so do
-// copies. A copy from host memory not made by HostAlloc (pageable memory)
-// happens at once, as CUDA does it. So a test on a Sim with ManualEvents
+// copies. A copy with host memory not made by HostAlloc (pageable memory)
+// completes its stream's queued work, then happens at once, as CUDA does it. So a test on a Sim with ManualEvents
 // sees what a GPU would do to a buffer that is reused too early: the bytes
 // a queued H2D copy reads are those in the buffer when the stream reaches
 // it, and a queued D2H copy overwrites the buffer when it does.
@@ -183,7 +183,13 @@ func (s *Sim) queueCopy(op string, c simCopy) error {
 		}
 	}
 	s.host.counters.AsyncCopies++
-	if !s.cfg.ManualEvents || (c.dir != copyDtoD && !s.pinned(c.host)) {
+	if !s.cfg.ManualEvents {
+		return s.runCopy(op, &c)
+	}
+	if c.dir != copyDtoD && !s.pinned(c.host) {
+		// CUDA synchronises the stream before a copy with pageable memory
+		// and returns once it has read (H2D) or written (D2H) the host side.
+		s.completeStreamLocked(c.stream)
 		return s.runCopy(op, &c)
 	}
 	s.host.seq++

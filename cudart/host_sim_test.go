@@ -108,10 +108,14 @@ func TestSimQueuedCopies(t *testing.T) {
 		t.Fatalf("after StreamSynchronize back = %d, want 2", back[0])
 	}
 
-	// Pageable memory: at once.
+	// Pageable memory: the stream's queued work first, then the copy, at once.
+	copy(pin, bytes.Repeat([]byte{3}, 64))
+	if err := s.MemcpyHtoDAsync(d, pin, st); err != nil {
+		t.Fatal(err)
+	}
 	page := make([]byte, 64)
-	if err := s.MemcpyDtoHAsync(page, d, st); err != nil || page[0] != 2 {
-		t.Fatalf("pageable D2H: %d, %v", page[0], err)
+	if err := s.MemcpyDtoHAsync(page, d, st); err != nil || page[0] != 3 {
+		t.Fatalf("pageable D2H after a queued H2D: %d, %v; want 3", page[0], err)
 	}
 	// FreeHost synchronises.
 	if err := s.MemcpyDtoHAsync(back, d, st); err != nil {
@@ -120,7 +124,7 @@ func TestSimQueuedCopies(t *testing.T) {
 	if err := s.FreeHost(back); err != nil {
 		t.Fatal(err)
 	}
-	if c := s.HostCounters(); c.PendingCopies != 0 || c.AsyncCopies != 5 || c.CopiesRun != 5 {
+	if c := s.HostCounters(); c.PendingCopies != 0 || c.AsyncCopies != 6 || c.CopiesRun != 6 {
 		t.Errorf("counters = %+v", c)
 	}
 }
