@@ -62,3 +62,28 @@ func sizeName(n int) string {
 	}
 	return strconv.Itoa(n) + "B"
 }
+
+// BenchmarkCopyHelpersOverhead is the allocator's share of a pinned copy:
+// Alloc, CopyToDevice, Free, on a device whose copies cost nothing and
+// whose events are complete at once (each Alloc queries the previous
+// Free's event and reuses the block).
+func BenchmarkCopyHelpersOverhead(b *testing.B) {
+	a, err := New(&nopDevice{}, DefaultConfig())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer a.Close()
+	b.ReportAllocs()
+	for b.Loop() {
+		buf, err := a.Alloc(1 << 20)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := a.CopyToDevice(0x1000, buf, 7); err != nil {
+			b.Fatal(err)
+		}
+		if err := a.Free(buf); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -361,3 +361,60 @@ func TestResetStats(t *testing.T) {
 	mustCheck(t, a)
 	_ = a.Free(b)
 }
+
+// nopDevice is a device whose copies do nothing and whose events are
+// complete at once, so that allocation counts are the allocator's alone.
+type nopDevice struct{ events cudart.Event }
+
+func (d *nopDevice) Info() cudart.Info { return cudart.Info{Name: "nop"} }
+func (d *nopDevice) HostAlloc(n uint64, _ cudart.HostAllocFlags) ([]byte, error) {
+	return make([]byte, n), nil
+}
+func (d *nopDevice) FreeHost([]byte) error                                            { return nil }
+func (d *nopDevice) MemcpyHtoDAsync(cudart.Ptr, []byte, cudart.Stream) error          { return nil }
+func (d *nopDevice) MemcpyDtoHAsync([]byte, cudart.Ptr, cudart.Stream) error          { return nil }
+func (d *nopDevice) MemcpyDtoDAsync(_, _ cudart.Ptr, _ uint64, _ cudart.Stream) error { return nil }
+func (d *nopDevice) EventCreate() (cudart.Event, error)                               { d.events++; return d.events, nil }
+func (d *nopDevice) EventRecord(cudart.Event, cudart.Stream) error                    { return nil }
+func (d *nopDevice) EventQuery(cudart.Event) (bool, error)                            { return true, nil }
+func (d *nopDevice) EventSynchronize(cudart.Event) error                              { return nil }
+func (d *nopDevice) EventDestroy(cudart.Event) error                                  { return nil }
+
+// TestCopyPathAllocatesNothing: Alloc, a copy each way and Free, in a
+// steady state where the freed block's event has completed by the next
+// Alloc, allocate nothing on the Go heap in the allocator (the next Alloc
+// queries the event and reuses the block).
+func TestCopyPathAllocatesNothing(t *testing.T) {
+	a, err := New(&nopDevice{}, DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	const s, d = cudart.Stream(7), cudart.Ptr(0x1000)
+	round := func() {
+		b, err := a.Alloc(1 << 16)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := a.CopyToDevice(d, b, s); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.CopyFromDevice(b, d, s+1); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.Free(b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	round()
+	round()
+	if n := testing.AllocsPerRun(1000, round); n != 0 {
+		t.Errorf("Alloc, two copies and Free allocate %.1f times", n)
+	}
+	if st := a.Stats(); st.NumHostAlloc != 1 || st.PendingEvents != 2 {
+		t.Errorf("%d cudaHostAlloc calls (want 1: the block is reused), %d events pending (want 2)", st.NumHostAlloc, st.PendingEvents)
+	}
+	if err := a.Check(); err != nil {
+		t.Error(err)
+	}
+}
