@@ -1088,6 +1088,29 @@ func TestDeviceRestored(t *testing.T) {
 			}
 			return c.ReleaseRange(r, g)
 		}},
+		{"host memory and async copies", func() error {
+			h, err := c.HostAlloc(kib, HostAllocPortable|HostAllocMapped)
+			if err != nil {
+				return err
+			}
+			p, err := c.Malloc(2 * kib)
+			if err != nil {
+				return err
+			}
+			if err := c.MemcpyHtoDAsync(p, h, DefaultStream); err != nil {
+				return err
+			}
+			if err := c.MemcpyDtoDAsync(p+kib, p, kib, DefaultStream); err != nil {
+				return err
+			}
+			if err := c.MemcpyDtoHAsync(h, p+kib, DefaultStream); err != nil {
+				return err
+			}
+			if err := c.Free(p); err != nil {
+				return err
+			}
+			return c.FreeHost(h)
+		}},
 		{"failed Malloc", func() error {
 			if _, err := c.Malloc(1 << 50); !errors.Is(err, ErrOutOfMemory) {
 				return fmt.Errorf("Malloc(1 PiB) = %v, want ErrOutOfMemory", err)
