@@ -19,7 +19,8 @@ object (keys as in bench.CopyReport, plus torch-only ones).
   pin_memory=True) and its release, served by CachingHostAllocator's cache
   (Python's per-call overhead included, as it is what a caller pays);
   uncached_pin_memory_ns forces cudaHostAlloc+cudaFreeHost by emptying the
-  host cache after each release (torch._C._host_emptyCache).
+  host cache after each release (torch._accelerator_emptyHostCache or
+  torch._C._host_emptyCache; null when this torch has neither).
 """
 import argparse
 import json
@@ -30,6 +31,15 @@ import torch
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 ALLOC_SIZES = [4 << 10, 1 << 20, 64 << 20]
+
+
+def host_empty_cache():
+    """Release PyTorch's cached pinned blocks; False when this torch has no way to."""
+    for f in (getattr(torch, "_accelerator_emptyHostCache", None), getattr(torch._C, "_host_emptyCache", None)):
+        if f is not None:
+            f()
+            return True
+    return False
 
 
 def best_gbps(n, reps, trials, run, stream):
@@ -61,7 +71,7 @@ def copy_row(n, args, stream):
         row["pinned_h2d_to_gbps"] = best_gbps(n, reps, args.trials, lambda: pin.to("cuda", non_blocking=True), stream)
     del dev, page, pin
     torch.cuda.synchronize()
-    torch._C._host_emptyCache()
+    host_empty_cache()
     return row
 
 
@@ -73,16 +83,19 @@ def alloc_row(n, args):
         t = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         del t
     cached = (time.perf_counter() - t0) / args.cached_iters * 1e9
+    row = {"bytes": n, "cached_pin_memory_ns": cached, "uncached_pin_memory_ns": None, "uncached_pairs": 0, "speedup": None}
+    if not host_empty_cache():
+        return row  # this torch cannot release its host cache: no uncached figure
     pairs = 0
     t0 = time.perf_counter()
     while pairs < 5 or time.perf_counter() - t0 < args.host_alloc_seconds:
         t = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         del t
-        torch._C._host_emptyCache()
+        host_empty_cache()
         pairs += 1
     uncached = (time.perf_counter() - t0) / pairs * 1e9
-    return {"bytes": n, "cached_pin_memory_ns": cached, "uncached_pin_memory_ns": uncached,
-            "uncached_pairs": pairs, "speedup": uncached / cached if cached else 0}
+    row.update(uncached_pin_memory_ns=uncached, uncached_pairs=pairs, speedup=uncached / cached if cached else None)
+    return row
 
 
 def main():
@@ -105,8 +118,11 @@ def main():
         "cuda_version": torch.version.cuda,
         "copies": [copy_row(int(n), args, stream) for n in args.sizes.split(",") if n],
         "alloc": [alloc_row(int(n), args) for n in args.alloc_sizes.split(",") if n],
-        "host_memory_stats": {k: v for k, v in torch.cuda.host_memory_stats().items()},
     }
+    try:
+        rep["host_memory_stats"] = dict(torch.cuda.host_memory_stats())
+    except (AttributeError, RuntimeError) as e:  # older torch
+        rep["host_memory_stats"] = {"error": str(e)}
     json.dump(rep, sys.stdout, indent=1)
     print()
     return 0
