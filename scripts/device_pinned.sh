@@ -50,7 +50,7 @@ print(f"\n{'size':>10} | {'allocd cached ns':>16} {'cudaHostAlloc+Free ns':>22} 
 for r in a["alloc"]:
     q = ta.get(r["bytes"], {})
     print(f"{r['bytes']:>10} | {r['cached_alloc_free_ns']:>16.0f} {r['cuda_host_alloc_free_ns']:>22.0f} {r['speedup']:>8.0f} |"
-          f" {q.get('cached_pin_memory_ns', 0):>15.0f} {(q.get("uncached_pin_memory_ns") or 0):>17.0f}")
+          f" {q.get('cached_pin_memory_ns', 0):>15.0f} {(q.get('uncached_pin_memory_ns') or 0):>17.0f}")
 big = [r for r in a["copies"] if r["bytes"] >= 64 << 20 and r["bytes"] in tc]
 ok = all(r[k] >= 0.95 * tc[r["bytes"]][k] for r in big for k in ("pinned_h2d_gbps", "pinned_d2h_gbps"))
 print(f"\npinned H2D and D2H at >= 64 MiB within 5% of torch (or faster): {ok}")
