@@ -3,8 +3,8 @@
 #
 #   scripts/device_pinned.sh
 #
-# Builds allocd and the gputest binary, then runs, writing everything to $OUT
-# (default .devrun/pinned):
+# Builds allocd and the test binaries into $BIN (default .devrun/bin), then
+# runs, writing logs and results to $OUT (default .devrun/pinned):
 #   1. the pinned GPU tests (gputest: TestGPUPinned*, TestHostMemory in cudart);
 #   2. allocd bench --device cuda --copies --json  -> allocd_copies.json
 #   3. scripts/pinned_anchor.py (PyTorch, same sizes) -> torch_copies.json
@@ -12,23 +12,26 @@
 # Needs Go, gcc, a CUDA driver and python3 with torch. No network is used.
 set -uo pipefail
 OUT=${OUT:-.devrun/pinned}
-mkdir -p "$OUT" || exit 2
+BIN=${BIN:-.devrun/bin}
+mkdir -p "$OUT" "$BIN" || exit 2
+OUT=$(realpath "$OUT")
+BIN=$(realpath "$BIN")
 say() { echo "[device_pinned] $*"; }
 unset ALLOCD_DEVICE ALLOCD_CONF
 
 say "building"
-go build -o "$OUT/allocd" ./cmd/allocd || exit 2
-go test -c -o "$OUT/gputest.test" ./gputest/ || exit 2
-go test -c -o "$OUT/cudart.test" ./cudart/ || exit 2
+go build -o "$BIN/allocd" ./cmd/allocd || exit 2
+go test -c -o "$BIN/gputest.test" ./gputest/ || exit 2
+go test -c -o "$BIN/cudart.test" ./cudart/ || exit 2
 
 say "GPU tests -> $OUT/gputest.log"
-(cd gputest && "../$OUT/gputest.test" -test.run 'Pinned' -test.v -test.timeout 600s) >"$OUT/gputest.log" 2>&1
+(cd gputest && "$BIN/gputest.test" -test.run 'Pinned' -test.v -test.timeout 600s) >"$OUT/gputest.log" 2>&1
 echo "gputest rc=$?" | tee -a "$OUT/gputest.log"
-(cd cudart && "../$OUT/cudart.test" -test.run 'TestHostMemory|TestABI' -test.v) >"$OUT/cudart.log" 2>&1
+(cd cudart && "$BIN/cudart.test" -test.run 'TestHostMemory|TestABI' -test.v) >"$OUT/cudart.log" 2>&1
 echo "cudart rc=$?" | tee -a "$OUT/cudart.log"
 
 say "allocd bench --copies -> $OUT/allocd_copies.json"
-"$OUT/allocd" bench --device cuda --copies --json >"$OUT/allocd_copies.json" 2>"$OUT/allocd_copies.err"
+"$BIN/allocd" bench --device cuda --copies --json >"$OUT/allocd_copies.json" 2>"$OUT/allocd_copies.err"
 echo "allocd bench rc=$?"
 say "PyTorch anchor -> $OUT/torch_copies.json"
 python3 scripts/pinned_anchor.py >"$OUT/torch_copies.json" 2>"$OUT/torch_copies.err"
