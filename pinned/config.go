@@ -21,9 +21,9 @@ const (
 	keyBackground   = "pinned_use_background_threads"
 )
 
-// ConfigKeys lists the keys ParseConfig takes for the host allocator; the
+// configKeys lists the keys ParseConfig takes for the host allocator; the
 // device allocator's keys (allocator.ConfigKeys) are accepted and skipped.
-var ConfigKeys = []string{keyDivisions, keyHostRegister, keyBackground}
+var configKeys = []string{keyDivisions, keyHostRegister, keyBackground}
 
 // unsupportedKeys are PyTorch's host-allocator keys that allocd does not
 // implement, with the reason given in the error.
@@ -127,9 +127,9 @@ func (c *Config) set(key string, val []string) error {
 	if why, ok := unsupportedKeys[key]; ok {
 		return &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "not supported: " + why}
 	}
-	if !slices.Contains(ConfigKeys, key) {
+	if !slices.Contains(configKeys, key) {
 		return &ConfigError{Key: key, Value: strings.Join(val, ""),
-			Accepted: "unknown key; the host allocator takes " + strings.Join(ConfigKeys, ", ")}
+			Accepted: "unknown key; the host allocator takes " + strings.Join(configKeys, ", ")}
 	}
 	if len(val) != 1 {
 		return &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "expected a single value, not a list"}
