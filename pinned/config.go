@@ -7,9 +7,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-
-	"github.com/allocd/allocd/allocator"
 )
+
+// EnvConf is the environment variable ConfigFromEnv reads: the device
+// allocator's (allocator.EnvConf), shared as PyTorch shares
+// PYTORCH_CUDA_ALLOC_CONF between its device and host allocators.
+const EnvConf = "ALLOCD_CONF"
 
 // The host allocator's keys in ALLOCD_CONF.
 const (
@@ -21,8 +24,9 @@ const (
 	keyBackground   = "pinned_use_background_threads"
 )
 
-// configKeys lists the keys ParseConfig takes for the host allocator; the
-// device allocator's keys (allocator.ConfigKeys) are accepted and skipped.
+// configKeys lists the keys ParseConfig takes for the host allocator. Keys
+// without the pinned_ prefix are the device allocator's: skipped here,
+// checked by allocator.ParseConfig.
 var configKeys = []string{keyDivisions, keyHostRegister, keyBackground}
 
 // unsupportedKeys are PyTorch's host-allocator keys that allocd does not
@@ -65,9 +69,9 @@ func (e *ConfigError) Unwrap() error { return ErrConfig }
 //     True is refused, as are PyTorch's register-thread and reserved-segment
 //     keys, each with the reason.
 //
-// The device allocator's keys are skipped (their values are checked by
-// allocator.ParseConfig, not here). Unknown keys, keys given twice and
-// stray tokens are errors wrapping ErrConfig.
+// Keys without the pinned_ prefix belong to the device allocator and are
+// skipped (allocator.ParseConfig checks them). Unknown pinned_ keys, keys
+// given twice and stray tokens are errors wrapping ErrConfig.
 func ParseConfig(s string) (Config, error) {
 	cfg := DefaultConfig()
 	toks := tokenize(s)
@@ -110,18 +114,18 @@ func ParseConfig(s string) (Config, error) {
 	return cfg, nil
 }
 
-// ConfigFromEnv parses $ALLOCD_CONF (allocator.EnvConf) with ParseConfig;
-// unset or empty gives DefaultConfig.
+// ConfigFromEnv parses $ALLOCD_CONF with ParseConfig; unset or empty
+// gives DefaultConfig.
 func ConfigFromEnv() (Config, error) {
-	cfg, err := ParseConfig(os.Getenv(allocator.EnvConf))
+	cfg, err := ParseConfig(os.Getenv(EnvConf))
 	if err != nil {
-		return cfg, fmt.Errorf("pinned: $%s: %w", allocator.EnvConf, err)
+		return cfg, fmt.Errorf("pinned: $%s: %w", EnvConf, err)
 	}
 	return cfg, nil
 }
 
 func (c *Config) set(key string, val []string) error {
-	if slices.Contains(allocator.ConfigKeys, key) {
+	if !strings.HasPrefix(key, "pinned_") {
 		return nil // the device allocator's
 	}
 	if why, ok := unsupportedKeys[key]; ok {

@@ -331,7 +331,7 @@ func TestParseConfig(t *testing.T) {
 	}
 	for _, bad := range []string{
 		"pinned_roundup_power2_divisions:3", "pinned_roundup_power2_divisions:[1]", "pinned_use_cuda_host_register:True",
-		"pinned_use_background_threads:True", "pinned_num_register_threads:8", "bogus:1", "pinned_roundup_power2_divisions:1,",
+		"pinned_use_background_threads:True", "pinned_num_register_threads:8", "pinned_bogus:1", "pinned_roundup_power2_divisions:1,",
 		"pinned_roundup_power2_divisions:1,pinned_roundup_power2_divisions:2", ":", "a:[1", "pinned_use_cuda_host_register:maybe",
 	} {
 		if _, err := ParseConfig(bad); !errors.Is(err, ErrConfig) {
