@@ -165,21 +165,6 @@ func TestReplayBadInput(t *testing.T) {
 	}
 }
 
-func TestParseBytes(t *testing.T) {
-	for in, want := range map[string]uint64{"512": 512, "141GiB": 141 << 30, "1.5 GiB": 3 << 29, "64MiB": 64 << 20, "2TB": 2 << 40} {
-		got, err := parseBytes(in)
-		if err != nil || got != want {
-			t.Errorf("parseBytes(%q) = %d, %v; want %d", in, got, err, want)
-		}
-	}
-	for _, in := range []string{"", "-1", "abc", "0", "NaN", "nan GiB", "Inf", "+InfGiB", "-Inf", "1e-300GiB",
-		"5e-324", "0.5", "1e19", "8388608TiB"} {
-		if got, err := parseBytes(in); err == nil || !strings.Contains(err.Error(), "from 1 to 8 EiB") {
-			t.Errorf("parseBytes(%q) = %d, %v; want an error stating the range", in, got, err)
-		}
-	}
-}
-
 // TestBenchFlagErrors: bench's counts are range-checked before anything
 // runs, with errors naming the flag and the range.
 func TestBenchFlagErrors(t *testing.T) {

@@ -266,7 +266,7 @@ func gpuSamples(t *testing.T, mfs []*dto.MetricFamily) map[string]map[string]flo
 // own gpu label with that allocator's own numbers.
 func TestServeMetricsSeveralGPUs(t *testing.T) {
 	d, srv := newServeTestDaemonOn(t, 3)
-	mfs, err := d.reg.Gather()
+	mfs, err := d.Registry().Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -274,9 +274,9 @@ func TestServeMetricsSeveralGPUs(t *testing.T) {
 	if len(got) != 3 {
 		t.Fatalf("series for %d gpus, want 3: %v", len(got), got)
 	}
-	for _, g := range d.gpus {
-		st := g.a.Stats()
-		m := got[strconv.Itoa(g.index)]
+	for _, a := range d.Allocators() {
+		st := a.Stats()
+		m := got[strconv.Itoa(a.Device().Info().Index)]
 		want := map[string]int64{
 			"allocd_allocated_bytes/small":                st.AllocatedBytes[allocator.PoolSmall].Current,
 			"allocd_allocated_bytes/large":                st.AllocatedBytes[allocator.PoolLarge].Current,
@@ -293,7 +293,7 @@ func TestServeMetricsSeveralGPUs(t *testing.T) {
 		}
 		for name, w := range want {
 			if v, ok := m[name]; !ok || v != float64(w) {
-				t.Errorf("gpu %d: %s = %v (present %v), the allocator says %d", g.index, name, v, ok, w)
+				t.Errorf("gpu %d: %s = %v (present %v), the allocator says %d", a.Device().Info().Index, name, v, ok, w)
 			}
 		}
 	}
@@ -319,7 +319,7 @@ func TestServeMetricsSeveralGPUs(t *testing.T) {
 
 func TestServeDebugSeveralGPUs(t *testing.T) {
 	d, srv := newServeTestDaemonOn(t, 2, allocator.WithHistory(100))
-	st0, st1 := d.gpus[0].a.Stats(), d.gpus[1].a.Stats()
+	st0, st1 := d.Allocators()[0].Stats(), d.Allocators()[1].Stats()
 
 	t.Run("summary", func(t *testing.T) {
 		_, body := serveGet(t, srv.URL+"/debug/summary")
@@ -420,7 +420,7 @@ func TestServeDebugSeveralGPUs(t *testing.T) {
 // did before there could be several; ?gpu=N and ?gpu=all still work.
 func TestServeDebugOneGPUShapes(t *testing.T) {
 	d, srv := newServeTestDaemon(t)
-	st := d.gpus[0].a.Stats()
+	st := d.Allocators()[0].Stats()
 	for _, q := range []string{"", "?gpu=0"} {
 		_, body := serveGet(t, srv.URL+"/debug/stats"+q)
 		var flat map[string]int64

@@ -15,12 +15,13 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/server"
 	"github.com/allocd/allocd/stats"
 )
 
 // newServeTestDaemon returns a ready daemon over a 4 GiB Sim holding a few
 // allocations, and an HTTP server for its routes.
-func newServeTestDaemon(t *testing.T, opts ...allocator.Option) (*serveDaemon, *httptest.Server) {
+func newServeTestDaemon(t *testing.T, opts ...allocator.Option) (*server.Daemon, *httptest.Server) {
 	t.Helper()
 	return newServeTestDaemonOn(t, 1, opts...)
 }
@@ -28,7 +29,7 @@ func newServeTestDaemon(t *testing.T, opts ...allocator.Option) (*serveDaemon, *
 // newServeTestDaemonOn is newServeTestDaemon over n Sims (indexes 0..n-1).
 // Device i holds the same allocations as the single device does, plus i
 // more of 1 MiB + 1, so that the devices differ.
-func newServeTestDaemonOn(t *testing.T, n int, opts ...allocator.Option) (*serveDaemon, *httptest.Server) {
+func newServeTestDaemonOn(t *testing.T, n int, opts ...allocator.Option) (*server.Daemon, *httptest.Server) {
 	t.Helper()
 	var devs []cudart.Device
 	for i := range n {
@@ -62,12 +63,12 @@ func newServeTestDaemonOn(t *testing.T, n int, opts ...allocator.Option) (*serve
 			}
 		}
 	}
-	d := newServeDaemon(zap.NewNop(), allocs)
-	if err := d.register(); err != nil {
+	d, err := server.New(zap.NewNop(), allocs, buildVersion())
+	if err != nil {
 		t.Fatal(err)
 	}
-	d.ready.Store(true)
-	srv := httptest.NewServer(d.routes())
+	d.SetReady(true)
+	srv := httptest.NewServer(d.Handler())
 	t.Cleanup(srv.Close)
 	return d, srv
 }
@@ -101,7 +102,7 @@ func TestServeHealthAndReady(t *testing.T) {
 	if resp, _ := serveGet(t, srv.URL+"/readyz"); resp.StatusCode != 200 {
 		t.Errorf("/readyz = %d, want 200 when ready", resp.StatusCode)
 	}
-	d.ready.Store(false)
+	d.SetReady(false)
 	if resp, _ := serveGet(t, srv.URL+"/readyz"); resp.StatusCode != http.StatusServiceUnavailable {
 		t.Errorf("/readyz = %d, want 503 while shutting down", resp.StatusCode)
 	}
@@ -112,9 +113,9 @@ func TestServeHealthAndReady(t *testing.T) {
 
 func TestServeMethodsAndPaths(t *testing.T) {
 	_, srv := newServeTestDaemon(t)
-	for _, e := range serveEndpoints {
+	for _, e := range server.Endpoints() {
 		for _, method := range []string{"POST", "PUT", "DELETE", "PATCH"} {
-			req, _ := http.NewRequest(method, srv.URL+e.path, strings.NewReader("x"))
+			req, _ := http.NewRequest(method, srv.URL+e.Path, strings.NewReader("x"))
 			resp, err := http.DefaultClient.Do(req)
 			if err != nil {
 				t.Fatal(err)
@@ -122,17 +123,17 @@ func TestServeMethodsAndPaths(t *testing.T) {
 			resp.Body.Close()
 			allow := resp.Header.Get("Allow")
 			if resp.StatusCode != http.StatusMethodNotAllowed || !strings.Contains(allow, "GET") || !strings.Contains(allow, "HEAD") {
-				t.Errorf("%s %s = %d, Allow %q; want 405 with Allow: GET, HEAD", method, e.path, resp.StatusCode, allow)
+				t.Errorf("%s %s = %d, Allow %q; want 405 with Allow: GET, HEAD", method, e.Path, resp.StatusCode, allow)
 			}
 		}
-		req, _ := http.NewRequest("HEAD", srv.URL+e.path, nil)
+		req, _ := http.NewRequest("HEAD", srv.URL+e.Path, nil)
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}
 		resp.Body.Close()
 		if resp.StatusCode != 200 {
-			t.Errorf("HEAD %s = %d, want 200", e.path, resp.StatusCode)
+			t.Errorf("HEAD %s = %d, want 200", e.Path, resp.StatusCode)
 		}
 	}
 	for _, path := range []string{"/nope", "/metrics/x", "/debug", "/debug/", "/debug/pprof/", "/healthz/"} {
@@ -182,7 +183,7 @@ func TestServeDebugSummary(t *testing.T) {
 	if resp.StatusCode != 200 || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/plain") {
 		t.Fatalf("/debug/summary = %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
 	}
-	if want := stats.Summary(d.gpus[0].a.Stats(), 0); body != want {
+	if want := stats.Summary(d.Allocators()[0].Stats(), 0); body != want {
 		t.Errorf("/debug/summary:\n%s\nwant:\n%s", body, want)
 	}
 }
@@ -197,7 +198,7 @@ func TestServeDebugStats(t *testing.T) {
 	if err := json.Unmarshal([]byte(body), &got); err != nil {
 		t.Fatal(err)
 	}
-	st := d.gpus[0].a.Stats()
+	st := d.Allocators()[0].Stats()
 	want := st.Flat()
 	if len(got) != len(want) {
 		t.Errorf("%d keys, want %d", len(got), len(want))
