@@ -106,7 +106,7 @@ func ParseOne(s string) (Spec, error) {
 		return spec, fmt.Errorf("%w %q: expected sim, cuda or cuda:N", ErrSpec, s)
 	}
 	if spec.Multi() || strings.HasPrefix(s, "sim:") {
-		return Spec{}, fmt.Errorf("%w %q: one device is used here: sim, cuda or cuda:N (sim:N and cuda:all name several)", ErrSpec, s)
+		return Spec{}, fmt.Errorf("%w %q: names several devices, where one is used: sim, cuda or cuda:N", ErrSpec, s)
 	}
 	return spec, nil
 }

@@ -57,7 +57,7 @@ func TestParseOne(t *testing.T) {
 		}
 	}
 	for _, in := range []string{"sim:1", "sim:2", "cuda:all"} {
-		if _, err := ParseOne(in); !errors.Is(err, ErrSpec) || !strings.Contains(err.Error(), "name several") {
+		if _, err := ParseOne(in); !errors.Is(err, ErrSpec) || !strings.Contains(err.Error(), "several devices") {
 			t.Errorf("ParseOne(%q) = %v; want an error saying it names several devices", in, err)
 		}
 	}

@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/bench"
+	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -80,6 +82,9 @@ func openTarget(device, simCapacity string) (*bench.Target, error) {
 	}
 	t, err := bench.OpenTarget(device, capacity)
 	if err != nil {
+		if spec, perr := devspec.Parse(device); (perr == nil && spec.Multi()) || strings.HasPrefix(device, "sim:") {
+			err = fmt.Errorf("%w; sim:N and cuda:all are for allocd serve", err)
+		}
 		return nil, fmt.Errorf("--device: %w", err)
 	}
 	return t, nil

@@ -153,6 +153,8 @@ func TestReplayBadInput(t *testing.T) {
 		{"not a snapshot", []string{"replay", "--device", "sim", notSnapshot}, "not a memory snapshot"},
 		{"bad conf", []string{"replay", "--device", "sim", "--conf", "max_split_size_mb:1", demoTrace}, "max_split_size_mb"},
 		{"bad device", []string{"replay", "--device", "tpu", demoTrace}, "--device"},
+		{"several devices", []string{"replay", "--device", "sim:2", demoTrace}, "sim:N and cuda:all are for allocd serve"},
+		{"every GPU", []string{"replay", "--device", "cuda:all", demoTrace}, "sim:N and cuda:all are for allocd serve"},
 		{"bad capacity", []string{"replay", "--device", "sim", "--sim-capacity", "lots", demoTrace}, "--sim-capacity"},
 		{"no trace", []string{"replay"}, "requires at least 1 arg"},
 	} {
