@@ -70,7 +70,7 @@ func run(ctx context.Context, out io.Writer, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer a.Close() // idempotent; the explicit Close below reports errors
+	defer a.Close() // on early returns; the Close at the end reports errors
 	dev := a.Device()
 	info := dev.Info()
 	kind, why := "CUDA device", ""

@@ -90,3 +90,44 @@ func TestEmbedRuns(t *testing.T) {
 		t.Error("no history entry names a call site in examples/embed/main.go")
 	}
 }
+
+// TestDocMatchesExample: every line of Go code in docs/embedding.md, which
+// walks through this program, is a line of it (comments aside), so that
+// the page shows the code CI runs.
+func TestDocMatchesExample(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/embedding.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := os.ReadFile("main.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lines []string
+	for _, l := range strings.Split(string(src), "\n") {
+		lines = append(lines, strings.TrimSpace(l))
+	}
+	inProgram := func(l string) bool {
+		for _, m := range lines {
+			if m == l || strings.HasPrefix(m, l+" //") {
+				return true
+			}
+		}
+		return false
+	}
+	blocks := regexp.MustCompile("(?s)```go\n(.*?)```").FindAllStringSubmatch(string(doc), -1)
+	if len(blocks) < 7 {
+		t.Fatalf("%d Go blocks in docs/embedding.md, want one per step (7)", len(blocks))
+	}
+	for _, b := range blocks {
+		for _, l := range strings.Split(b[1], "\n") {
+			l = strings.TrimSpace(l)
+			if l == "" || strings.HasPrefix(l, "//") {
+				continue
+			}
+			if !inProgram(l) {
+				t.Errorf("docs/embedding.md shows a line examples/embed/main.go lacks: %s", l)
+			}
+		}
+	}
+}
