@@ -1,16 +1,19 @@
-package main
+package server_test
 
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
+	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 
 	"github.com/allocd/allocd/allocator"
@@ -63,7 +66,7 @@ func newServeTestDaemonOn(t *testing.T, n int, opts ...allocator.Option) (*serve
 			}
 		}
 	}
-	d, err := server.New(zap.NewNop(), allocs, buildVersion())
+	d, err := server.New(zap.NewNop(), allocs, "test")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -278,4 +281,242 @@ func TestServeDebugSnapshot(t *testing.T) {
 	if resp, _ := serveGet(t, srv.URL+"/debug/snapshot?format=xml"); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("format=xml = %d, want 400", resp.StatusCode)
 	}
+}
+
+// gpuSamples indexes gathered metrics by gpu label: name (with
+// "/small" or "/large" for pool metrics) to value.
+func gpuSamples(t *testing.T, mfs []*dto.MetricFamily) map[string]map[string]float64 {
+	t.Helper()
+	out := map[string]map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			var gpu, pool string
+			for _, lp := range m.GetLabel() {
+				switch lp.GetName() {
+				case stats.LabelGPU:
+					gpu = lp.GetValue()
+				case stats.LabelPool:
+					pool = lp.GetValue()
+				}
+			}
+			if gpu == "" {
+				continue
+			}
+			name := mf.GetName()
+			if pool != "" {
+				name += "/" + pool
+			}
+			if out[gpu] == nil {
+				out[gpu] = map[string]float64{}
+			}
+			switch {
+			case m.Gauge != nil:
+				out[gpu][name] = m.GetGauge().GetValue()
+			case m.Counter != nil:
+				out[gpu][name] = m.GetCounter().GetValue()
+			case m.Histogram != nil:
+				out[gpu][name+"_count"] = float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return out
+}
+
+// TestServeMetricsSeveralGPUs: the daemon's /metrics, built by one
+// stats.NewCollector over every allocator, shows each device under its
+// own gpu label with that allocator's own numbers.
+func TestServeMetricsSeveralGPUs(t *testing.T) {
+	d, srv := newServeTestDaemonOn(t, 3)
+	mfs, err := d.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := gpuSamples(t, mfs)
+	if len(got) != 3 {
+		t.Fatalf("series for %d gpus, want 3: %v", len(got), got)
+	}
+	for _, a := range d.Allocators() {
+		st := a.Stats()
+		m := got[strconv.Itoa(a.Device().Info().Index)]
+		want := map[string]int64{
+			"allocd_allocated_bytes/small":                st.AllocatedBytes[allocator.PoolSmall].Current,
+			"allocd_allocated_bytes/large":                st.AllocatedBytes[allocator.PoolLarge].Current,
+			"allocd_reserved_bytes/small":                 st.ReservedBytes[allocator.PoolSmall].Current,
+			"allocd_reserved_bytes/large":                 st.ReservedBytes[allocator.PoolLarge].Current,
+			"allocd_segments/large":                       st.Segment[allocator.PoolLarge].Current,
+			"allocd_live_allocations/large":               st.Allocation[allocator.PoolLarge].Current,
+			"allocd_allocations_total/large":              st.Allocation[allocator.PoolLarge].Allocated,
+			"allocd_frees_total/large":                    st.Allocation[allocator.PoolLarge].Freed,
+			"allocd_peak_reserved_bytes":                  st.ReservedBytes[allocator.PoolAll].Peak,
+			"allocd_device_mallocs_total":                 st.NumDeviceAlloc,
+			"allocd_device_total_bytes":                   4 << 30,
+			"allocd_device_malloc_duration_seconds_count": st.NumDeviceAlloc,
+		}
+		for name, w := range want {
+			if v, ok := m[name]; !ok || v != float64(w) {
+				t.Errorf("gpu %d: %s = %v (present %v), the allocator says %d", a.Device().Info().Index, name, v, ok, w)
+			}
+		}
+	}
+	// Device i holds i more large allocations than device 0.
+	if got["2"]["allocd_live_allocations/large"]-got["0"]["allocd_live_allocations/large"] != 2 {
+		t.Errorf("live large allocations: gpu 0 %v, gpu 2 %v; want 2 apart", got["0"]["allocd_live_allocations/large"], got["2"]["allocd_live_allocations/large"])
+	}
+	// And the HTTP exposition carries all three, lint-clean.
+	_, body := serveGet(t, srv.URL+"/metrics")
+	for gpu := range 3 {
+		if v, ok := serveSumMetricGPU(body, "allocd_allocations_total", gpu); !ok || v == 0 {
+			t.Errorf(`/metrics: allocd_allocations_total{gpu="%d"} = %v, %v`, gpu, v, ok)
+		}
+	}
+	problems, err := promlint.New(strings.NewReader(body)).Lint()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, pr := range problems {
+		t.Errorf("lint: %s: %s", pr.Metric, pr.Text)
+	}
+}
+
+func TestServeDebugSeveralGPUs(t *testing.T) {
+	d, srv := newServeTestDaemonOn(t, 2, allocator.WithHistory(100))
+	st0, st1 := d.Allocators()[0].Stats(), d.Allocators()[1].Stats()
+
+	t.Run("summary", func(t *testing.T) {
+		_, body := serveGet(t, srv.URL+"/debug/summary")
+		if want := stats.Summary(st0, 0) + "\n" + stats.Summary(st1, 1); body != want {
+			t.Errorf("/debug/summary:\n%s\nwant both devices':\n%s", body, want)
+		}
+		for _, q := range []string{"?gpu=1", "?gpu=all"} {
+			_, body := serveGet(t, srv.URL+"/debug/summary"+q)
+			want := stats.Summary(st1, 1)
+			if q == "?gpu=all" {
+				want = stats.Summary(st0, 0) + "\n" + want
+			}
+			if body != want {
+				t.Errorf("/debug/summary%s:\n%s\nwant:\n%s", q, body, want)
+			}
+		}
+	})
+
+	t.Run("stats", func(t *testing.T) {
+		_, body := serveGet(t, srv.URL+"/debug/stats")
+		var per map[string]map[string]int64
+		if err := json.Unmarshal([]byte(body), &per); err != nil {
+			t.Fatal(err)
+		}
+		if len(per) != 2 || per["0"]["allocation.all.current"] != st0.Allocation[allocator.PoolAll].Current ||
+			per["1"]["allocation.all.current"] != st1.Allocation[allocator.PoolAll].Current {
+			t.Errorf("/debug/stats on two devices: %.400s", body)
+		}
+		_, body = serveGet(t, srv.URL+"/debug/stats?gpu=1")
+		var flat map[string]int64
+		if err := json.Unmarshal([]byte(body), &flat); err != nil {
+			t.Fatal(err)
+		}
+		for k, v := range st1.Flat() {
+			if flat[k] != v {
+				t.Errorf("?gpu=1: %s = %d, want %d", k, flat[k], v)
+			}
+		}
+	})
+
+	t.Run("snapshot", func(t *testing.T) {
+		type doc struct {
+			Segments []struct {
+				Device  int    `json:"device"`
+				Address uint64 `json:"address"`
+			} `json:"segments"`
+			DeviceTraces [][]struct {
+				Action string `json:"action"`
+			} `json:"device_traces"`
+		}
+		get := func(q string) doc {
+			resp, body := serveGet(t, srv.URL+"/debug/snapshot"+q)
+			if resp.StatusCode != 200 {
+				t.Fatalf("/debug/snapshot%s = %d", q, resp.StatusCode)
+			}
+			var d doc
+			if err := json.Unmarshal([]byte(body), &d); err != nil {
+				t.Fatal(err)
+			}
+			return d
+		}
+		count := func(d doc) map[int]int {
+			n := map[int]int{}
+			for _, s := range d.Segments {
+				n[s.Device]++
+			}
+			return n
+		}
+		all := get("")
+		if n := count(all); n[0] != 3 || n[1] != 3 || len(all.DeviceTraces) != 2 || len(all.DeviceTraces[0]) == 0 || len(all.DeviceTraces[1]) == 0 {
+			t.Errorf("snapshot of both: segments per device %v, %d device traces", n, len(all.DeviceTraces))
+		}
+		one := get("?gpu=1")
+		if n := count(one); n[0] != 0 || n[1] != 3 || len(one.DeviceTraces) != 2 || len(one.DeviceTraces[0]) != 0 || len(one.DeviceTraces[1]) == 0 {
+			t.Errorf("snapshot of gpu 1: segments per device %v, device traces %d (first %d entries)", n, len(one.DeviceTraces), len(one.DeviceTraces[0]))
+		}
+		if resp, body := serveGet(t, srv.URL+"/debug/snapshot?gpu=1&format=pickle"); resp.StatusCode != 200 || !strings.HasSuffix(body, ".") {
+			t.Errorf("pickle of gpu 1: %d", resp.StatusCode)
+		}
+	})
+
+	t.Run("bad gpu", func(t *testing.T) {
+		for _, path := range []string{"/debug/summary", "/debug/stats", "/debug/snapshot"} {
+			for q, code := range map[string]int{
+				"?gpu=2": http.StatusNotFound, "?gpu=-1": http.StatusBadRequest, "?gpu=x": http.StatusBadRequest,
+				"?gpu=": http.StatusBadRequest, "?gpu=0&gpu=1": http.StatusBadRequest,
+			} {
+				resp, body := serveGet(t, srv.URL+path+q)
+				if resp.StatusCode != code || !strings.Contains(body, "gpu") {
+					t.Errorf("GET %s%s = %d %q, want %d", path, q, resp.StatusCode, body, code)
+				}
+			}
+		}
+	})
+}
+
+// TestServeDebugOneGPUShapes: on one device the endpoints answer as they
+// did before there could be several; ?gpu=N and ?gpu=all still work.
+func TestServeDebugOneGPUShapes(t *testing.T) {
+	d, srv := newServeTestDaemon(t)
+	st := d.Allocators()[0].Stats()
+	for _, q := range []string{"", "?gpu=0"} {
+		_, body := serveGet(t, srv.URL+"/debug/stats"+q)
+		var flat map[string]int64
+		if err := json.Unmarshal([]byte(body), &flat); err != nil || flat["num_device_alloc"] != st.NumDeviceAlloc {
+			t.Errorf("/debug/stats%s is not the flat map: %v %.200s", q, err, body)
+		}
+		if _, body := serveGet(t, srv.URL+"/debug/summary"+q); body != stats.Summary(st, 0) {
+			t.Errorf("/debug/summary%s is not device 0's summary", q)
+		}
+	}
+	_, body := serveGet(t, srv.URL+"/debug/stats?gpu=all")
+	var per map[string]map[string]int64
+	if err := json.Unmarshal([]byte(body), &per); err != nil || len(per) != 1 || per["0"]["num_device_alloc"] != st.NumDeviceAlloc {
+		t.Errorf("/debug/stats?gpu=all on one device: %v %.200s", err, body)
+	}
+	if resp, _ := serveGet(t, srv.URL+"/debug/stats?gpu=1"); resp.StatusCode != http.StatusNotFound {
+		t.Errorf("/debug/stats?gpu=1 on one device = %d, want 404", resp.StatusCode)
+	}
+}
+
+// serveSumMetricGPU adds the samples of one metric name whose gpu label is
+// gpu, in a text exposition.
+func serveSumMetricGPU(body, name string, gpu int) (float64, bool) {
+	label := fmt.Sprintf(`gpu="%d"`, gpu)
+	var sum float64
+	found := false
+	for _, line := range strings.Split(body, "\n") {
+		if !strings.HasPrefix(line, name+"{") || !strings.Contains(line, label) {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if v, err := strconv.ParseFloat(line[i+1:], 64); err == nil {
+			sum += v
+			found = true
+		}
+	}
+	return sum, found
 }
