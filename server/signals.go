@@ -104,7 +104,7 @@ func (s *Signals) Stop() {
 // LogShutdown logs why ctx, a Signals' context, ended: the signal, or the
 // reason its parent was cancelled; during says which start-up step it
 // interrupted, when one did.
-func LogShutdown(log *zap.Logger, ctx context.Context, during string) {
+func LogShutdown(ctx context.Context, log *zap.Logger, during string) {
 	fields := []zap.Field{}
 	var ss ShutdownSignal
 	if cause := context.Cause(ctx); errors.As(cause, &ss) {

@@ -261,7 +261,7 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 
 	if sig.Context().Err() != nil {
 		// A signal came while the devices opened: stop before serving.
-		server.LogShutdown(log, sig.Context(), "before serving")
+		server.LogShutdown(sig.Context(), log, "before serving")
 		return d.Close()
 	}
 	ln, err := net.Listen("tcp", f.listen)
@@ -312,7 +312,7 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 	var exitErr error
 	select {
 	case <-sig.Context().Done():
-		server.LogShutdown(log, sig.Context(), "")
+		server.LogShutdown(sig.Context(), log, "")
 	case err := <-serveErr:
 		log.Error("HTTP server failed; shutting down", zap.Error(err))
 		exitErr = fmt.Errorf("serving %s: %w", addr, err)

@@ -48,7 +48,7 @@ func loadServeWorkload(ctx context.Context, f serveFlags, log *zap.Logger) (*ben
 		}
 		return r.w, r.err
 	case <-ctx.Done():
-		server.LogShutdown(log, ctx, "trace loading")
+		server.LogShutdown(ctx, log, "trace loading")
 		log.Info("shutdown complete: nothing was started")
 		return nil, nil
 	}
