@@ -32,7 +32,8 @@ func expectUnchanged(t *testing.T, a *Allocator, want error, fn func() error) er
 	return err
 }
 
-// TestBadInput covers every bad input of DESIGN.md §8.
+// TestBadInput covers every bad input a caller can give: each is refused
+// with an error, and leaves the allocator consistent (mustCheck).
 func TestBadInput(t *testing.T) {
 	a, sim := newTestAllocator(t, giB, "")
 	p := mustMalloc(t, a, 4096, 0)

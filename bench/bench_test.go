@@ -73,7 +73,7 @@ func TestPairAllocatesNothing(t *testing.T) {
 	}
 }
 
-// BenchmarkMixed is DESIGN.md §7's mixed workload; it reports ns per step
+// BenchmarkMixed is the mixed workload of `allocd bench` (Mixed); it reports ns per step
 // and aggregate Mops/s over all goroutines.
 func BenchmarkMixed(b *testing.B) {
 	steps := MixedSteps

@@ -268,6 +268,16 @@ func RunCopies(w io.Writer, dev cudart.Device, asJSON bool) error {
 	return rep.WriteText(w)
 }
 
+// RunCopies runs the copy benchmark on the target's device (RunCopies):
+// the CUDA device, or a backed simulated one of the target's capacity.
+func (t *Target) RunCopies(w io.Writer, asJSON bool) error {
+	dev, err := t.Device(cudart.SimConfig{})
+	if err != nil {
+		return err
+	}
+	return RunCopies(w, dev, asJSON)
+}
+
 // WriteText writes the report as two tables.
 func (r CopyReport) WriteText(w io.Writer) error {
 	fmt.Fprintf(w, "copy bandwidth on %s, GB/s (best of the runs):\n", r.Device)

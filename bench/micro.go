@@ -9,13 +9,14 @@ import (
 	"github.com/allocd/allocd/cudart"
 )
 
-// PairSizes are the sizes of the pair benchmark (DESIGN.md §7).
+// PairSizes are the sizes of the pair benchmark (Pair), in bytes.
 var PairSizes = []uint64{512, 4096, 1 << 20, 8 << 20, 64 << 20}
 
 // MixedThreads are the goroutine counts of the mixed benchmark.
 var MixedThreads = []int{1, 2, 4, 8}
 
-// Mixed benchmark parameters (DESIGN.md §7).
+// Mixed benchmark parameters (Mixed): steps per goroutine, and the slots
+// that the goroutines share out.
 const (
 	MixedSteps  = 400_000
 	MixedWindow = 4096

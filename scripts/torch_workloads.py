@@ -175,8 +175,11 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
     values, tokens, ms = [], [], []
     metrics = None
     mid = warmup + steps // 2
+    allocs0 = 0
     for i in range(warmup + steps):
         torch.cuda.synchronize()
+        if i == warmup:
+            allocs0 = api["memory_stats"]().get("allocation.all.allocated", 0)
         t = time.perf_counter()
         out = step(i)
         torch.cuda.synchronize()
@@ -193,11 +196,12 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
         if i == mid and metrics_addr:
             metrics = scrape_mid_run(metrics_addr)
     st = api["memory_stats"]()
+    allocs_per_step = (st.get("allocation.all.allocated", 0) - allocs0) / steps
     wall = time.time() - t0
     res = {
         "kind": kind, "warmup": warmup, "steps": steps, "values": values,
         "step_ms": [round(x, 4) for x in ms], "median_ms": statistics.median(ms),
-        "min_ms": min(ms), "build_s": round(build_s, 2), "wall_s": round(wall, 2),
+        "min_ms": min(ms), "allocs_per_step": allocs_per_step, "build_s": round(build_s, 2), "wall_s": round(wall, 2),
         "peak_reserved": st["reserved_bytes.all.peak"], "peak_allocated": st["allocated_bytes.all.peak"],
         "stats": {k: st.get(k) for k in ("reserved_bytes.all.current", "allocated_bytes.all.current",
                                          "num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms",
@@ -260,7 +264,7 @@ def main():
         result["workloads"][name] = r
         m = r["metrics_mid_run"] or {}
         log(f"{name}: median {r['median_ms']:.2f} ms over {steps} steps (+{warmup} warm-up), build {r['build_s']} s, "
-            f"wall {r['wall_s']} s, peak reserved {r['peak_reserved'] / 2**20:.0f} MiB, peak allocated "
+            f"wall {r['wall_s']} s, {r['allocs_per_step']:.0f} allocations a step, peak reserved {r['peak_reserved'] / 2**20:.0f} MiB, peak allocated "
             f"{r['peak_allocated'] / 2**20:.0f} MiB, first/last {r['kind']} {r['values'][0]} / {r['values'][-1]}"
             + (f", /metrics mid-run reserved {m.get('allocd_reserved_bytes')} allocated "
                f"{m.get('allocd_allocated_bytes')}" if m else ""))

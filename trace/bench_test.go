@@ -7,8 +7,8 @@ import (
 	"testing"
 )
 
-// sharedTraces is where CI places the recorded PyTorch traces, beside the
-// checkout (DESIGN §6).
+// sharedTraces is where CI places the recorded PyTorch traces: beside the
+// checkout, as they are too large for the repository.
 const sharedTraces = "../../shared/traces"
 
 func BenchmarkReadGPT2MGenerate(b *testing.B) {

@@ -34,7 +34,8 @@ func Read(r io.Reader, opt ReadOptions) (*Snapshot, error) {
 		if err != nil {
 			return nil, gzipHeaderError(err)
 		}
-		src, gz = zr, true
+		zr.Multistream(false)
+		src, gz = &gzipMembers{zr: zr, br: br}, true
 	}
 	in := &sizeLimit{r: src, n: lim.maxBytes, max: lim.maxBytes}
 	s, err := decodeStream(in, opt, lim, gz)
@@ -66,6 +67,45 @@ func ReadFile(path string, opt ReadOptions) (*Snapshot, error) {
 }
 
 func isGzip(b []byte) bool { return len(b) >= 2 && b[0] == 0x1f && b[1] == 0x8b }
+
+// gzipMembers reads the members of a gzip stream one after another, as gzip -d
+// does. It looks at what follows each member itself, because the gzip
+// package's own multistream reading reports a few bytes of trailing garbage
+// (too short for a member header) as a truncated stream.
+type gzipMembers struct {
+	zr *gzip.Reader
+	br *bufio.Reader
+}
+
+// errTrailingData is returned for bytes after the last member that do not
+// start another member.
+var errTrailingData = errors.New("trailing data after the gzip stream")
+
+func (g *gzipMembers) Read(p []byte) (int, error) {
+	for {
+		n, err := g.zr.Read(p)
+		if err != io.EOF {
+			return n, err
+		}
+		// The member ended and its checksum matched.
+		next, perr := g.br.Peek(2)
+		switch {
+		case len(next) == 0 && perr == io.EOF:
+			return n, io.EOF
+		case len(next) == 0:
+			return n, perr
+		case !isGzip(next):
+			return n, errTrailingData
+		}
+		if err := g.zr.Reset(g.br); err != nil {
+			return n, err
+		}
+		g.zr.Multistream(false)
+		if n > 0 {
+			return n, nil
+		}
+	}
+}
 
 // decodeStream detects the format of the decompressed input and decodes it;
 // gz says the input was gzip-compressed.
@@ -130,7 +170,7 @@ func inputError(err error) error {
 		return &DecodeError{Err: ErrTooLarge, Offset: tl.max, Msg: tl.Error()}
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return &DecodeError{Err: ErrTruncated, Offset: -1, Msg: "gzip stream ends early"}
-	case errors.Is(err, gzip.ErrHeader):
+	case errors.Is(err, gzip.ErrHeader), errors.Is(err, errTrailingData):
 		return &DecodeError{Err: ErrMalformed, Offset: -1,
 			Msg: "gzip: trailing data after the end of the compressed stream"}
 	case errors.As(err, &ce), errors.Is(err, gzip.ErrChecksum):

@@ -6,16 +6,10 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
-	"strings"
-	"text/tabwriter"
 
 	"github.com/spf13/cobra"
 
-	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/bench"
-	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
 )
 
 type benchFlags struct {
@@ -35,11 +29,14 @@ func newBenchCmd() *cobra.Command {
 	var f benchFlags
 	cmd := &cobra.Command{
 		Use:   "bench [flags] [TRACE...]",
-		Short: "Run the pair, mixed and replay benchmarks of DESIGN.md §7",
+		Short: "Run the pair, mixed and replay benchmarks",
 		Long: `Bench runs the benchmarks that PyTorch's anchor runs on the same machine:
-pair/SIZE (malloc+free of one size, best of 3 runs), mixed/threads=T (T
-goroutines on their own streams over a random window) and, for each TRACE,
-a replay. Each benchmark gets a fresh allocator.`,
+pair/SIZE (malloc+free of one size on the default stream, best of 3 runs),
+mixed/threads=T (T goroutines, each on its own stream over its share of a
+4096-slot window, freeing a random slot when it is live and allocating it
+otherwise; sizes 80% up to 1 MiB, 18% up to 32 MiB, 2% up to 256 MiB) and,
+for each TRACE, a replay. Each benchmark gets
+a fresh allocator.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("conf") {
 				f.conf = os.Getenv("ALLOCD_CONF")
@@ -59,24 +56,6 @@ a replay. Each benchmark gets a fresh allocator.`,
 	fl.BoolVar(&f.json, "json", false, "print one JSON object with every result")
 	fl.BoolVar(&f.copies, "copies", false, "run only the host-device copy benchmark (bench.RunCopies): pageable vs pinned bandwidth, cached pinned alloc vs cudaHostAlloc")
 	return cmd
-}
-
-// benchReport is the JSON shape of `allocd bench --json`.
-type benchReport struct {
-	Device string             `json:"device"`
-	Conf   string             `json:"conf"`
-	Pair   map[string]float64 `json:"pair_ns"`
-	Mixed  []mixedRow         `json:"mixed"`
-	Replay []replayRow        `json:"replay"`
-}
-
-type mixedRow struct {
-	Threads            int     `json:"threads"`
-	Ops                int     `json:"ops"`
-	NsPerOp            float64 `json:"ns_per_op"`
-	MopsPerSec         float64 `json:"mops_per_s"`
-	PeakAllocatedBytes int64   `json:"peak_allocated_bytes"`
-	PeakReservedBytes  int64   `json:"peak_reserved_bytes"`
 }
 
 // maxBenchCount bounds --pair-iters and --mixed-steps: enough for minutes
@@ -115,113 +94,34 @@ func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
 	if err != nil {
 		return err
 	}
-	target, err := openReplayTarget(replayFlags{device: f.device, simCapacity: f.simCapacity}, stderr)
+	target, err := openTarget(f.device, f.simCapacity)
 	if err != nil {
 		return err
 	}
-	defer target.close()
-	fmt.Fprintf(stderr, "allocd: benchmarking on the %s\n", target.desc)
+	defer target.Close()
+	fmt.Fprintf(stderr, "allocd: benchmarking on the %s\n", target.Desc)
 	if f.copies {
-		dev, err := target.device(nil)
-		if err != nil {
-			return err
-		}
-		return bench.RunCopies(stdout, dev, f.json)
+		return target.RunCopies(stdout, f.json)
 	}
-	rep := benchReport{Device: target.desc, Conf: f.conf, Pair: map[string]float64{}}
-	fresh := func() (*allocator.Allocator, error) {
-		dev, err := target.device(nil)
-		if err != nil {
-			return nil, err
-		}
-		if sim, ok := dev.(*cudart.Sim); ok {
-			// The micro benchmarks want events that complete like a GPU's.
-			dev, err = cudart.NewSim(cudart.SimConfig{Capacity: sim.Info().TotalMemory})
-			if err != nil {
-				return nil, err
-			}
-		}
-		return allocator.New(dev, cfg)
+	suite := bench.Suite{PairIters: f.pairIters, MixedSteps: f.mixedSteps, Threads: f.threads, Traces: traces}
+	if f.skipPair {
+		suite.PairIters = 0
 	}
-	if !f.skipPair {
-		for _, size := range bench.PairSizes {
-			a, err := fresh()
-			if err != nil {
-				return err
-			}
-			best := 0.0
-			for range 3 {
-				d, err := bench.Pair(a, size, f.pairIters)
-				if err != nil {
-					return err
-				}
-				if ns := float64(d.Nanoseconds()); best == 0 || ns < best {
-					best = ns
-				}
-			}
-			_ = a.Close()
-			rep.Pair[fmt.Sprint(size)] = best
-		}
+	if f.skipMixed {
+		suite.MixedSteps = 0
 	}
-	if !f.skipMixed {
-		for _, th := range f.threads {
-			a, err := fresh()
-			if err != nil {
-				return err
-			}
-			r, err := bench.Mixed(a, th, f.mixedSteps)
-			_ = a.Close()
-			if err != nil {
-				return fmt.Errorf("mixed/threads=%d: %w", th, err)
-			}
-			rep.Mixed = append(rep.Mixed, mixedRow{th, r.Ops, r.NsPerOp(), r.MopsPerSec(), r.PeakAllocated, r.PeakReserved})
-		}
+	rep, err := bench.RunSuite(target, cfg, suite)
+	if err != nil {
+		return err
 	}
-	for _, file := range traces {
-		snap, err := trace.ReadFile(file, trace.ReadOptions{})
-		if err != nil {
-			return err // names the file
-		}
-		if len(snap.DeviceTraces) == 0 {
-			return fmt.Errorf("%s: no device trace", file)
-		}
-		ops := trace.BuildOps(snap.DeviceTraces[0])
-		row, err := replayOne(target, &ops, bench.SegmentAddresses(snap.DeviceTraces[0]), cfg, &bench.ReplayOptions{}, nil)
-		if err != nil {
-			return fmt.Errorf("replaying %s: %w", file, err)
-		}
-		row.Trace, row.Conf = strings.TrimSuffix(filepath.Base(file), ".pickle.gz"), f.conf
-		rep.Replay = append(rep.Replay, row)
+	rep.Conf = f.conf
+	for i := range rep.Replay {
+		rep.Replay[i].Conf = f.conf
 	}
 	if f.json {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", " ")
 		return enc.Encode(rep)
 	}
-	return printBench(stdout, rep)
-}
-
-func printBench(w io.Writer, rep benchReport) error {
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	if len(rep.Pair) > 0 {
-		fmt.Fprintln(tw, "benchmark\tns/pair\t")
-		for _, size := range bench.PairSizes {
-			fmt.Fprintf(tw, "pair/%d\t%.0f\t\n", size, rep.Pair[fmt.Sprint(size)])
-		}
-		fmt.Fprintln(tw, "\t\t")
-	}
-	if len(rep.Mixed) > 0 {
-		fmt.Fprintln(tw, "benchmark\tns/op\tMops/s\tpeak allocated MiB\tpeak reserved MiB\t")
-		for _, m := range rep.Mixed {
-			fmt.Fprintf(tw, "mixed/threads=%d\t%.0f\t%.2f\t%s\t%s\t\n", m.Threads, m.NsPerOp, m.MopsPerSec, mib(m.PeakAllocatedBytes), mib(m.PeakReservedBytes))
-		}
-		fmt.Fprintln(tw, "\t\t\t\t\t")
-	}
-	if err := tw.Flush(); err != nil {
-		return err
-	}
-	if len(rep.Replay) > 0 {
-		return printReplayTable(w, rep.Replay)
-	}
-	return nil
+	return bench.WriteReport(stdout, rep)
 }

@@ -2,7 +2,7 @@
 //
 //	allocd serve     metrics and debug endpoints over an allocator
 //	allocd replay    replay PyTorch memory traces through the allocator
-//	allocd bench     the benchmarks of DESIGN.md §7
+//	allocd bench     the pair, mixed and replay benchmarks
 //	allocd devices   list CUDA devices
 //	allocd version   print the version
 //

@@ -6,17 +6,14 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
-	"strconv"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/bench"
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -73,95 +70,24 @@ several traces, the trace's name is added to each file name.`,
 	return cmd
 }
 
-// parseBytes parses "1234", "512MiB", "141GiB", "1.5TiB" (also KB/MB/GB
-// meaning the same binary units, as nvidia-smi does).
-func parseBytes(s string) (uint64, error) {
-	units := []struct {
-		suffix string
-		mult   float64
-	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10},
-		{"TB", 1 << 40}, {"GB", 1 << 30}, {"MB", 1 << 20}, {"KB", 1 << 10}, {"B", 1}}
-	t := strings.TrimSpace(s)
-	mult := 1.0
-	for _, u := range units {
-		if strings.HasSuffix(t, u.suffix) {
-			t, mult = strings.TrimSpace(strings.TrimSuffix(t, u.suffix)), u.mult
-			break
-		}
-	}
-	v, err := strconv.ParseFloat(t, 64)
-	// !(b >= 1) also rejects NaN, and a size that truncates to 0 bytes
-	// (1e-300GiB); b < 1<<63 rejects +Inf.
-	if b := v * mult; err != nil || !(b >= 1 && b < 1<<63) {
-		return 0, fmt.Errorf("bad size %q: expected a number of bytes from 1 to 8 EiB, optionally with KiB, MiB, GiB or TiB (not NaN or Inf)", s)
-	}
-	return uint64(v * mult), nil
-}
+// historyLimit bounds the history recorded for --snapshot-out: enough for
+// every shared trace, as PyTorch's max_entries does.
+const historyLimit = 3_000_000
 
-// replayRow is one replay's result, in the JSON shape of `--json`.
-type replayRow struct {
-	Trace              string  `json:"trace"`
-	Conf               string  `json:"conf"`
-	Ops                int     `json:"ops"`
-	PeakAllocatedBytes int64   `json:"peak_allocated_bytes"`
-	PeakReservedBytes  int64   `json:"peak_reserved_bytes"`
-	PeakRequestedBytes int64   `json:"peak_requested_bytes"`
-	DeviceMallocs      int64   `json:"device_mallocs"`
-	DeviceFrees        int64   `json:"device_frees"`
-	AllocRetries       int64   `json:"alloc_retries"`
-	OOMs               int64   `json:"ooms"`
-	NsPerOp            float64 `json:"ns_per_op"`
-}
-
-// replayTarget opens fresh devices for replays: a new Sim each time, or the
-// one CUDA device shared by all replays.
-type replayTarget struct {
-	sim      bool
-	capacity uint64
-	cuda     cudart.Device
-	desc     string
-}
-
-func openReplayTarget(f replayFlags, stderr io.Writer) (*replayTarget, error) {
-	capacity, err := parseBytes(f.simCapacity)
+// openTarget opens the device of --device and --sim-capacity.
+func openTarget(device, simCapacity string) (*bench.Target, error) {
+	capacity, err := parseSize("--sim-capacity", simCapacity)
 	if err != nil {
-		return nil, fmt.Errorf("--sim-capacity: %w", err)
-	}
-	t := &replayTarget{sim: true, capacity: capacity, desc: fmt.Sprintf("simulated device, %s", allocator.FormatSize(capacity))}
-	if f.device == "sim" {
-		return t, nil
-	}
-	spec := deviceSpec{}
-	if f.device != "auto" {
-		if spec, err = parseDeviceSpec(f.device); err != nil {
-			return nil, err
-		}
-	}
-	dev, err := openCUDA(spec.index)
-	if err != nil {
-		if f.device == "auto" && errors.Is(err, cudart.ErrNoDriver) {
-			t.desc += " (no CUDA driver found; `allocd devices` says why)"
-			return t, nil
-		}
 		return nil, err
 	}
-	info := dev.Info()
-	return &replayTarget{cuda: dev, desc: fmt.Sprintf("CUDA device %d (%s)", info.Index, info.Name)}, nil
-}
-
-// device returns the device for one replay: a fresh Sim that hands out the
-// trace's recorded segment addresses (plan), or the CUDA device.
-func (t *replayTarget) device(plan []cudart.SimAddress) (cudart.Device, error) {
-	if t.sim {
-		return cudart.NewSim(cudart.SimConfig{Capacity: t.capacity, ManualEvents: true, Addresses: plan})
+	t, err := bench.OpenTarget(device, capacity)
+	if err != nil {
+		if spec, perr := devspec.Parse(device); (perr == nil && spec.Multi()) || strings.HasPrefix(device, "sim:") {
+			err = fmt.Errorf("%w; sim:N and cuda:all are for allocd serve", err)
+		}
+		return nil, fmt.Errorf("--device: %w", err)
 	}
-	return t.cuda, nil
-}
-
-func (t *replayTarget) close() {
-	if t.cuda != nil {
-		_ = t.cuda.Close()
-	}
+	return t, nil
 }
 
 func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
@@ -172,59 +98,53 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 			return err
 		}
 	}
-	target, err := openReplayTarget(f, stderr)
+	target, err := openTarget(f.device, f.simCapacity)
 	if err != nil {
 		return err
 	}
-	defer target.close()
-	if f.snapshotOut != "" && !target.sim {
+	defer target.Close()
+	if f.snapshotOut != "" && !target.Sim() {
 		return errors.New("--snapshot-out needs the simulated device (--device sim), whose replays are deterministic")
 	}
 	if !f.json {
-		fmt.Fprintf(stderr, "allocd: replaying on the %s\n", target.desc)
+		fmt.Fprintf(stderr, "allocd: replaying on the %s\n", target.Desc)
 	}
-	var rows []replayRow
+	var rows []bench.ReplayRow
 	for _, file := range files {
 		t0 := time.Now()
-		snap, err := trace.ReadFile(file, trace.ReadOptions{})
+		tr, err := bench.LoadTrace(file)
 		if err != nil {
 			return err // names the file
 		}
-		if len(snap.DeviceTraces) == 0 || len(snap.DeviceTraces[0]) == 0 {
-			return fmt.Errorf("%s: the snapshot has no device trace (record with torch.cuda.memory._record_memory_history() before dumping it)", file)
-		}
-		ops := trace.BuildOps(snap.DeviceTraces[0])
-		plan := bench.SegmentAddresses(snap.DeviceTraces[0])
 		if !f.json {
-			fmt.Fprintf(stderr, "allocd: %s: %d operations read in %s", filepath.Base(file), len(ops.Ops), time.Since(t0).Round(time.Millisecond))
-			if ops.UnmatchedFrees > 0 {
-				fmt.Fprintf(stderr, "; %d frees of addresses allocated before recording began were skipped", ops.UnmatchedFrees)
+			fmt.Fprintf(stderr, "allocd: %s: %d operations read in %s", tr.Name, len(tr.Ops.Ops), time.Since(t0).Round(time.Millisecond))
+			if n := tr.Ops.UnmatchedFrees; n > 0 {
+				fmt.Fprintf(stderr, "; %d frees of addresses allocated before recording began were skipped", n)
 			}
 			fmt.Fprintln(stderr)
 		}
-		var series []chartSeries
+		var series []bench.ChartSeries
 		for i, cfg := range cfgs {
 			var sampler *bench.Sampler
-			opt := bench.ReplayOptions{}
+			var opt bench.ReplayOptions
 			finish := func() {}
-			if f.progress && len(ops.Ops) >= progressMinOps {
-				bar := newProgressBar(stderr, len(ops.Ops), fmt.Sprintf("%s %s", filepath.Base(file), confLabel(f.confs[i])))
-				opt.Progress, opt.ProgressEvery = func(done int) { _ = bar.Set(done) }, len(ops.Ops)/200+1
+			if f.progress && len(tr.Ops.Ops) >= progressMinOps {
+				bar := newProgressBar(stderr, len(tr.Ops.Ops), fmt.Sprintf("%s %s", tr.Name, bench.ConfLabel(f.confs[i])))
+				opt.Progress, opt.ProgressEvery = func(done int) { _ = bar.Set(done) }, len(tr.Ops.Ops)/200+1
 				finish = func() { _ = bar.Finish() }
 			}
-			newSampler := func(a *allocator.Allocator) {
+			prepare := func(a *allocator.Allocator, opt *bench.ReplayOptions) {
 				if f.svg != "" {
-					sampler = bench.NewSampler(a, len(ops.Ops), 1500)
+					sampler = bench.NewSampler(a, len(tr.Ops.Ops), 1500)
 					opt.Observe = sampler.Observe
 				}
 			}
-			row, err := replayOne(target, &ops, plan, cfg, &opt, newSampler)
+			row, err := target.Replay(tr, cfg, opt, prepare)
 			finish()
 			if err != nil {
 				return fmt.Errorf("replaying %s with %q: %w", file, f.confs[i], err)
 			}
-			row.Trace = filepath.Base(file)
-			row.Conf = f.confs[i]
+			row.Trace, row.Conf = tr.Name, f.confs[i]
 			rows = append(rows, row)
 			if f.json {
 				if err := json.NewEncoder(stdout).Encode(row); err != nil {
@@ -232,112 +152,33 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 				}
 			}
 			if sampler != nil {
-				sampler.Flush(len(ops.Ops) - 1)
-				series = append(series, chartSeries{conf: f.confs[i], samples: sampler.Samples})
+				sampler.Flush(len(tr.Ops.Ops) - 1)
+				series = append(series, bench.ChartSeries{Conf: f.confs[i], Samples: sampler.Samples})
 			}
 		}
 		if f.svg != "" {
-			if err := writeChartFile(outName(f.svg, file, len(files)), "allocd replay of "+filepath.Base(file), series); err != nil {
+			err := writeFile("--svg", outName(f.svg, file, len(files)), func(w io.Writer) error {
+				return bench.WriteChart(w, "allocd replay of "+tr.Name, series)
+			})
+			if err != nil {
 				return err
 			}
 		}
 		if f.snapshotOut != "" {
-			if err := writePeakSnapshot(outName(f.snapshotOut, file, len(files)), target, &ops, plan, cfgs[0]); err != nil {
+			snap, err := target.SnapshotAtPeak(tr, cfgs[0], historyLimit)
+			if err != nil {
+				return fmt.Errorf("--snapshot-out: %w", err)
+			}
+			err = writeFile("--snapshot-out", outName(f.snapshotOut, file, len(files)), func(w io.Writer) error {
+				return trace.WritePickle(w, snap)
+			})
+			if err != nil {
 				return err
 			}
 		}
 	}
 	if !f.json {
-		return printReplayTable(stdout, rows)
+		return bench.WriteReplayTable(stdout, rows)
 	}
 	return nil
-}
-
-// replayOne replays ops on a fresh allocator; prepare, when set, is called
-// with the allocator before the replay (to attach a sampler to *opt).
-func replayOne(target *replayTarget, ops *trace.Ops, plan []cudart.SimAddress, cfg allocator.Config, opt *bench.ReplayOptions, prepare func(*allocator.Allocator)) (replayRow, error) {
-	dev, err := target.device(plan)
-	if err != nil {
-		return replayRow{}, err
-	}
-	a, err := allocator.New(dev, cfg)
-	if err != nil {
-		return replayRow{}, err
-	}
-	if prepare != nil {
-		prepare(a)
-	}
-	r, err := bench.Replay(ops, a, *opt)
-	if cerr := a.Close(); err == nil && cerr != nil && !errors.Is(cerr, allocator.ErrLiveBlocks) {
-		err = cerr
-	}
-	if err != nil {
-		return replayRow{}, err
-	}
-	return replayRow{
-		Ops:                r.Ops,
-		PeakAllocatedBytes: r.PeakAllocated,
-		PeakReservedBytes:  r.PeakReserved,
-		PeakRequestedBytes: r.PeakRequested,
-		DeviceMallocs:      r.DeviceMallocs,
-		DeviceFrees:        r.DeviceFrees,
-		AllocRetries:       r.AllocRetries,
-		OOMs:               r.OOMs,
-		NsPerOp:            r.NsPerOp(),
-	}, nil
-}
-
-func mib(n int64) string { return strconv.FormatFloat(float64(n)/(1<<20), 'f', 0, 64) }
-
-func confLabel(conf string) string {
-	if conf == "" {
-		return "(default)"
-	}
-	return conf
-}
-
-// bestRows marks, per trace, the row with the lowest peak reserved among
-// those without OOMs (fewer device mallocs breaks a tie); nothing is
-// marked for a trace replayed with one configuration.
-func bestRows(rows []replayRow) map[int]bool {
-	best := map[string]int{}
-	count := map[string]int{}
-	for i, r := range rows {
-		count[r.Trace]++
-		if r.OOMs > 0 {
-			continue
-		}
-		j, ok := best[r.Trace]
-		if !ok || r.PeakReservedBytes < rows[j].PeakReservedBytes ||
-			(r.PeakReservedBytes == rows[j].PeakReservedBytes && r.DeviceMallocs < rows[j].DeviceMallocs) {
-			best[r.Trace] = i
-		}
-	}
-	marked := map[int]bool{}
-	for t, i := range best {
-		if count[t] > 1 {
-			marked[i] = true
-		}
-	}
-	return marked
-}
-
-func printReplayTable(w io.Writer, rows []replayRow) error {
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "trace\tconf\tops\tpeak allocated MiB\tpeak reserved MiB\treserved/allocated\tdevice mallocs\tretries\tOOMs\tns/op\tbest\t")
-	best := bestRows(rows)
-	for i, r := range rows {
-		conf := confLabel(r.Conf)
-		mark := ""
-		if best[i] {
-			mark = "*"
-		}
-		ratio := 0.0
-		if r.PeakAllocatedBytes > 0 {
-			ratio = float64(r.PeakReservedBytes) / float64(r.PeakAllocatedBytes)
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t%s\t\n", r.Trace, conf, r.Ops,
-			mib(r.PeakAllocatedBytes), mib(r.PeakReservedBytes), ratio, r.DeviceMallocs, r.AllocRetries, r.OOMs, r.NsPerOp, mark)
-	}
-	return tw.Flush()
 }

@@ -9,11 +9,6 @@ import (
 
 	"github.com/schollz/progressbar/v3"
 	"golang.org/x/term"
-
-	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/bench"
-	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
 )
 
 // progressMinOps is the trace length from which replay shows a progress bar
@@ -50,46 +45,16 @@ func outName(path, traceFile string, traces int) string {
 	return strings.TrimSuffix(path, ext) + "-" + name + ext
 }
 
-func writeChartFile(path, title string, series []chartSeries) error {
+// writeFile creates path and writes it with write; errors name flag and
+// path.
+func writeFile(flag, path string, write func(io.Writer) error) error {
 	f, err := os.Create(path)
 	if err != nil {
-		return fmt.Errorf("--svg: %w", err)
+		return fmt.Errorf("%s: %w", flag, err)
 	}
-	if err := writeChart(f, title, series); err != nil {
+	if err := write(f); err != nil {
 		f.Close()
-		return fmt.Errorf("--svg: writing %s: %w", path, err)
-	}
-	return f.Close()
-}
-
-// historyLimit bounds the history recorded for --snapshot-out: enough for
-// every shared trace, as PyTorch's max_entries does.
-const historyLimit = 3_000_000
-
-// writePeakSnapshot writes the snapshot at the peak-reserved moment of a
-// replay of ops with cfg.
-func writePeakSnapshot(path string, target *replayTarget, ops *trace.Ops, plan []cudart.SimAddress, cfg allocator.Config) error {
-	snap, _, err := bench.SnapshotAtPeak(ops, func(history bool) (*allocator.Allocator, error) {
-		dev, err := target.device(plan)
-		if err != nil {
-			return nil, err
-		}
-		var opts []allocator.Option
-		if history {
-			opts = append(opts, allocator.WithHistory(historyLimit))
-		}
-		return allocator.New(dev, cfg, opts...)
-	})
-	if err != nil {
-		return fmt.Errorf("--snapshot-out: %w", err)
-	}
-	f, err := os.Create(path)
-	if err != nil {
-		return fmt.Errorf("--snapshot-out: %w", err)
-	}
-	if err := trace.WritePickle(f, snap); err != nil {
-		f.Close()
-		return fmt.Errorf("--snapshot-out: writing %s: %w", path, err)
+		return fmt.Errorf("%s: writing %s: %w", flag, path, err)
 	}
 	return f.Close()
 }

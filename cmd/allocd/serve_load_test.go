@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"math"
 	"os"
@@ -9,10 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/zap"
-
-	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/devspec"
 )
 
 // serveTestTrace is the trace the serve tests replay.
@@ -22,153 +20,6 @@ func needServeTestTrace(t *testing.T) {
 	t.Helper()
 	if _, err := os.Stat(serveTestTrace); err != nil {
 		t.Skipf("no test trace: %v", err)
-	}
-}
-
-func newLoadAllocator(t *testing.T, manualEvents bool) *allocator.Allocator {
-	t.Helper()
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: manualEvents})
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := allocator.New(dev, allocator.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = a.Close() })
-	return a
-}
-
-func TestPacer(t *testing.T) {
-	p := newServePacer(context.Background(), 2000)
-	t0 := time.Now()
-	for i := range 200 {
-		p.observe(i)
-	}
-	if d := time.Since(t0); d < 90*time.Millisecond || d > 2*time.Second {
-		t.Errorf("200 operations at 2000/s took %v, want about 100ms", d)
-	}
-
-	unpaced := newServePacer(context.Background(), 0)
-	t0 = time.Now()
-	for i := range 100000 {
-		unpaced.observe(i)
-	}
-	if d := time.Since(t0); d > 100*time.Millisecond {
-		t.Errorf("unpaced observe took %v for 100000 operations", d)
-	}
-
-	ctx, cancel := context.WithCancel(context.Background())
-	slow := newServePacer(ctx, 1) // one a second
-	time.AfterFunc(50*time.Millisecond, cancel)
-	t0 = time.Now()
-	for i := range 10 {
-		slow.observe(i)
-	}
-	if d := time.Since(t0); d > 2*time.Second {
-		t.Errorf("a cancelled pacer still slept: %v", d)
-	}
-}
-
-func TestSyntheticWorkload(t *testing.T) {
-	a := newLoadAllocator(t, false)
-	w, err := newServeWorkload(serveFlags{synthetic: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-	defer cancel()
-	if err := w.run(ctx, a, 0, zap.NewNop()); err != nil {
-		t.Fatal(err)
-	}
-	st := a.Stats()
-	if st.Allocation[allocator.PoolAll].Allocated < 100 || st.NumDeviceAlloc == 0 {
-		t.Errorf("synthetic workload made %d allocations and %d device mallocs", st.Allocation[allocator.PoolAll].Allocated, st.NumDeviceAlloc)
-	}
-	if n := st.Allocation[allocator.PoolAll].Current; n != 0 {
-		t.Errorf("%d allocations still live after the workload stopped", n)
-	}
-	if err := a.Check(); err != nil {
-		t.Error(err)
-	}
-}
-
-// TestReplayWorkloadLoops replays the test trace unpaced until at least
-// two passes are done, then stops it: nothing stays allocated.
-func TestReplayWorkloadLoops(t *testing.T) {
-	needServeTestTrace(t)
-	w, err := newServeWorkload(serveFlags{replay: serveTestTrace, loop: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := newLoadAllocator(t, true)
-	perPass := w.ops.NumIDs
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.run(ctx, a, 0, zap.NewNop()) }()
-	deadline := time.After(2 * time.Minute)
-	for a.Stats().Allocation[allocator.PoolAll].Allocated < int64(2*perPass) {
-		select {
-		case err := <-done:
-			t.Fatalf("replay stopped early: %v", err)
-		case <-deadline:
-			t.Fatal("two passes took more than two minutes")
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
-	st := a.Stats()
-	if n := st.Allocation[allocator.PoolAll].Current; n != 0 {
-		t.Errorf("%d allocations still live after the replay stopped", n)
-	}
-	if st.NumEmptyCache == 0 {
-		t.Error("no empty cache between passes")
-	}
-	if err := a.Check(); err != nil {
-		t.Error(err)
-	}
-}
-
-// TestReplayWorkloadOnce replays the trace once and keeps its final state
-// until stopped.
-func TestReplayWorkloadOnce(t *testing.T) {
-	needServeTestTrace(t)
-	w, err := newServeWorkload(serveFlags{replay: serveTestTrace, rate: 0})
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := newLoadAllocator(t, true)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.run(ctx, a, 0, zap.NewNop()) }()
-	total := int64(w.ops.NumIDs)
-	deadline := time.After(time.Minute)
-	for a.Stats().Allocation[allocator.PoolAll].Allocated < total {
-		select {
-		case err := <-done:
-			t.Fatalf("replay returned before shutdown: %v", err)
-		case <-deadline:
-			t.Fatal("one pass took more than a minute")
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
-	time.Sleep(50 * time.Millisecond)
-	st := a.Stats()
-	if got := st.Allocation[allocator.PoolAll].Allocated; got != total {
-		t.Errorf("%d allocations after one pass, want %d (the trace's)", got, total)
-	}
-	if got, want := st.Allocation[allocator.PoolAll].Current, int64(w.ops.LiveAtEnd); got != want {
-		t.Errorf("%d allocations live after the pass, want the trace's %d", got, want)
-	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
-	if n := a.Stats().Allocation[allocator.PoolAll].Current; n != 0 {
-		t.Errorf("%d allocations still live after the replay stopped", n)
 	}
 }
 
@@ -268,54 +119,6 @@ func TestServeNumericFlagLimits(t *testing.T) {
 	}
 }
 
-// TestPacerDue: the due time of an operation never overflows. A rate too
-// small for the due time to fit, or NaN, gives the largest due time (the
-// workload waits), never a time in the past (the workload would run
-// unpaced).
-func TestPacerDue(t *testing.T) {
-	for _, tc := range []struct {
-		n, rate float64
-		want    time.Duration
-	}{
-		{1, 1000, time.Millisecond},
-		{3, 2, 1500 * time.Millisecond},
-		{1e6, 1e9, time.Millisecond},
-		{1, 1e-300, maxPacerDue},
-		{1, 5e-324, maxPacerDue},
-		{1, math.NaN(), maxPacerDue},
-		{math.Inf(1), math.Inf(1), maxPacerDue},
-		{1e12, 0.01, maxPacerDue}, // 1e14 s: beyond 146 years
-		{1, math.Inf(1), 0},
-		{1, -1, 0},
-	} {
-		if got := pacerDue(tc.n, tc.rate); got != tc.want {
-			t.Errorf("pacerDue(%g, %g) = %v, want %v", tc.n, tc.rate, got, tc.want)
-		}
-	}
-}
-
-// TestPacerTinyRate: a pacer at a rate too small to represent (which the
-// flags reject) holds the workload until its context ends instead of
-// running it unpaced.
-func TestPacerTinyRate(t *testing.T) {
-	for _, rate := range []float64{1e-300, math.NaN()} {
-		ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
-		p := newServePacer(ctx, rate)
-		t0 := time.Now()
-		done := 0
-		for i := range 1000 {
-			p.observe(i)
-			if ctx.Err() == nil {
-				done++
-			}
-		}
-		cancel()
-		if d := time.Since(t0); done > 1 || d < 100*time.Millisecond || d > 5*time.Second {
-			t.Errorf("rate %g: %d operations before the context ended, %v in all; want 1, then a wait until the context ended (150ms)", rate, done, d)
-		}
-	}
-}
-
 // TestServeReplayDevice: for a replay, the simulated device has manual
 // events and hands out the trace's recorded segment addresses.
 func TestServeReplayDevice(t *testing.T) {
@@ -329,28 +132,28 @@ func TestServeReplayDevice(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(w.addresses) == 0 {
+	if len(w.Trace.Addresses) == 0 {
 		t.Fatal("no segment addresses read from the trace")
 	}
 	devs, err := openServeDevices(spec, capacity, w)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer closeDevices(devs)
+	defer devspec.CloseAll(devs)
 	dev := devs[0]
 	sim := dev.(*cudart.Sim)
 	if len(devs) != 1 || !sim.ManualEvents() {
 		t.Errorf("replay devices: %d, manual events %v; want 1 with manual events", len(devs), sim.ManualEvents())
 	}
-	first := w.addresses[0]
+	first := w.Trace.Addresses[0]
 	if p, err := dev.Malloc(first.Size); err != nil || p != first.Addr {
 		t.Errorf("first Malloc = %#x, %v; want the trace's %#x", uint64(p), err, uint64(first.Addr))
 	}
-	syn, err := openServeDevices(spec, capacity, &serveWorkload{})
+	syn, err := openServeDevices(spec, capacity, &bench.Load{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer closeDevices(syn)
+	defer devspec.CloseAll(syn)
 	if syn[0].(*cudart.Sim).ManualEvents() {
 		t.Error("synthetic workload's device has manual events")
 	}
@@ -365,7 +168,7 @@ func TestServeReplayDevice(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer closeDevices(devs3)
+	defer devspec.CloseAll(devs3)
 	if len(devs3) != 3 {
 		t.Fatalf("sim:3 opened %d devices", len(devs3))
 	}

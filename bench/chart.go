@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"fmt"
@@ -8,13 +8,13 @@ import (
 	"strings"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/bench"
 )
 
-// chartSeries is one configuration's samples over a replay.
-type chartSeries struct {
-	conf    string
-	samples []bench.Sample
+// ChartSeries is one configuration's samples over a replay (Sampler).
+type ChartSeries struct {
+	// Conf is the configuration, as the legend names it (ConfLabel).
+	Conf    string
+	Samples []Sample
 }
 
 // chartColors are distinguishable on white and for common colour blindness
@@ -52,14 +52,14 @@ func niceStep(max float64, n int, base float64) float64 {
 	return 10 * p
 }
 
-// writeChart draws allocated, reserved and requested bytes over a trace's
+// WriteChart draws allocated, reserved and requested bytes over a trace's
 // operations for each configuration, as a self-contained SVG. Each line is
 // a <polyline> with data-config and data-series attributes.
-func writeChart(w io.Writer, title string, series []chartSeries) error {
+func WriteChart(w io.Writer, title string, series []ChartSeries) error {
 	var maxOp int
 	var maxBytes int64
 	for _, s := range series {
-		for _, p := range s.samples {
+		for _, p := range s.Samples {
 			maxOp = max(maxOp, p.Op)
 			maxBytes = max(maxBytes, p.Reserved, p.Allocated, p.Requested)
 		}
@@ -97,8 +97,8 @@ func writeChart(w io.Writer, title string, series []chartSeries) error {
 	for i, s := range series {
 		color := chartColors[i%len(chartColors)]
 		for _, name := range []string{chartRequested, chartAllocated, chartReserved} {
-			fmt.Fprintf(&sb, `<polyline data-config="%s" data-series="%s" fill="none" stroke="%s" %s points="`, html.EscapeString(s.conf), name, color, styles[name])
-			for j, p := range s.samples {
+			fmt.Fprintf(&sb, `<polyline data-config="%s" data-series="%s" fill="none" stroke="%s" %s points="`, html.EscapeString(s.Conf), name, color, styles[name])
+			for j, p := range s.Samples {
 				v := p.Reserved
 				switch name {
 				case chartAllocated:
@@ -117,10 +117,7 @@ func writeChart(w io.Writer, title string, series []chartSeries) error {
 	// Legend: one colour per configuration, one line style per quantity.
 	lx, ly := chartLeft+chartPlotW+16, chartTop+8
 	for i, s := range series {
-		conf := s.conf
-		if conf == "" {
-			conf = "(default)"
-		}
+		conf := ConfLabel(s.Conf)
 		fmt.Fprintf(&sb, `<line x1="%d" x2="%d" y1="%d" y2="%d" stroke="%s" stroke-width="3"/>`, lx, lx+24, ly, ly, chartColors[i%len(chartColors)])
 		fmt.Fprintf(&sb, `<text x="%d" y="%d" dominant-baseline="middle">%s</text>`+"\n", lx+30, ly, html.EscapeString(shorten(conf, 30)))
 		ly += 20

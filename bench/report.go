@@ -1,0 +1,152 @@
+package bench
+
+import (
+	"fmt"
+	"io"
+	"strconv"
+	"text/tabwriter"
+)
+
+// ReplayRow is one replay's result in the JSON shape `allocd replay
+// --json` prints, one object a line.
+type ReplayRow struct {
+	Trace              string  `json:"trace"`
+	Conf               string  `json:"conf"`
+	Ops                int     `json:"ops"`
+	PeakAllocatedBytes int64   `json:"peak_allocated_bytes"`
+	PeakReservedBytes  int64   `json:"peak_reserved_bytes"`
+	PeakRequestedBytes int64   `json:"peak_requested_bytes"`
+	DeviceMallocs      int64   `json:"device_mallocs"`
+	DeviceFrees        int64   `json:"device_frees"`
+	AllocRetries       int64   `json:"alloc_retries"`
+	OOMs               int64   `json:"ooms"`
+	NsPerOp            float64 `json:"ns_per_op"`
+}
+
+// RowOf returns r as a row, with Trace and Conf empty.
+func RowOf(r ReplayResult) ReplayRow {
+	return ReplayRow{
+		Ops:                r.Ops,
+		PeakAllocatedBytes: r.PeakAllocated,
+		PeakReservedBytes:  r.PeakReserved,
+		PeakRequestedBytes: r.PeakRequested,
+		DeviceMallocs:      r.DeviceMallocs,
+		DeviceFrees:        r.DeviceFrees,
+		AllocRetries:       r.AllocRetries,
+		OOMs:               r.OOMs,
+		NsPerOp:            r.NsPerOp(),
+	}
+}
+
+// MixedRow is one run of the mixed benchmark in `allocd bench --json`.
+type MixedRow struct {
+	Threads            int     `json:"threads"`
+	Ops                int     `json:"ops"`
+	NsPerOp            float64 `json:"ns_per_op"`
+	MopsPerSec         float64 `json:"mops_per_s"`
+	PeakAllocatedBytes int64   `json:"peak_allocated_bytes"`
+	PeakReservedBytes  int64   `json:"peak_reserved_bytes"`
+}
+
+// MixedRowOf returns m as a row.
+func MixedRowOf(m MixedResult) MixedRow {
+	return MixedRow{m.Threads, m.Ops, m.NsPerOp(), m.MopsPerSec(), m.PeakAllocated, m.PeakReserved}
+}
+
+// Report is every result of one `allocd bench` run, in the JSON shape of
+// its --json.
+type Report struct {
+	Device string `json:"device"`
+	Conf   string `json:"conf"`
+	// Pair maps a pair size in bytes, in decimal, to its best ns per pair.
+	Pair   map[string]float64 `json:"pair_ns"`
+	Mixed  []MixedRow         `json:"mixed"`
+	Replay []ReplayRow        `json:"replay"`
+}
+
+// ConfLabel is how tables and charts name a configuration: the string
+// itself, or "(default)" for the empty one.
+func ConfLabel(conf string) string {
+	if conf == "" {
+		return "(default)"
+	}
+	return conf
+}
+
+func mibString(n int64) string { return strconv.FormatFloat(float64(n)/(1<<20), 'f', 0, 64) }
+
+// BestRows marks, per trace, the row with the lowest peak reserved among
+// those without OOMs (fewer device mallocs breaks a tie); nothing is
+// marked for a trace replayed with one configuration. Keys are indexes
+// into rows.
+func BestRows(rows []ReplayRow) map[int]bool {
+	best := map[string]int{}
+	count := map[string]int{}
+	for i, r := range rows {
+		count[r.Trace]++
+		if r.OOMs > 0 {
+			continue
+		}
+		j, ok := best[r.Trace]
+		if !ok || r.PeakReservedBytes < rows[j].PeakReservedBytes ||
+			(r.PeakReservedBytes == rows[j].PeakReservedBytes && r.DeviceMallocs < rows[j].DeviceMallocs) {
+			best[r.Trace] = i
+		}
+	}
+	marked := map[int]bool{}
+	for t, i := range best {
+		if count[t] > 1 {
+			marked[i] = true
+		}
+	}
+	return marked
+}
+
+// WriteReplayTable writes rows as an aligned table, in MiB, with the best
+// row of each trace (BestRows) marked "*".
+func WriteReplayTable(w io.Writer, rows []ReplayRow) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "trace\tconf\tops\tpeak allocated MiB\tpeak reserved MiB\treserved/allocated\tdevice mallocs\tretries\tOOMs\tns/op\tbest\t")
+	best := BestRows(rows)
+	for i, r := range rows {
+		mark := ""
+		if best[i] {
+			mark = "*"
+		}
+		ratio := 0.0
+		if r.PeakAllocatedBytes > 0 {
+			ratio = float64(r.PeakReservedBytes) / float64(r.PeakAllocatedBytes)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t%s\t\n", r.Trace, ConfLabel(r.Conf), r.Ops,
+			mibString(r.PeakAllocatedBytes), mibString(r.PeakReservedBytes), ratio, r.DeviceMallocs, r.AllocRetries, r.OOMs, r.NsPerOp, mark)
+	}
+	return tw.Flush()
+}
+
+// WriteReport writes rep as tables: the pair benchmark (in PairSizes'
+// order), the mixed benchmark and the replays (WriteReplayTable), each
+// only when it has results.
+func WriteReport(w io.Writer, rep Report) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	if len(rep.Pair) > 0 {
+		fmt.Fprintln(tw, "benchmark\tns/pair\t")
+		for _, size := range PairSizes {
+			fmt.Fprintf(tw, "pair/%d\t%.0f\t\n", size, rep.Pair[fmt.Sprint(size)])
+		}
+		fmt.Fprintln(tw, "\t\t")
+	}
+	if len(rep.Mixed) > 0 {
+		fmt.Fprintln(tw, "benchmark\tns/op\tMops/s\tpeak allocated MiB\tpeak reserved MiB\t")
+		for _, m := range rep.Mixed {
+			fmt.Fprintf(tw, "mixed/threads=%d\t%.0f\t%.2f\t%s\t%s\t\n", m.Threads, m.NsPerOp, m.MopsPerSec, mibString(m.PeakAllocatedBytes), mibString(m.PeakReservedBytes))
+		}
+		fmt.Fprintln(tw, "\t\t\t\t\t")
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if len(rep.Replay) > 0 {
+		return WriteReplayTable(w, rep.Replay)
+	}
+	return nil
+}
