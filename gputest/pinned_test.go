@@ -53,6 +53,21 @@ func TestGPUPinnedReuseWaitsForCopy(t *testing.T) {
 	}
 	defer dev.Free(d)
 
+	// Two cached blocks of the class, so that the Alloc under test takes
+	// one from the free list instead of calling cudaHostAlloc while the
+	// slow stream runs.
+	var warm [2]pinned.Buffer
+	for i := range warm {
+		if warm[i], err = h.Alloc(n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, b := range warm {
+		if err := h.Free(b); err != nil {
+			t.Fatal(err)
+		}
+	}
+
 	for _, dir := range []string{"H2D", "D2H"} {
 		// Keep the stream busy: ~2000 memsets of 256 MiB queued before the copy.
 		for range 2000 {
@@ -129,6 +144,9 @@ func TestGPUPinnedReuseWaitsForCopy(t *testing.T) {
 			}
 		}
 		t.Logf("gpu-pinned %s: block %#x kept while the slow stream ran, reused after", dir, old)
+	}
+	if st := h.Stats(); st.NumHostAlloc != 2 {
+		t.Errorf("%d cudaHostAlloc calls, want 2 (the two warm blocks serve every Alloc)", st.NumHostAlloc)
 	}
 	if err := h.Check(); err != nil {
 		t.Fatal(err)
