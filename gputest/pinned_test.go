@@ -35,13 +35,26 @@ func dataPtr(b pinned.Buffer) uintptr { return uintptr(unsafe.Pointer(unsafe.Sli
 // the copy completes, and the copy reads the bytes the buffer held at Free
 // (H2D) or lands in a block nobody else holds (D2H).
 func TestGPUPinnedReuseWaitsForCopy(t *testing.T) {
-	dev := openGPU(t)
+	runPinnedReuse(t, openGPU(t), 256<<20, 64<<20, 2000)
+}
+
+// TestPinnedReuseWaitsForCopyOnSim runs the same on a backed Sim whose
+// events and copies wait until the test synchronises the stream.
+func TestPinnedReuseWaitsForCopyOnSim(t *testing.T) {
+	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Backed: true, ManualEvents: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runPinnedReuse(t, dev, 1<<20, 64<<10, 1)
+}
+
+// runPinnedReuse keeps a stream busy with memsets of big bytes, queues a
+// copy of n bytes behind them and frees its pinned buffer at once.
+func runPinnedReuse(t *testing.T, dev pinnedDevice, big, n uint64, memsets int) {
 	h := newPinned(t, dev)
 	defer h.Close()
 	slow, _ := dev.StreamCreate()
 	defer dev.StreamDestroy(slow)
-	const big = 256 << 20
-	const n = 64 << 20
 	busy, err := dev.Malloc(big)
 	if err != nil {
 		t.Fatal(err)
@@ -58,7 +71,7 @@ func TestGPUPinnedReuseWaitsForCopy(t *testing.T) {
 	// slow stream runs.
 	var warm [2]pinned.Buffer
 	for i := range warm {
-		if warm[i], err = h.Alloc(n); err != nil {
+		if warm[i], err = h.Alloc(int(n)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -69,13 +82,14 @@ func TestGPUPinnedReuseWaitsForCopy(t *testing.T) {
 	}
 
 	for _, dir := range []string{"H2D", "D2H"} {
-		// Keep the stream busy: ~2000 memsets of 256 MiB queued before the copy.
-		for range 2000 {
+		// Keep the stream busy: on the GPU 2000 memsets of 256 MiB queued
+		// before the copy.
+		for range memsets {
 			if err := dev.MemsetAsync(busy, 0x5a, big, slow); err != nil {
 				t.Fatal(err)
 			}
 		}
-		buf, err := h.Alloc(n)
+		buf, err := h.Alloc(int(n))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -102,7 +116,7 @@ func TestGPUPinnedReuseWaitsForCopy(t *testing.T) {
 		if err := h.Free(buf); err != nil {
 			t.Fatal(err)
 		}
-		again, err := h.Alloc(n)
+		again, err := h.Alloc(int(n))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -127,14 +141,14 @@ func TestGPUPinnedReuseWaitsForCopy(t *testing.T) {
 				t.Errorf("H2D: the device did not get the bytes the buffer held when it was freed")
 			}
 		}
-		third, err := h.Alloc(n)
+		third, err := h.Alloc(int(n))
 		if err != nil {
 			t.Fatal(err)
 		}
 		if dataPtr(third) != old {
 			t.Errorf("%s: after the stream finished the block was not reused", dir)
 		}
-		if dir == "D2H" && !bytes.Equal(third.Bytes(), bytes.Repeat([]byte{0xEE}, n)) {
+		if dir == "D2H" && !bytes.Equal(third.Bytes(), bytes.Repeat([]byte{0xEE}, int(n))) {
 			t.Errorf("D2H: the copy did not land in the freed block")
 		}
 		_ = dev.EventDestroy(marker)
