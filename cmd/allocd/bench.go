@@ -37,7 +37,9 @@ func newBenchCmd() *cobra.Command {
 		Short: "Run the pair, mixed and replay benchmarks of DESIGN.md §7",
 		Long: `Bench runs the benchmarks that PyTorch's anchor runs on the same machine:
 pair/SIZE (malloc+free of one size, best of 3 runs), mixed/threads=T (T
-goroutines on their own streams over a random window) and, for each TRACE,
+goroutines on their own streams over a random window), mixed_warm/threads=T
+(the same pattern twice on the same streams, the second pass timed) and,
+for each TRACE,
 a replay. Each benchmark gets a fresh allocator.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("conf") {
@@ -65,6 +67,7 @@ type benchReport struct {
 	Conf   string             `json:"conf"`
 	Pair   map[string]float64 `json:"pair_ns"`
 	Mixed  []mixedRow         `json:"mixed"`
+	Warm   []mixedRow         `json:"mixed_warm"`
 	Replay []replayRow        `json:"replay"`
 }
 
@@ -167,6 +170,18 @@ func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
 			}
 			rep.Mixed = append(rep.Mixed, mixedRow{th, r.Ops, r.NsPerOp(), r.MopsPerSec(), r.PeakAllocated, r.PeakReserved})
 		}
+		for _, th := range f.threads {
+			a, err := fresh()
+			if err != nil {
+				return err
+			}
+			r, err := bench.MixedWarm(a, th, f.mixedSteps)
+			_ = a.Close()
+			if err != nil {
+				return fmt.Errorf("mixed_warm/threads=%d: %w", th, err)
+			}
+			rep.Warm = append(rep.Warm, mixedRow{th, r.Ops, r.NsPerOp(), r.MopsPerSec(), r.PeakAllocated, r.PeakReserved})
+		}
 	}
 	for _, file := range traces {
 		snap, err := trace.ReadFile(file, trace.ReadOptions{})
@@ -205,6 +220,9 @@ func printBench(w io.Writer, rep benchReport) error {
 		fmt.Fprintln(tw, "benchmark\tns/op\tMops/s\tpeak allocated MiB\tpeak reserved MiB\t")
 		for _, m := range rep.Mixed {
 			fmt.Fprintf(tw, "mixed/threads=%d\t%.0f\t%.2f\t%s\t%s\t\n", m.Threads, m.NsPerOp, m.MopsPerSec, mib(m.PeakAllocatedBytes), mib(m.PeakReservedBytes))
+		}
+		for _, m := range rep.Warm {
+			fmt.Fprintf(tw, "mixed_warm/threads=%d\t%.0f\t%.2f\t%s\t%s\t\n", m.Threads, m.NsPerOp, m.MopsPerSec, mib(m.PeakAllocatedBytes), mib(m.PeakReservedBytes))
 		}
 		fmt.Fprintln(tw, "\t\t\t\t\t")
 	}
