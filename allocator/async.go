@@ -220,7 +220,7 @@ func (a *Allocator) asyncRecordStream(ptr cudart.Ptr, s cudart.Stream) error {
 	if al == nil {
 		return fmt.Errorf("allocator: record stream of %#x: %w", uint64(ptr), ErrUnknownPointer)
 	}
-	if err := a.checkStream(s); err != nil {
+	if _, err := a.checkStream(s); err != nil {
 		return err
 	}
 	if s == al.stream {

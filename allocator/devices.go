@@ -315,8 +315,8 @@ const (
 // holds reports how a relates to p, under its lock. A closed allocator
 // holds nothing.
 func (a *Allocator) holds(p cudart.Ptr) holding {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	if a.closed {
 		return holdNone
 	}
@@ -331,7 +331,7 @@ func (a *Allocator) holds(p cudart.Ptr) holding {
 		}
 		return holdNone
 	}
-	if a.active.get(uint64(p)) != nil {
+	if a.activeBlock(uint64(p)) != nil {
 		return holdLive
 	}
 	for _, s := range a.segments {

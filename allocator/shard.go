@@ -1,0 +1,384 @@
+package allocator
+
+// Per-stream shards and the two lock modes.
+//
+// Blocks never cross streams, so each stream's share of the cache is a
+// shard with its own mutex: its two pools (free indexes and Block
+// recyclers), its allocated blocks by address, and its share of the
+// statistics that a cached Malloc or Free changes ("hot" statistics).
+// A cached Malloc on stream s locks only s's shard; a Free finds the
+// shard through the segment directory (an immutable, address-sorted copy
+// of the segment list, swapped atomically when a segment comes or goes)
+// and locks only that shard. Goroutines on different streams therefore
+// share no lock and write no common cache line on the hot path.
+//
+// Everything else runs in world mode: the allocator's mutex a.mu, then
+// every shard's mutex in stream order (lockWorld). Device calls, the OOM
+// path, EmptyCache, garbage collection, event queues, history, new
+// streams, RecordStream, statistics reads, snapshots and Check all see one
+// consistent whole there, exactly as under the single mutex before. A hot
+// path that cannot finish (a miss, pending events, history on, a new
+// stream, a peak that may move) changes nothing, unlocks its shard and
+// redoes the call in world mode. Fields read by the hot path outside its
+// shard (closed, pending, history, async, the configuration and cap) are
+// written only in world mode, when every shard lock is held.
+//
+// # Exact statistics
+//
+// Each shard counts its own Current, Allocated and Freed; a read folds
+// them (Stats, MemoryAllocated, …), so they are exact. A peak needs the
+// sum of every shard at the moment it is reached. Instead of a shared
+// counter, each shard holds, for each hot statistic and pool, a cap:
+// the hot path proceeds only if its increase stays within its cap, and
+// the caps add up to no more than the peak, so no hot-path change can
+// make a new peak. In world mode the sums are taken and the peaks raised
+// after every change, and on leaving world mode the slack (peak − sum)
+// is shared out as new caps. A shard that would pass its cap goes to
+// world mode; in a steady state below the peak that is rare.
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/cudart"
+)
+
+// hotStats are the statistics a cached Malloc or Free changes, with the
+// field names of Stats.
+type hotStats struct {
+	Allocation, Active, InactiveSplit                               StatArray
+	AllocatedBytes, ActiveBytes, InactiveSplitBytes, RequestedBytes StatArray
+	OversizeAllocations                                             Stat
+}
+
+const numHot = 7 // StatArrays in hotStats
+
+// arrays lists hotStats' arrays in a fixed order.
+func (h *hotStats) arrays() [numHot]*StatArray {
+	return [numHot]*StatArray{&h.Allocation, &h.Active, &h.InactiveSplit,
+		&h.AllocatedBytes, &h.ActiveBytes, &h.InactiveSplitBytes, &h.RequestedBytes}
+}
+
+// statArrays lists the same arrays of a Stats, in the same order.
+func (s *Stats) hotArrays() [numHot]*StatArray {
+	return [numHot]*StatArray{&s.Allocation, &s.Active, &s.InactiveSplit,
+		&s.AllocatedBytes, &s.ActiveBytes, &s.InactiveSplitBytes, &s.RequestedBytes}
+}
+
+// shard is one stream's share of the cache (see above).
+type shard struct {
+	mu     sync.Mutex
+	stream cudart.Stream
+	small  pool
+	large  pool
+	active ptrMap // allocated blocks of this stream by address
+	stats  hotStats
+	// caps bound each hot statistic's Current (per hotStats.arrays order,
+	// then OversizeAllocations) while the hot path runs.
+	caps     [numHot][numPools]int64
+	capOver  int64
+	_padding [64]byte // keep shards on their own cache lines
+}
+
+func newShard(s cudart.Stream) *shard {
+	sh := &shard{stream: s, active: newPtrMap(1024)}
+	sh.small = pool{free: blocks.NewFreeIndex(), small: true, stat: PoolSmall, sh: sh}
+	sh.large = pool{free: blocks.NewFreeIndex(), stat: PoolLarge, sh: sh}
+	return sh
+}
+
+// poolFor returns the pool serving a rounded size.
+func (sh *shard) poolFor(size uint64) *pool {
+	if size <= smallSize {
+		return &sh.small
+	}
+	return &sh.large
+}
+
+// under reports whether adding d to a's Current, in all pools and in p,
+// stays within cap.
+func under(a *StatArray, cap *[numPools]int64, p Pool, d int64) bool {
+	return d <= 0 || (a[PoolAll].Current+d <= cap[PoolAll] && a[p].Current+d <= cap[p])
+}
+
+// fits reports whether the hot path may change the shard's statistics by
+// these increases (of one block of size bytes): counts by one, bytes by
+// size, requested by req, inactive split by splitCount and splitBytes,
+// oversize by over.
+func (sh *shard) fits(p Pool, count, size, req, splitCount, splitBytes, over int64) bool {
+	st, c := &sh.stats, &sh.caps
+	return under(&st.Allocation, &c[0], p, count) &&
+		under(&st.Active, &c[1], p, count) &&
+		under(&st.InactiveSplit, &c[2], p, splitCount) &&
+		under(&st.AllocatedBytes, &c[3], p, size) &&
+		under(&st.ActiveBytes, &c[4], p, size) &&
+		under(&st.InactiveSplitBytes, &c[5], p, splitBytes) &&
+		under(&st.RequestedBytes, &c[6], p, req) &&
+		(over <= 0 || st.OversizeAllocations.Current+over <= sh.capOver)
+}
+
+// dirEntry is one segment of the directory.
+type dirEntry struct {
+	start, end uint64
+	sh         *shard
+}
+
+// shardTable is the published list of shards, for the hot path.
+type shardTable struct {
+	list []*shard
+}
+
+// lookupShard returns the shard of stream s without locking, or nil when
+// s has none yet.
+func (a *Allocator) lookupShard(s cudart.Stream) *shard {
+	t := a.shardTab.Load()
+	for _, sh := range t.list {
+		if sh.stream == s {
+			return sh
+		}
+	}
+	return nil
+}
+
+// dirLookup returns the shard whose segment holds address p, without
+// locking, or nil.
+func (a *Allocator) dirLookup(p uint64) *shard {
+	d := *a.dir.Load()
+	lo, hi := 0, len(d)
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if d[m].end <= p {
+			lo = m + 1
+		} else {
+			hi = m
+		}
+	}
+	if lo < len(d) && d[lo].start <= p {
+		return d[lo].sh
+	}
+	return nil
+}
+
+// dirAdd and dirRemove publish a new directory with seg added or removed
+// (world mode).
+func (a *Allocator) dirAdd(seg *blocks.Segment) {
+	old := *a.dir.Load()
+	i := 0
+	for i < len(old) && old[i].start < seg.Ptr {
+		i++
+	}
+	d := make([]dirEntry, 0, len(old)+1)
+	d = append(d, old[:i]...)
+	d = append(d, dirEntry{seg.Ptr, seg.Ptr + seg.Size, a.shardOf(cudart.Stream(seg.Stream))})
+	d = append(d, old[i:]...)
+	a.dir.Store(&d)
+}
+
+func (a *Allocator) dirRemove(seg *blocks.Segment) {
+	old := *a.dir.Load()
+	d := make([]dirEntry, 0, len(old))
+	for _, e := range old {
+		if e.start != seg.Ptr {
+			d = append(d, e)
+		}
+	}
+	a.dir.Store(&d)
+}
+
+// shardOf returns the shard of stream s (world mode; s must have one).
+func (a *Allocator) shardOf(s cudart.Stream) *shard {
+	for _, sh := range a.shards {
+		if sh.stream == s {
+			return sh
+		}
+	}
+	panic("allocator: no shard for a segment's stream")
+}
+
+// addShard creates the shard of stream s in world mode: it is created
+// locked, so that unlockWorld unlocks it with the others, and kept in
+// stream order, the order of the free indexes before sharding.
+func (a *Allocator) addShard(s cudart.Stream) *shard {
+	sh := newShard(s)
+	sh.mu.Lock()
+	i := 0
+	for i < len(a.shards) && a.shards[i].stream < s {
+		i++
+	}
+	a.shards = append(a.shards, nil)
+	copy(a.shards[i+1:], a.shards[i:])
+	a.shards[i] = sh
+	a.shardTab.Store(&shardTable{list: append([]*shard(nil), a.shards...)})
+	return sh
+}
+
+// lockWorld takes the allocator's mutex and then every shard's, in stream
+// order.
+func (a *Allocator) lockWorld() {
+	a.mu.Lock()
+	for _, sh := range a.shards {
+		sh.mu.Lock()
+	}
+	a.world = true
+}
+
+// unlockWorld settles the peaks, shares out the caps and unlocks.
+func (a *Allocator) unlockWorld() {
+	a.settle()
+	a.shareCaps()
+	a.world = false
+	for i := len(a.shards) - 1; i >= 0; i-- {
+		a.shards[i].mu.Unlock()
+	}
+	a.mu.Unlock()
+}
+
+// settle raises the global peaks of the hot statistics to the current
+// sums (world mode).
+func (a *Allocator) settle() {
+	g := a.stats.hotArrays()
+	for k := range numHot {
+		for p := range numPools {
+			sum := g[k][p].Current
+			for _, sh := range a.shards {
+				sum += sh.stats.arrays()[k][p].Current
+			}
+			g[k][p].Peak = max(g[k][p].Peak, sum)
+		}
+	}
+	sum := a.stats.OversizeAllocations.Current
+	for _, sh := range a.shards {
+		sum += sh.stats.OversizeAllocations.Current
+	}
+	a.stats.OversizeAllocations.Peak = max(a.stats.OversizeAllocations.Peak, sum)
+}
+
+// shareCaps gives every shard an equal part of each statistic's slack
+// (peak − sum) above its current value (world mode, after settle).
+func (a *Allocator) shareCaps() {
+	n := int64(len(a.shards))
+	g := a.stats.hotArrays()
+	for k := range numHot {
+		for p := range numPools {
+			sum := g[k][p].Current
+			for _, sh := range a.shards {
+				sum += sh.stats.arrays()[k][p].Current
+			}
+			share := (g[k][p].Peak - sum) / n
+			for _, sh := range a.shards {
+				sh.caps[k][p] = sh.stats.arrays()[k][p].Current + share
+			}
+		}
+	}
+	sum := a.stats.OversizeAllocations.Current
+	for _, sh := range a.shards {
+		sum += sh.stats.OversizeAllocations.Current
+	}
+	share := (a.stats.OversizeAllocations.Peak - sum) / n
+	for _, sh := range a.shards {
+		sh.capOver = sh.stats.OversizeAllocations.Current + share
+	}
+}
+
+// folded returns the statistics with every shard's hot counts added in
+// (world mode). Peaks are the global ones.
+func (a *Allocator) folded() Stats {
+	s := a.stats
+	g := s.hotArrays()
+	for _, sh := range a.shards {
+		h := sh.stats.arrays()
+		for k := range numHot {
+			for p := range numPools {
+				g[k][p].Current += h[k][p].Current
+				g[k][p].Allocated += h[k][p].Allocated
+				g[k][p].Freed += h[k][p].Freed
+			}
+		}
+		o := &sh.stats.OversizeAllocations
+		s.OversizeAllocations.Current += o.Current
+		s.OversizeAllocations.Allocated += o.Allocated
+		s.OversizeAllocations.Freed += o.Freed
+	}
+	return s
+}
+
+// freeIndexes lists every pool's free index (world mode).
+func (a *Allocator) freeIndexes() []*blocks.FreeIndex {
+	out := make([]*blocks.FreeIndex, 0, 2*len(a.shards))
+	for _, sh := range a.shards {
+		out = append(out, sh.small.free, sh.large.free)
+	}
+	return out
+}
+
+// pools lists every shard's pool of one kind, in stream order (world
+// mode): the order one free index over all streams had.
+func (a *Allocator) pools(small bool) []*pool {
+	out := make([]*pool, 0, len(a.shards))
+	for _, sh := range a.shards {
+		if small {
+			out = append(out, &sh.small)
+		} else {
+			out = append(out, &sh.large)
+		}
+	}
+	return out
+}
+
+// checkShards reports broken invariants of the shards and the directory
+// (world mode): shards in stream order and published, every segment in
+// the directory under its stream's shard and nothing else there, every
+// active block in its stream's shard, every Current within its cap and
+// the caps of each statistic adding up to no more than its peak.
+func (a *Allocator) checkShards() []error {
+	var errs []error
+	t := a.shardTab.Load().list
+	if len(t) != len(a.shards) {
+		errs = append(errs, fmt.Errorf("%d shards, %d published", len(a.shards), len(t)))
+	}
+	for i, sh := range a.shards {
+		if i < len(t) && t[i] != sh {
+			errs = append(errs, fmt.Errorf("shard %d (stream %#x) is not the one published", i, uint64(sh.stream)))
+		}
+		if i > 0 && a.shards[i-1].stream >= sh.stream {
+			errs = append(errs, fmt.Errorf("shards out of stream order at stream %#x", uint64(sh.stream)))
+		}
+		sh.active.each(func(b *blocks.Block) {
+			if b.Segment.Stream != uint64(sh.stream) || !b.Allocated {
+				errs = append(errs, fmt.Errorf("%v of stream %#x is in the active map of stream %#x", b, b.Segment.Stream, uint64(sh.stream)))
+			}
+		})
+	}
+	d := *a.dir.Load()
+	if len(d) != len(a.segments) {
+		errs = append(errs, fmt.Errorf("%d segments, %d in the directory", len(a.segments), len(d)))
+	}
+	for i, e := range d {
+		if i > 0 && d[i-1].end > e.start {
+			errs = append(errs, fmt.Errorf("directory entries overlap or are out of order at %#x", e.start))
+		}
+	}
+	for _, s := range a.segments {
+		if sh := a.dirLookup(s.Ptr); sh == nil || sh.stream != cudart.Stream(s.Stream) {
+			errs = append(errs, fmt.Errorf("segment %#x of stream %#x is not in the directory under its shard", s.Ptr, s.Stream))
+		}
+	}
+	g := a.stats.hotArrays()
+	for k := range numHot {
+		for p := range numPools {
+			var caps int64
+			for _, sh := range a.shards {
+				cur := sh.stats.arrays()[k][p].Current
+				caps += sh.caps[k][p]
+				if cur > sh.caps[k][p] {
+					errs = append(errs, fmt.Errorf("hot statistic %d pool %v of stream %#x: current %d above its cap %d", k, Pool(p), uint64(sh.stream), cur, sh.caps[k][p]))
+				}
+			}
+			if caps > g[k][p].Peak-g[k][p].Current {
+				errs = append(errs, fmt.Errorf("hot statistic %d pool %v: caps add up to %d, above the peak %d", k, Pool(p), caps, g[k][p].Peak))
+			}
+		}
+	}
+	return errs
+}
