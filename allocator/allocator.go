@@ -757,7 +757,7 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 	}
 	sh.active.del(ptr)
 	a.release(pl, b)
-	a.freeBlock(b)
+	a.freeBlock(pl, b)
 	return true
 }
 
@@ -805,12 +805,12 @@ func (a *Allocator) slowFree(p cudart.Ptr) error {
 			}
 			b.StreamUses = b.StreamUses[:0]
 			if b.EventCount == 0 {
-				a.freeBlock(b)
+				a.freeBlock(pl, b)
 			}
 		}
 		return nil
 	}
-	a.freeBlock(b)
+	a.freeBlock(pl, b)
 	return nil
 }
 
@@ -833,12 +833,8 @@ func (a *Allocator) unknownPointer(op string, p cudart.Ptr) error {
 
 // freeBlock is PyTorch's free_block: merge with free neighbours, index the
 // result and settle the statistics.
-func (a *Allocator) freeBlock(b *blocks.Block) {
-	sh := a.blockShard(b)
-	p := &sh.large
-	if b.Segment.Small {
-		p = &sh.small
-	}
+func (a *Allocator) freeBlock(p *pool, b *blocks.Block) {
+	sh := p.sh
 	ptr, size, requested := b.Ptr, b.Size, b.Requested // before merging moves them
 	var netCount, netBytes int64
 	n, merged := blocks.Merge(b, p.free, &p.recycler)
@@ -862,15 +858,6 @@ func (a *Allocator) freeBlock(b *blocks.Block) {
 		a.settle()
 		a.record(actionFreeCompleted, ptr, requested, cudart.Stream(b.Segment.Stream))
 	}
-}
-
-// blockShard returns the shard of b's stream: in world mode by the shard
-// list, on the hot path by the directory (its own shard, locked).
-func (a *Allocator) blockShard(b *blocks.Block) *shard {
-	if a.world {
-		return a.shardOf(cudart.Stream(b.Segment.Stream))
-	}
-	return a.dirLookup(b.Ptr)
 }
 
 // activeBlock returns the allocated block at address p, or nil (world
@@ -996,7 +983,7 @@ func (a *Allocator) retire(pe pendingEvent) {
 	a.pending--
 	pe.block.EventCount--
 	if pe.block.EventCount == 0 {
-		a.freeBlock(pe.block)
+		a.freeBlock(a.poolOf(pe.block), pe.block)
 	}
 }
 
@@ -1251,7 +1238,7 @@ func (a *Allocator) Close() error {
 			}
 		}
 		sh.stats.OversizeAllocations.sub(sh.stats.OversizeAllocations.Current)
-		sh.small.free, sh.large.free = blocks.NewFreeIndex(), blocks.NewFreeIndex()
+		sh.small.free, sh.large.free = blocks.NewStreamFreeIndex(uint64(sh.stream)), blocks.NewStreamFreeIndex(uint64(sh.stream))
 		sh.active = newPtrMap(0)
 	}
 	a.segments, a.spareEvents, a.queues = nil, nil, nil
