@@ -54,6 +54,10 @@ type hotStats struct {
 
 const numHot = 7 // StatArrays in hotStats
 
+// hotNames are PyTorch's names of hotStats' arrays, in arrays() order.
+var hotNames = [numHot]string{"allocation", "active", "inactive_split",
+	"allocated_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"}
+
 // arrays lists hotStats' arrays in a fixed order.
 func (h *hotStats) arrays() [numHot]*StatArray {
 	return [numHot]*StatArray{&h.Allocation, &h.Active, &h.InactiveSplit,
@@ -83,8 +87,8 @@ type shard struct {
 
 func newShard(s cudart.Stream) *shard {
 	sh := &shard{stream: s, active: newPtrMap(1024)}
-	sh.small = pool{free: blocks.NewFreeIndex(), small: true, stat: PoolSmall, sh: sh}
-	sh.large = pool{free: blocks.NewFreeIndex(), stat: PoolLarge, sh: sh}
+	sh.small = pool{free: blocks.NewStreamFreeIndex(uint64(s)), small: true, stat: PoolSmall, sh: sh}
+	sh.large = pool{free: blocks.NewStreamFreeIndex(uint64(s)), stat: PoolLarge, sh: sh}
 	return sh
 }
 
@@ -372,13 +376,23 @@ func (a *Allocator) checkShards() []error {
 				cur := sh.stats.arrays()[k][p].Current
 				caps += sh.caps[k][p]
 				if cur > sh.caps[k][p] {
-					errs = append(errs, fmt.Errorf("hot statistic %d pool %v of stream %#x: current %d above its cap %d", k, Pool(p), uint64(sh.stream), cur, sh.caps[k][p]))
+					errs = append(errs, fmt.Errorf("%s.%v of stream %#x: current %d above its cap %d", hotNames[k], Pool(p), uint64(sh.stream), cur, sh.caps[k][p]))
 				}
 			}
 			if caps > g[k][p].Peak-g[k][p].Current {
-				errs = append(errs, fmt.Errorf("hot statistic %d pool %v: caps add up to %d, above the peak %d", k, Pool(p), caps, g[k][p].Peak))
+				errs = append(errs, fmt.Errorf("%s.%v: caps add up to %d, above the peak %d", hotNames[k], Pool(p), caps, g[k][p].Peak))
 			}
 		}
+	}
+	var capOver int64
+	for _, sh := range a.shards {
+		capOver += sh.capOver
+		if cur := sh.stats.OversizeAllocations.Current; cur > sh.capOver {
+			errs = append(errs, fmt.Errorf("oversize_allocations of stream %#x: current %d above its cap %d", uint64(sh.stream), cur, sh.capOver))
+		}
+	}
+	if o := a.stats.OversizeAllocations; capOver > o.Peak-o.Current {
+		errs = append(errs, fmt.Errorf("oversize_allocations: caps add up to %d, above the peak %d", capOver, o.Peak))
 	}
 	return errs
 }
