@@ -437,6 +437,12 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
 		return 0
 	}
 	rounded := a.roundSize(size)
+	if sh.parked != nil {
+		if ptr := a.takeParked(sh, size, rounded); ptr != 0 {
+			return ptr
+		}
+		a.flushParked(sh)
+	}
 	p := sh.poolFor(rounded)
 	b := a.findFreeBlock(p, uint64(sh.stream), rounded)
 	if b == nil {
@@ -728,6 +734,9 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 	if a.closed || a.history != nil || a.async != nil {
 		return false
 	}
+	if sh.parked != nil {
+		a.flushParked(sh)
+	}
 	b := sh.active.get(ptr)
 	if b == nil || len(b.StreamUses) > 0 {
 		return false
@@ -753,6 +762,12 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 		}
 		if !sh.fits(pl.stat, 0, 0, 0, count, bytes, 0) {
 			return false
+		}
+		if !sh.noPark {
+			sh.active.del(ptr)
+			a.release(pl, b)
+			a.park(sh, pl, b, count, bytes)
+			return true
 		}
 	}
 	sh.active.del(ptr)
@@ -1340,8 +1355,10 @@ func (a *Allocator) ResetPeakStats() {
 // error listing each broken one otherwise. It is meant for tests and
 // debugging: it costs time proportional to the number of blocks.
 func (a *Allocator) Check() error {
-	a.lockWorld()
+	a.lockAll()
 	defer a.unlockWorld()
+	parked := a.checkParked()
+	a.flushAll()
 	if a.async != nil {
 		return a.asyncCheck()
 	}
@@ -1350,6 +1367,7 @@ func (a *Allocator) Check() error {
 	if err != nil {
 		errs = append(errs, err)
 	}
+	errs = append(errs, parked...)
 	errs = append(errs, a.checkShards()...)
 	folded := a.folded()
 	st := &folded

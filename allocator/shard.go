@@ -76,7 +76,9 @@ type shard struct {
 	stream cudart.Stream
 	small  pool
 	large  pool
-	active ptrMap // allocated blocks of this stream by address
+	active ptrMap        // allocated blocks of this stream by address
+	parked *blocks.Block // the front cache (front.go)
+	noPark bool          // tests: free as PyTorch does, straight into the index
 	stats  hotStats
 	// caps bound each hot statistic's Current (per hotStats.arrays order,
 	// then OversizeAllocations) while the hot path runs.
@@ -218,8 +220,14 @@ func (a *Allocator) addShard(s cudart.Stream) *shard {
 }
 
 // lockWorld takes the allocator's mutex and then every shard's, in stream
-// order.
+// order, and flushes the parked blocks (front.go).
 func (a *Allocator) lockWorld() {
+	a.lockAll()
+	a.flushAll()
+}
+
+// lockAll is lockWorld without the flush.
+func (a *Allocator) lockAll() {
 	a.mu.Lock()
 	for _, sh := range a.shards {
 		sh.mu.Lock()

@@ -258,3 +258,32 @@ func TestStreamFreeIndex(t *testing.T) {
 	o.Ptr, o.Size, o.Segment = 0x9000, 512, &Segment{Stream: 8}
 	idx.Insert(o)
 }
+
+// TestLowerBoundExcept: the first fitting block other than the one
+// skipped, in either kind of index.
+func TestLowerBoundExcept(t *testing.T) {
+	for _, idx := range []*FreeIndex{NewFreeIndex(), NewStreamFreeIndex(1)} {
+		var r Recycler
+		seg := &Segment{Stream: 1}
+		mk := func(ptr, size uint64) *Block {
+			b := r.Get()
+			b.Ptr, b.Size, b.Segment = ptr, size, seg
+			idx.Insert(b)
+			return b
+		}
+		a := mk(0x1000, 1024)
+		b := mk(0x2000, 2048)
+		if got := idx.LowerBoundExcept(1, 1024, a); got != b {
+			t.Errorf("skipping %v: %v, want %v", a, got, b)
+		}
+		if got := idx.LowerBoundExcept(1, 1024, b); got != a {
+			t.Errorf("skipping %v: %v, want %v", b, got, a)
+		}
+		if got := idx.LowerBoundExcept(1, 1500, b); got != nil {
+			t.Errorf("skipping the only fit: %v", got)
+		}
+		if got := idx.LowerBoundExcept(2, 512, nil); got != nil {
+			t.Errorf("another stream: %v", got)
+		}
+	}
+}

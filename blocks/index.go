@@ -118,6 +118,26 @@ func (x *FreeIndex) LowerBound(stream, size uint64) *Block {
 	return found
 }
 
+// LowerBoundExcept is LowerBound passing over skip: the first block of
+// stream whose size is at least size, other than skip, in one descent.
+func (x *FreeIndex) LowerBoundExcept(stream, size uint64, skip *Block) *Block {
+	if x.single && stream != x.stream {
+		return nil
+	}
+	x.pivotSeg.Stream, x.pivot.Size, x.pivot.Ptr = stream, size, 0
+	var found *Block
+	x.tree.AscendGreaterOrEqual(&x.pivot, func(b *Block) bool {
+		if b == skip {
+			return true
+		}
+		if x.single || b.Segment.Stream == stream {
+			found = b
+		}
+		return false
+	})
+	return found
+}
+
 // After returns the block that follows b, which must be indexed, in
 // (stream, size, address) order when it belongs to b's stream, or nil.
 func (x *FreeIndex) After(b *Block) *Block {
