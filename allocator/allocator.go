@@ -226,13 +226,17 @@ type eventQueue struct {
 // Allocator is a caching device-memory allocator for one device. It is
 // safe for concurrent use.
 type Allocator struct {
-	mu     sync.Mutex // world mode: mu, then every shard's (shard.go)
-	world  bool       // in world mode
-	dev    cudart.Device
-	info   cudart.Info
-	cfg    Config
-	log    *zap.Logger
-	closed bool
+	mu    sync.Mutex // world mode: mu, then every shard's (shard.go)
+	world bool       // in world mode
+	// capsDirty: a hot statistic or a peak changed in world mode, so
+	// unlockWorld shares out the caps again.
+	capsDirty bool
+	favored   *shard // the shard whose change marked the caps dirty
+	dev       cudart.Device
+	info      cudart.Info
+	cfg       Config
+	log       *zap.Logger
+	closed    bool
 
 	shards   []*shard // one per stream seen, in stream order
 	shardTab atomic.Pointer[shardTable]
@@ -431,6 +435,7 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 // fastMalloc is Malloc's hot path under the stream's shard lock alone: a
 // hit in the free index whose statistics stay within the shard's caps.
 // It returns 0, having changed nothing, when the call needs world mode.
+
 func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
 	if a.closed || a.pending > 0 || a.history != nil || a.async != nil ||
 		size > a.allowed || size > maxRequestSize || a.gcEnabled() {
@@ -462,7 +467,10 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
 		over = 1
 	}
 	if !sh.fits(p.stat, 1, int64(got), int64(size), splitCount, splitBytes, over) {
-		return 0
+		if !a.escalate(sh) {
+			return 0
+		}
+		defer a.deescalate(sh)
 	}
 	p.free.Delete(b)
 	a.allocFoundBlock(p, b, rounded, size)
@@ -703,7 +711,7 @@ func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested ui
 		st.OversizeAllocations.add(1)
 	}
 	if a.world {
-		a.settle()
+		a.settleShard(p.sh)
 		a.record(actionAlloc, b.Ptr, requested, cudart.Stream(b.Segment.Stream))
 	}
 }
@@ -761,7 +769,10 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 			count, bytes = count+1, bytes+int64(b.Size)+merged
 		}
 		if !sh.fits(pl.stat, 0, 0, 0, count, bytes, 0) {
-			return false
+			if !a.escalate(sh) {
+				return false
+			}
+			defer a.deescalate(sh)
 		}
 		if !sh.noPark {
 			sh.active.del(ptr)
@@ -870,7 +881,7 @@ func (a *Allocator) freeBlock(p *pool, b *blocks.Block) {
 	st.ActiveBytes.sub(p.stat, int64(size))
 	st.RequestedBytes.sub(p.stat, int64(requested))
 	if a.world {
-		a.settle()
+		a.settleShard(sh)
 		a.record(actionFreeCompleted, ptr, requested, cudart.Stream(b.Segment.Stream))
 	}
 }
@@ -1308,9 +1319,12 @@ func (a *Allocator) MemoryReserved() int64 {
 func (a *Allocator) Usage() (allocated, reserved, requested int64) {
 	a.lockWorld()
 	defer a.unlockWorld()
-	s := a.folded()
-	st := &s
-	return st.AllocatedBytes[PoolAll].Current, st.ReservedBytes[PoolAll].Current, st.RequestedBytes[PoolAll].Current
+	allocated, requested = a.stats.AllocatedBytes[PoolAll].Current, a.stats.RequestedBytes[PoolAll].Current
+	for _, sh := range a.shards {
+		allocated += sh.stats.AllocatedBytes[PoolAll].Current
+		requested += sh.stats.RequestedBytes[PoolAll].Current
+	}
+	return allocated, a.stats.ReservedBytes[PoolAll].Current, requested
 }
 
 // MaxMemoryAllocated returns the peak of MemoryAllocated since the last
@@ -1348,6 +1362,7 @@ func (a *Allocator) ResetPeakStats() {
 		}
 	}
 	st.OversizeAllocations.Peak = f.OversizeAllocations.Current
+	a.capsDirty = true
 }
 
 // Check walks every segment, block and index and compares what it finds

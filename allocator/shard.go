@@ -208,6 +208,7 @@ func (a *Allocator) shardOf(s cudart.Stream) *shard {
 func (a *Allocator) addShard(s cudart.Stream) *shard {
 	sh := newShard(s)
 	sh.mu.Lock()
+	a.capsDirty = true
 	i := 0
 	for i < len(a.shards) && a.shards[i].stream < s {
 		i++
@@ -235,10 +236,12 @@ func (a *Allocator) lockAll() {
 	a.world = true
 }
 
-// unlockWorld settles the peaks, shares out the caps and unlocks.
+// unlockWorld shares out the caps again when a statistic changed, and
+// unlocks.
 func (a *Allocator) unlockWorld() {
-	a.settle()
-	a.shareCaps()
+	if a.capsDirty {
+		a.shareCaps()
+	}
 	a.world = false
 	for i := len(a.shards) - 1; i >= 0; i-- {
 		a.shards[i].mu.Unlock()
@@ -246,51 +249,143 @@ func (a *Allocator) unlockWorld() {
 	a.mu.Unlock()
 }
 
-// settle raises the global peaks of the hot statistics to the current
-// sums (world mode).
-func (a *Allocator) settle() {
+// hotSums returns, for each hot statistic and pool, the global Current:
+// the allocator's own (the async backend counts there) plus every
+// shard's; and the same for oversize_allocations.
+func (a *Allocator) hotSums() (sums [numHot][numPools]int64, over int64) {
 	g := a.stats.hotArrays()
 	for k := range numHot {
 		for p := range numPools {
-			sum := g[k][p].Current
-			for _, sh := range a.shards {
-				sum += sh.stats.arrays()[k][p].Current
-			}
-			g[k][p].Peak = max(g[k][p].Peak, sum)
+			sums[k][p] = g[k][p].Current
 		}
 	}
-	sum := a.stats.OversizeAllocations.Current
+	over = a.stats.OversizeAllocations.Current
 	for _, sh := range a.shards {
-		sum += sh.stats.OversizeAllocations.Current
+		h := sh.stats.arrays()
+		for k := range numHot {
+			for p := range numPools {
+				sums[k][p] += h[k][p].Current
+			}
+		}
+		over += sh.stats.OversizeAllocations.Current
 	}
-	a.stats.OversizeAllocations.Peak = max(a.stats.OversizeAllocations.Peak, sum)
+	return sums, over
 }
 
-// shareCaps gives every shard an equal part of each statistic's slack
-// (peak − sum) above its current value (world mode, after settle).
-func (a *Allocator) shareCaps() {
-	n := int64(len(a.shards))
-	g := a.stats.hotArrays()
+// settleShard is settle after a change of sh's hot statistics: while
+// every shard stays within its caps, the caps add up to no more than the
+// peaks and no sum can have passed its peak, so there is nothing to do.
+func (a *Allocator) settleShard(sh *shard) {
+	if !a.capsDirty && sh.withinCaps() {
+		return
+	}
+	a.settle()
+	a.favored = sh
+}
+
+// withinCaps reports whether every hot Current of sh is within its cap.
+func (sh *shard) withinCaps() bool {
+	h := sh.stats.arrays()
 	for k := range numHot {
 		for p := range numPools {
-			sum := g[k][p].Current
-			for _, sh := range a.shards {
-				sum += sh.stats.arrays()[k][p].Current
-			}
-			share := (g[k][p].Peak - sum) / n
-			for _, sh := range a.shards {
-				sh.caps[k][p] = sh.stats.arrays()[k][p].Current + share
+			if h[k][p].Current > sh.caps[k][p] {
+				return false
 			}
 		}
 	}
-	sum := a.stats.OversizeAllocations.Current
-	for _, sh := range a.shards {
-		sum += sh.stats.OversizeAllocations.Current
+	return sh.stats.OversizeAllocations.Current <= sh.capOver
+}
+
+// escalate lets a hot path pass its shard's caps: it takes every other
+// shard's lock without waiting, and reports whether it got them all (it
+// holds none of them otherwise). Holding every shard lock excludes world
+// mode and every other hot path, so the caller may change the statistics
+// beyond its caps and then settle the peaks itself (deescalate). When a
+// lock is busy the caller falls back to world mode; waiting here could
+// deadlock with lockWorld, which takes the shard locks in order.
+func (a *Allocator) escalate(sh *shard) bool {
+	list := a.shardTab.Load().list
+	for i, o := range list {
+		if o == sh {
+			continue
+		}
+		if !o.mu.TryLock() {
+			for _, u := range list[:i] {
+				if u != sh {
+					u.mu.Unlock()
+				}
+			}
+			return false
+		}
 	}
-	share := (a.stats.OversizeAllocations.Peak - sum) / n
-	for _, sh := range a.shards {
-		sh.capOver = sh.stats.OversizeAllocations.Current + share
+	return true
+}
+
+// deescalate settles the peaks, shares out the caps and releases the
+// locks escalate took.
+func (a *Allocator) deescalate(sh *shard) {
+	a.settle()
+	a.favored = sh
+	a.shareCaps()
+	for _, o := range a.shardTab.Load().list {
+		if o != sh {
+			o.mu.Unlock()
+		}
 	}
+}
+
+// settle raises the global peaks of the hot statistics to the current
+// sums (world mode, after every change of a hot statistic) and marks the
+// caps for sharing out again.
+func (a *Allocator) settle() {
+	sums, over := a.hotSums()
+	g := a.stats.hotArrays()
+	for k := range numHot {
+		for p := range numPools {
+			g[k][p].Peak = max(g[k][p].Peak, sums[k][p])
+		}
+	}
+	a.stats.OversizeAllocations.Peak = max(a.stats.OversizeAllocations.Peak, over)
+	a.capsDirty = true
+}
+
+// shareCaps gives every shard a part of each statistic's slack (peak −
+// sum) above its current value (world mode, after settle): half of it
+// to the shard whose change made the caps be shared out (it is likely to
+// grow again: a replay, one goroutine's burst), the other half equally
+// to all.
+func (a *Allocator) shareCaps() {
+	a.capsDirty = false
+	favored := a.favored
+	a.favored = nil
+	n := int64(len(a.shards))
+	sums, over := a.hotSums()
+	g := a.stats.hotArrays()
+	var share [numHot][numPools]int64
+	for k := range numHot {
+		for p := range numPools {
+			share[k][p] = (g[k][p].Peak - sums[k][p]) / 2 / n
+		}
+	}
+	overShare := (a.stats.OversizeAllocations.Peak - over) / 2 / n
+	for _, sh := range a.shards {
+		h := sh.stats.arrays()
+		for k := range numHot {
+			for p := range numPools {
+				sh.caps[k][p] = h[k][p].Current + share[k][p]
+			}
+		}
+		sh.capOver = sh.stats.OversizeAllocations.Current + overShare
+	}
+	if favored == nil {
+		favored = a.shards[0]
+	}
+	for k := range numHot {
+		for p := range numPools {
+			favored.caps[k][p] += (g[k][p].Peak - sums[k][p]) / 2
+		}
+	}
+	favored.capOver += (a.stats.OversizeAllocations.Peak - over) / 2
 }
 
 // folded returns the statistics with every shard's hot counts added in
