@@ -240,7 +240,7 @@ type Allocator struct {
 
 	shards   []*shard // one per stream seen, in stream order
 	shardTab atomic.Pointer[shardTable]
-	dir      atomic.Pointer[[]dirEntry] // segments by address, for Free
+	dir      atomic.Pointer[directory] // segments by address, for Free
 	segments []*blocks.Segment
 	scratch  []*blocks.Block // reused by release paths
 	// gcSearches counts searches of each pool while garbage collection is
@@ -301,7 +301,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		total: total,
 		exp:   exp,
 	}
-	a.dir.Store(&[]dirEntry{})
+	a.dir.Store(&directory{})
 	a.addShard(cudart.DefaultStream).mu.Unlock()
 	if exp != nil {
 		exp.reclaim = !o.pytorchExpandable
@@ -422,7 +422,7 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 		return 0, nil
 	}
 	if sh := a.lookupShard(stream); sh != nil {
-		sh.mu.Lock()
+		sh.lock()
 		p := a.fastMalloc(sh, size)
 		sh.mu.Unlock()
 		if p != 0 {
@@ -724,7 +724,7 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 		return nil
 	}
 	if sh := a.dirLookup(uint64(p)); sh != nil {
-		sh.mu.Lock()
+		sh.lock()
 		ok := a.fastFree(sh, uint64(p))
 		sh.mu.Unlock()
 		if ok {
@@ -1268,7 +1268,7 @@ func (a *Allocator) Close() error {
 		sh.active = newPtrMap(0)
 	}
 	a.segments, a.spareEvents, a.queues = nil, nil, nil
-	a.dir.Store(&[]dirEntry{})
+	a.dir.Store(&directory{})
 	a.reserved, a.pending = 0, 0
 	a.closed = true
 	if a.ownsDevice {

@@ -38,6 +38,7 @@ package allocator
 
 import (
 	"fmt"
+	"runtime"
 	"sync"
 
 	"github.com/allocd/allocd/blocks"
@@ -102,6 +103,26 @@ func (sh *shard) poolFor(size uint64) *pool {
 	return &sh.large
 }
 
+// lock takes the shard's lock for a hot path. The lock is held briefly
+// (a hot path, or another shard's escalation), so it spins, yielding the
+// processor, before it sleeps: waking a sleeping goroutine costs far more
+// than the wait.
+func (sh *shard) lock() {
+	if !sh.mu.TryLock() {
+		sh.lockSlow()
+	}
+}
+
+func (sh *shard) lockSlow() {
+	for range 100 {
+		runtime.Gosched()
+		if sh.mu.TryLock() {
+			return
+		}
+	}
+	sh.mu.Lock()
+}
+
 // under reports whether adding d to a's Current, in all pools and in p,
 // stays within cap.
 func under(a *StatArray, cap *[numPools]int64, p Pool, d int64) bool {
@@ -130,6 +151,28 @@ type dirEntry struct {
 	sh         *shard
 }
 
+// directory is the segments by address, published whole. one is the
+// shard that owns every segment when a single one does (a program on one
+// stream): Free then skips the search, and the shard's active map tells
+// a foreign address apart.
+type directory struct {
+	entries []dirEntry
+	one     *shard
+}
+
+func newDirectory(d []dirEntry) *directory {
+	dir := &directory{entries: d}
+	for i, e := range d {
+		if i == 0 {
+			dir.one = e.sh
+		} else if e.sh != dir.one {
+			dir.one = nil
+			break
+		}
+	}
+	return dir
+}
+
 // shardTable is the published list of shards, for the hot path.
 type shardTable struct {
 	list []*shard
@@ -150,7 +193,11 @@ func (a *Allocator) lookupShard(s cudart.Stream) *shard {
 // dirLookup returns the shard whose segment holds address p, without
 // locking, or nil.
 func (a *Allocator) dirLookup(p uint64) *shard {
-	d := *a.dir.Load()
+	dir := a.dir.Load()
+	if dir.one != nil {
+		return dir.one
+	}
+	d := dir.entries
 	lo, hi := 0, len(d)
 	for lo < hi {
 		m := int(uint(lo+hi) >> 1)
@@ -169,7 +216,7 @@ func (a *Allocator) dirLookup(p uint64) *shard {
 // dirAdd and dirRemove publish a new directory with seg added or removed
 // (world mode).
 func (a *Allocator) dirAdd(seg *blocks.Segment) {
-	old := *a.dir.Load()
+	old := a.dir.Load().entries
 	i := 0
 	for i < len(old) && old[i].start < seg.Ptr {
 		i++
@@ -178,18 +225,18 @@ func (a *Allocator) dirAdd(seg *blocks.Segment) {
 	d = append(d, old[:i]...)
 	d = append(d, dirEntry{seg.Ptr, seg.Ptr + seg.Size, a.shardOf(cudart.Stream(seg.Stream))})
 	d = append(d, old[i:]...)
-	a.dir.Store(&d)
+	a.dir.Store(newDirectory(d))
 }
 
 func (a *Allocator) dirRemove(seg *blocks.Segment) {
-	old := *a.dir.Load()
+	old := a.dir.Load().entries
 	d := make([]dirEntry, 0, len(old))
 	for _, e := range old {
 		if e.start != seg.Ptr {
 			d = append(d, e)
 		}
 	}
-	a.dir.Store(&d)
+	a.dir.Store(newDirectory(d))
 }
 
 // shardOf returns the shard of stream s (world mode; s must have one).
@@ -305,6 +352,17 @@ func (sh *shard) withinCaps() bool {
 // deadlock with lockWorld, which takes the shard locks in order.
 func (a *Allocator) escalate(sh *shard) bool {
 	list := a.shardTab.Load().list
+	for range 20 {
+		if tryLockOthers(list, sh) {
+			return true
+		}
+		runtime.Gosched() // another hot path holds one: it is brief
+	}
+	return false
+}
+
+// tryLockOthers takes the locks of every shard in list but sh, or none.
+func tryLockOthers(list []*shard, sh *shard) bool {
 	for i, o := range list {
 		if o == sh {
 			continue
@@ -349,43 +407,50 @@ func (a *Allocator) settle() {
 	a.capsDirty = true
 }
 
-// shareCaps gives every shard a part of each statistic's slack (peak −
-// sum) above its current value (world mode, after settle): half of it
-// to the shard whose change made the caps be shared out (it is likely to
+// shareCaps shares out each statistic's slack (peak − sum) as caps above
+// the shards' current values (world mode, after settle): half of it to
+// the shard whose change made the caps be shared out (it is likely to
 // grow again: a replay, one goroutine's burst), the other half equally
-// to all.
+// to the shards in use (with an active block); an idle shard gets none
+// until it asks.
 func (a *Allocator) shareCaps() {
 	a.capsDirty = false
 	favored := a.favored
 	a.favored = nil
-	n := int64(len(a.shards))
-	sums, over := a.hotSums()
-	g := a.stats.hotArrays()
-	var share [numHot][numPools]int64
-	for k := range numHot {
-		for p := range numPools {
-			share[k][p] = (g[k][p].Peak - sums[k][p]) / 2 / n
-		}
-	}
-	overShare := (a.stats.OversizeAllocations.Peak - over) / 2 / n
-	for _, sh := range a.shards {
-		h := sh.stats.arrays()
-		for k := range numHot {
-			for p := range numPools {
-				sh.caps[k][p] = h[k][p].Current + share[k][p]
-			}
-		}
-		sh.capOver = sh.stats.OversizeAllocations.Current + overShare
-	}
 	if favored == nil {
 		favored = a.shards[0]
 	}
-	for k := range numHot {
-		for p := range numPools {
-			favored.caps[k][p] += (g[k][p].Peak - sums[k][p]) / 2
+	var n int64
+	for _, sh := range a.shards {
+		if sh == favored || sh.stats.Active[PoolAll].Current > 0 {
+			n++
 		}
 	}
-	favored.capOver += (a.stats.OversizeAllocations.Peak - over) / 2
+	sums, over := a.hotSums()
+	g := a.stats.hotArrays()
+	var slack [numHot][numPools]int64
+	for k := range numHot {
+		for p := range numPools {
+			slack[k][p] = g[k][p].Peak - sums[k][p]
+		}
+	}
+	overSlack := a.stats.OversizeAllocations.Peak - over
+	for _, sh := range a.shards {
+		var part, whole int64 = 0, 1 // this shard's share: part/whole of the slack
+		switch {
+		case sh == favored:
+			part, whole = n+1, 2*n
+		case sh.stats.Active[PoolAll].Current > 0:
+			part, whole = 1, 2*n
+		}
+		h := sh.stats.arrays()
+		for k := range numHot {
+			for p := range numPools {
+				sh.caps[k][p] = h[k][p].Current + slack[k][p]/whole*part
+			}
+		}
+		sh.capOver = sh.stats.OversizeAllocations.Current + overSlack/whole*part
+	}
 }
 
 // folded returns the statistics with every shard's hot counts added in
@@ -457,7 +522,8 @@ func (a *Allocator) checkShards() []error {
 			}
 		})
 	}
-	d := *a.dir.Load()
+	dir := a.dir.Load()
+	d := dir.entries
 	if len(d) != len(a.segments) {
 		errs = append(errs, fmt.Errorf("%d segments, %d in the directory", len(a.segments), len(d)))
 	}
@@ -466,8 +532,15 @@ func (a *Allocator) checkShards() []error {
 			errs = append(errs, fmt.Errorf("directory entries overlap or are out of order at %#x", e.start))
 		}
 	}
+	byStart := make(map[uint64]dirEntry, len(d))
+	for _, e := range d {
+		byStart[e.start] = e
+		if dir.one != nil && e.sh != dir.one {
+			errs = append(errs, fmt.Errorf("directory says every segment is of stream %#x, but %#x is of stream %#x", uint64(dir.one.stream), e.start, uint64(e.sh.stream)))
+		}
+	}
 	for _, s := range a.segments {
-		if sh := a.dirLookup(s.Ptr); sh == nil || sh.stream != cudart.Stream(s.Stream) {
+		if e, ok := byStart[s.Ptr]; !ok || e.end != s.Ptr+s.Size || e.sh.stream != cudart.Stream(s.Stream) {
 			errs = append(errs, fmt.Errorf("segment %#x of stream %#x is not in the directory under its shard", s.Ptr, s.Stream))
 		}
 	}
