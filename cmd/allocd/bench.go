@@ -38,9 +38,8 @@ func newBenchCmd() *cobra.Command {
 		Long: `Bench runs the benchmarks that PyTorch's anchor runs on the same machine:
 pair/SIZE (malloc+free of one size, best of 3 runs), mixed/threads=T (T
 goroutines on their own streams over a random window), mixed_warm/threads=T
-(the same pattern twice on the same streams, the second pass timed) and,
-for each TRACE,
-a replay. Each benchmark gets a fresh allocator.`,
+(the same pattern twice on the same streams, the second pass timed) and, for
+each TRACE, a replay. Each benchmark gets a fresh allocator.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("conf") {
 				f.conf = os.Getenv("ALLOCD_CONF")
