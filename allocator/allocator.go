@@ -433,9 +433,9 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 }
 
 // fastMalloc is Malloc's hot path under the stream's shard lock alone: a
-// hit in the free index whose statistics stay within the shard's caps.
-// It returns 0, having changed nothing, when the call needs world mode.
-
+// hit in the front cache or the free index. A hit that would pass the
+// shard's caps escalates (shard.go). It returns 0 when the call needs world
+// mode, having changed nothing but, perhaps, flushed the front cache.
 func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
 	if a.closed || a.pending > 0 || a.history != nil || a.async != nil ||
 		size > a.allowed || size > maxRequestSize || a.gcEnabled() {
@@ -735,9 +735,10 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 }
 
 // fastFree is Free's hot path under the shard lock alone: a block no
-// other stream used, whose merge keeps the statistics within the shard's
-// caps. It reports false, having changed nothing, when the call needs
-// world mode.
+// other stream used, parked in the front cache (or merged and indexed in
+// an expandable segment). A change that would pass the shard's caps
+// escalates (shard.go). It reports false when the call needs world mode,
+// having changed nothing but, perhaps, flushed the front cache.
 func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 	if a.closed || a.history != nil || a.async != nil {
 		return false

@@ -18,8 +18,8 @@ package allocator
 // streams, RecordStream, statistics reads, snapshots and Check all see one
 // consistent whole there, exactly as under the single mutex before. A hot
 // path that cannot finish (a miss, pending events, history on, a new
-// stream, a peak that may move) changes nothing, unlocks its shard and
-// redoes the call in world mode. Fields read by the hot path outside its
+// stream) changes nothing (but may flush its front cache, front.go),
+// unlocks its shard and redoes the call in world mode. Fields read by the hot path outside its
 // shard (closed, pending, history, async, the configuration and cap) are
 // written only in world mode, when every shard lock is held.
 //
@@ -29,12 +29,15 @@ package allocator
 // them (Stats, MemoryAllocated, …), so they are exact. A peak needs the
 // sum of every shard at the moment it is reached. Instead of a shared
 // counter, each shard holds, for each hot statistic and pool, a cap:
-// the hot path proceeds only if its increase stays within its cap, and
-// the caps add up to no more than the peak, so no hot-path change can
-// make a new peak. In world mode the sums are taken and the peaks raised
-// after every change, and on leaving world mode the slack (peak − sum)
-// is shared out as new caps. A shard that would pass its cap goes to
-// world mode; in a steady state below the peak that is rare.
+// the caps add up to no more than the peak, and a hot path whose increase
+// stays within its cap cannot make a new peak. One that would pass its
+// cap escalates: it takes every other shard's lock without waiting
+// (world mode when one stays busy), and with every shard held it makes
+// its change, raises the peaks from the exact sums and shares the slack
+// (peak − sum) out again as caps. In world mode the sums are taken and
+// the peaks raised after every change of a hot statistic. Hot paths spin
+// briefly for their shard's lock before they sleep, since escalations
+// hold it for a moment only.
 
 import (
 	"fmt"
