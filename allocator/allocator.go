@@ -45,7 +45,8 @@
 // other streams (RecordStream) returns to the pool only once an event
 // recorded on each of them has completed. When the device says no, cached
 // blocks are released and the device asked once more before an OOMError.
-// With expandable_segments:True, segments are virtual ranges that grow by
+// Segments come from a segment source (segments.go): one device malloc
+// each, or, with expandable_segments:True, virtual ranges that grow by
 // mapping pages at their end (expandable.go).
 //
 // # Concurrency and cost
@@ -75,7 +76,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"go.uber.org/zap"
 
@@ -258,6 +258,7 @@ type Allocator struct {
 
 	stats         Stats
 	async         *asyncBackend // non-nil for backend:cudaMallocAsync
+	src           source        // where segments come from (segments.go)
 	exp           *expandable   // non-nil for expandable_segments:True
 	history       *history      // nil unless recording history
 	curStack      uint32        // the stack of the Malloc or Free in progress
@@ -303,8 +304,11 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	}
 	a.dir.Store(&directory{})
 	a.addShard(cudart.DefaultStream).mu.Unlock()
+	a.src = mallocSource{a}
 	if exp != nil {
 		exp.reclaim = !o.pytorchExpandable
+		exp.a = a
+		a.src = exp
 	}
 	a.allowed = total
 	if cfg.Backend == BackendAsync {
@@ -372,18 +376,6 @@ func roundupPower2NextDivision(size, divisions uint64) uint64 {
 		return size
 	}
 	return rounded + step
-}
-
-// allocationSize is PyTorch's get_allocation_size: the segment size for a
-// rounded request.
-func allocationSize(size uint64) uint64 {
-	switch {
-	case size <= smallSize:
-		return smallBuffer
-	case size < minLargeAlloc:
-		return largeBuffer
-	}
-	return (size + roundLarge - 1) / roundLarge * roundLarge
 }
 
 // poolOf returns the pool that holds b (world mode).
@@ -509,7 +501,7 @@ func (a *Allocator) slowMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, e
 	b := a.getFreeBlock(p, uint64(stream), rounded)
 	if b == nil {
 		var err error
-		if b, err = a.grow(p, stream, size, rounded); err != nil {
+		if b, err = a.src.grow(p, stream, size, rounded); err != nil {
 			return 0, err
 		}
 	}
@@ -559,36 +551,6 @@ func (a *Allocator) gcEnabled() bool {
 	return a.capped && a.cfg.GarbageCollectionThreshold > 0
 }
 
-// grow obtains a new segment for a request that no cached block serves,
-// following PyTorch's escalation: garbage-collect aged blocks (when
-// configured), ask the device, release oversize cached blocks and ask
-// again, release every cached segment and ask a last time.
-func (a *Allocator) grow(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
-	if a.exp != nil {
-		return a.growExpandable(p, stream, size, rounded)
-	}
-	if a.gcEnabled() {
-		a.garbageCollect()
-	}
-	allocSize := allocationSize(rounded)
-	b, err := a.allocBlock(p, stream, allocSize, false)
-	if b == nil && err == nil && a.releaseAvailableCachedBlocks(p, uint64(stream), rounded) {
-		b, err = a.allocBlock(p, stream, allocSize, false)
-	}
-	if b == nil && err == nil {
-		if err = a.releaseCachedBlocks(); err == nil {
-			b, err = a.allocBlock(p, stream, allocSize, true)
-		}
-	}
-	if err != nil {
-		return nil, err
-	}
-	if b == nil {
-		return nil, a.outOfMemory(size, allocSize, stream, a.lastDeviceErr)
-	}
-	return b, nil
-}
-
 // outOfMemory is every out-of-memory return, as PyTorch handles it: count
 // it in num_ooms, record an oom event (with the device's free bytes as its
 // address, as PyTorch records it), log it once and return the error.
@@ -615,60 +577,6 @@ func (a *Allocator) oomError(size, allocSize uint64, cause error) *OOMError {
 		e.Allowed = a.allowed
 	}
 	return e
-}
-
-// allocBlock is PyTorch's alloc_block: one device malloc of a new segment.
-// It returns (nil, nil) when the device is out of memory (or the cap is
-// reached) and an error for any other device failure.
-func (a *Allocator) allocBlock(p *pool, stream cudart.Stream, allocSize uint64, isRetry bool) (*blocks.Block, error) {
-	if isRetry {
-		a.stats.NumAllocRetries++
-	}
-	a.lastDeviceErr = nil
-	if a.capped && a.reserved+allocSize > a.allowed {
-		return nil, nil
-	}
-	t0 := time.Now()
-	var ptr cudart.Ptr
-	var err error
-	if a.cfg.ReleaseLockOnDeviceMalloc {
-		a.unlockWorld()
-		ptr, err = a.dev.Malloc(allocSize)
-		a.lockWorld()
-		if err == nil && a.closed {
-			_ = a.dev.Free(ptr)
-			return nil, fmt.Errorf("allocator: malloc: %w", ErrClosed)
-		}
-	} else {
-		ptr, err = a.dev.Malloc(allocSize)
-	}
-	elapsed := time.Since(t0)
-	if err != nil {
-		if errors.Is(err, cudart.ErrOutOfMemory) {
-			a.lastDeviceErr = err
-			return nil, nil
-		}
-		return nil, fmt.Errorf("allocator: device malloc of %d bytes: %w", allocSize, err)
-	}
-	a.stats.DeviceMallocLatency.observe(elapsed)
-	seg := &blocks.Segment{Ptr: uint64(ptr), Size: allocSize, Stream: uint64(stream), Small: p.small, Index: len(a.segments)}
-	b := p.recycler.Get()
-	b.Ptr, b.Size, b.Segment = uint64(ptr), allocSize, seg
-	seg.Head = b
-	a.segments = append(a.segments, seg)
-	a.dirAdd(seg)
-	a.reserved += allocSize
-	a.stats.Segment.add(p.stat, 1)
-	a.stats.ReservedBytes.add(p.stat, int64(allocSize))
-	if allocSize >= a.cfg.MaxSplitSize {
-		a.stats.OversizeSegments.add(1)
-	}
-	a.stats.NumDeviceAlloc++
-	a.record(actionSegmentAlloc, seg.Ptr, allocSize, stream)
-	a.log.Debug("segment allocated", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", allocSize),
-		zap.Bool("small_pool", p.small), zap.Uint64("stream", uint64(stream)),
-		zap.Uint64("reserved_bytes", a.reserved), zap.Duration("took", elapsed))
-	return b, nil
 }
 
 func shouldSplit(p *pool, b *blocks.Block, size, maxSplit uint64) bool {
@@ -1036,157 +944,13 @@ func (a *Allocator) synchronizeAndFreeEvents() error {
 	return nil
 }
 
-// releaseBlock returns a whole free segment to the device.
-func (a *Allocator) releaseBlock(b *blocks.Block) error {
-	seg := b.Segment
-	p := a.poolOf(b)
-	if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
-		return fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err)
-	}
-	p.free.Delete(b)
-	last := a.segments[len(a.segments)-1]
-	a.segments[seg.Index] = last
-	last.Index = seg.Index
-	a.segments[len(a.segments)-1] = nil
-	a.segments = a.segments[:len(a.segments)-1]
-	a.dirRemove(seg)
-	a.reserved -= seg.Size
-	a.stats.Segment.sub(p.stat, 1)
-	a.stats.ReservedBytes.sub(p.stat, int64(seg.Size))
-	if seg.Size >= a.cfg.MaxSplitSize {
-		a.stats.OversizeSegments.sub(1)
-	}
-	a.stats.NumDeviceFree++
-	a.record(actionSegmentFree, seg.Ptr, seg.Size, cudart.Stream(seg.Stream))
-	a.log.Debug("segment released", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", seg.Size),
-		zap.Uint64("reserved_bytes", a.reserved))
-	p.recycler.Put(b)
-	return nil
-}
-
-// releaseAll releases every collected block, stopping at the first error.
-func (a *Allocator) releaseAll(list []*blocks.Block) error {
-	for _, b := range list {
-		if err := a.releaseBlock(b); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// collectWhole gathers the free blocks of one kind of pool, in every
-// stream, that are whole segments.
-func (a *Allocator) collectWhole(small bool) []*blocks.Block {
-	list := a.scratch[:0]
-	for _, p := range a.pools(small) {
-		p.free.Ascend(func(b *blocks.Block) bool {
-			if !b.IsSplit() {
-				list = append(list, b)
-			}
-			return true
-		})
-	}
-	a.scratch = list[:0]
-	return list
-}
-
 // releaseCachedBlocks is PyTorch's release_cached_blocks: wait for pending
 // events, then return every whole free segment to the device.
 func (a *Allocator) releaseCachedBlocks() error {
 	if err := a.synchronizeAndFreeEvents(); err != nil {
 		return err
 	}
-	if a.exp != nil {
-		return a.releaseExpandable() // every segment is expandable
-	}
-	if err := a.releaseAll(a.collectWhole(false)); err != nil {
-		return err
-	}
-	return a.releaseAll(a.collectWhole(true))
-}
-
-// releaseAvailableCachedBlocks is PyTorch's release_available_cached_blocks:
-// with max_split_size set, release one oversize cached block large enough
-// for the request, or else oversize blocks from the largest down until
-// enough bytes are freed. It reports whether it released enough.
-func (a *Allocator) releaseAvailableCachedBlocks(p *pool, stream, size uint64) bool {
-	maxSplit := a.cfg.MaxSplitSize
-	if maxSplit == math.MaxUint64 {
-		return false
-	}
-	key := max(size, maxSplit)
-	if b := p.free.LowerBound(stream, key); b != nil {
-		if b.IsSplit() {
-			return false
-		}
-		return a.releaseBlock(b) == nil
-	}
-	list := a.scratch[:0]
-	var total uint64
-	p.free.DescendStream(stream, key, func(b *blocks.Block) bool {
-		if b.Size < maxSplit || total >= key {
-			return false
-		}
-		if !b.IsSplit() {
-			list = append(list, b)
-			total += b.Size
-		}
-		return true
-	})
-	a.scratch = list[:0]
-	if err := a.releaseAll(list); err != nil {
-		return false
-	}
-	return total >= key
-}
-
-// garbageCollect is PyTorch's garbage_collect_cached_blocks: once reserved
-// memory passes threshold × allowed, release unsplit large cached blocks
-// whose age is at least the average, repeatedly, until enough is freed.
-func (a *Allocator) garbageCollect() {
-	threshold := uint64(a.cfg.GarbageCollectionThreshold * float64(a.allowed))
-	if a.reserved <= threshold {
-		return
-	}
-	target := a.reserved - threshold
-	large := a.pools(false)
-	age := func(b *blocks.Block) uint64 { return a.gcSearches[PoolLarge] - b.GCBase }
-	var totalAge uint64
-	count := 0
-	for _, p := range large {
-		p.free.Ascend(func(b *blocks.Block) bool {
-			if !b.IsSplit() {
-				totalAge += age(b)
-				count++
-			}
-			return true
-		})
-	}
-	var reclaimed uint64
-	for freed := true; reclaimed < target && freed && count > 0; {
-		threshold := float64(totalAge) / float64(count)
-		freed = false
-		list := a.scratch[:0]
-		for _, p := range large {
-			p.free.Ascend(func(b *blocks.Block) bool {
-				if !b.IsSplit() && float64(age(b)) >= threshold {
-					list = append(list, b)
-				}
-				return true
-			})
-		}
-		a.scratch = list[:0]
-		for _, b := range list {
-			g, size := age(b), b.Size
-			if a.releaseBlock(b) != nil {
-				return
-			}
-			freed = true
-			reclaimed += size
-			totalAge -= g
-			count--
-		}
-	}
+	return a.src.releaseCached()
 }
 
 // EmptyCache waits for pending stream events, then returns every cached
@@ -1231,17 +995,7 @@ func (a *Allocator) Close() error {
 			errs = append(errs, serr)
 		}
 	}
-	for _, seg := range a.segments {
-		if seg.Expandable {
-			continue // closeExpandable
-		}
-		if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
-			errs = append(errs, fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err))
-			continue
-		}
-		a.stats.NumDeviceFree++
-	}
-	errs = append(errs, a.closeExpandable()...)
+	errs = append(errs, a.src.close()...)
 	for _, ev := range a.spareEvents {
 		if err := a.dev.EventDestroy(ev); err != nil {
 			errs = append(errs, err)
@@ -1421,7 +1175,7 @@ func (a *Allocator) Check() error {
 		}
 	}
 	want("pending events", int64(a.pending), int64(events))
-	errs = append(errs, a.checkExpandable()...)
+	errs = append(errs, a.src.check()...)
 	for _, sh := range a.shards {
 		for i, p := range []*pool{&sh.small, &sh.large} {
 			p.free.Ascend(func(b *blocks.Block) bool {

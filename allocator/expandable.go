@@ -104,8 +104,10 @@ import (
 	"github.com/allocd/allocd/trace"
 )
 
-// expandable is the allocator's expandable-segment state.
+// expandable is the allocator's expandable-segment state and its segment
+// source (segments.go).
 type expandable struct {
+	a    *Allocator
 	vm   cudart.VirtualMemory
 	gran uint64
 	// segs are the live expandable segments in address order.
@@ -203,6 +205,14 @@ func expandableFit(p *pool, b *blocks.Block) *blocks.Block {
 	}
 	return b
 }
+
+// The source interface, over the functions below.
+func (e *expandable) grow(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+	return e.a.growExpandable(p, stream, size, rounded)
+}
+func (e *expandable) releaseCached() error { return e.a.releaseExpandable() }
+func (e *expandable) close() []error       { return e.a.closeExpandable() }
+func (e *expandable) check() []error       { return e.a.checkExpandable() }
 
 // growExpandable is grow for expandable segments: map pages for the
 // request; if the device says no, release cached memory (unmap free pages)
