@@ -176,18 +176,21 @@ func newDirectory(d []dirEntry) *directory {
 	return dir
 }
 
-// shardTable is the published list of shards, for the hot path.
+// shardTable is the published list of shards, for the hot path, with
+// their streams beside them: looking a stream up reads no shard, whose
+// cache lines its own goroutine keeps writing.
 type shardTable struct {
-	list []*shard
+	streams []cudart.Stream
+	list    []*shard
 }
 
 // lookupShard returns the shard of stream s without locking, or nil when
 // s has none yet.
 func (a *Allocator) lookupShard(s cudart.Stream) *shard {
 	t := a.shardTab.Load()
-	for _, sh := range t.list {
-		if sh.stream == s {
-			return sh
+	for i, st := range t.streams {
+		if st == s {
+			return t.list[i]
 		}
 	}
 	return nil
@@ -266,7 +269,11 @@ func (a *Allocator) addShard(s cudart.Stream) *shard {
 	a.shards = append(a.shards, nil)
 	copy(a.shards[i+1:], a.shards[i:])
 	a.shards[i] = sh
-	a.shardTab.Store(&shardTable{list: append([]*shard(nil), a.shards...)})
+	t := &shardTable{list: append([]*shard(nil), a.shards...)}
+	for _, x := range t.list {
+		t.streams = append(t.streams, x.stream)
+	}
+	a.shardTab.Store(t)
 	return sh
 }
 
@@ -513,7 +520,7 @@ func (a *Allocator) checkShards() []error {
 		errs = append(errs, fmt.Errorf("%d shards, %d published", len(a.shards), len(t)))
 	}
 	for i, sh := range a.shards {
-		if i < len(t) && t[i] != sh {
+		if i < len(t) && (t[i] != sh || a.shardTab.Load().streams[i] != sh.stream) {
 			errs = append(errs, fmt.Errorf("shard %d (stream %#x) is not the one published", i, uint64(sh.stream)))
 		}
 		if i > 0 && a.shards[i-1].stream >= sh.stream {
