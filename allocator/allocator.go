@@ -257,13 +257,14 @@ type Allocator struct {
 	reserved uint64 // bytes held from the device
 
 	stats         Stats
-	async         *asyncBackend // non-nil for backend:cudaMallocAsync
-	src           source        // where segments come from (segments.go)
-	exp           *expandable   // non-nil for expandable_segments:True
-	history       *history      // nil unless recording history
-	curStack      uint32        // the stack of the Malloc or Free in progress
-	lastDeviceErr error         // the device's last out-of-memory error
-	ownsDevice    bool          // opened by Open: Close closes the device
+	be            backend         // the policy behind the public calls (backend.go)
+	async         *asyncAllocator // be, for backend:cudaMallocAsync; nil otherwise
+	src           source          // where segments come from (segments.go)
+	exp           *expandable     // non-nil for expandable_segments:True
+	history       *history        // nil unless recording history
+	curStack      uint32          // the stack of the Malloc or Free in progress
+	lastDeviceErr error           // the device's last out-of-memory error
+	ownsDevice    bool            // opened by Open: Close closes the device
 }
 
 // New returns an allocator for dev. It reads the device's total memory once
@@ -305,6 +306,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	a.dir.Store(&directory{})
 	a.addShard(cudart.DefaultStream).mu.Unlock()
 	a.src = mallocSource{a}
+	a.be = native{a}
 	if exp != nil {
 		exp.reclaim = !o.pytorchExpandable
 		exp.a = a
@@ -312,9 +314,10 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	}
 	a.allowed = total
 	if cfg.Backend == BackendAsync {
-		if a.async, err = newAsyncBackend(dev); err != nil {
+		if a.async, err = newAsyncAllocator(a, dev); err != nil {
 			return nil, err
 		}
+		a.be = a.async
 	}
 	if cfg.PerProcessMemoryFraction > 0 {
 		a.capped = true
@@ -488,9 +491,13 @@ func (a *Allocator) slowMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, e
 		// No release of the cache can help: fail without touching it.
 		return 0, a.outOfMemory(size, size, stream, nil)
 	}
-	if a.async != nil {
-		return a.asyncMalloc(size, stream)
-	}
+	return a.be.malloc(sh, size)
+}
+
+// malloc is the native policy's Malloc in world mode, after the checks
+// every backend shares.
+func (n native) malloc(sh *shard, size uint64) (cudart.Ptr, error) {
+	a, stream := n.a, sh.stream
 	if a.pending > 0 {
 		if err := a.processEvents(); err != nil {
 			return 0, err
@@ -719,9 +726,12 @@ func (a *Allocator) slowFree(p cudart.Ptr) error {
 		a.curStack = h.capture()
 		defer a.endCall()
 	}
-	if a.async != nil {
-		return a.asyncFree(p)
-	}
+	return a.be.free(p)
+}
+
+// free is the native policy's Free in world mode.
+func (n native) free(p cudart.Ptr) error {
+	a := n.a
 	b := a.activeBlock(uint64(p))
 	if b == nil {
 		return a.unknownPointer("free", p)
@@ -824,9 +834,12 @@ func (a *Allocator) RecordStream(p cudart.Ptr, s cudart.Stream) error {
 	if a.closed {
 		return fmt.Errorf("allocator: record stream: %w", ErrClosed)
 	}
-	if a.async != nil {
-		return a.asyncRecordStream(p, s)
-	}
+	return a.be.recordStream(p, s)
+}
+
+// recordStream is the native policy's RecordStream in world mode.
+func (n native) recordStream(p cudart.Ptr, s cudart.Stream) error {
+	a := n.a
 	b := a.activeBlock(uint64(p))
 	if b == nil {
 		return a.unknownPointer("record stream", p)
@@ -963,11 +976,11 @@ func (a *Allocator) EmptyCache() error {
 		return fmt.Errorf("allocator: empty cache: %w", ErrClosed)
 	}
 	a.stats.NumEmptyCache++
-	if a.async != nil {
-		return a.asyncEmptyCache()
-	}
-	return a.releaseCachedBlocks()
+	return a.be.emptyCache()
 }
+
+// emptyCache is the native policy's EmptyCache: release_cached_blocks.
+func (n native) emptyCache() error { return n.a.releaseCachedBlocks() }
 
 // Close waits for pending events and returns every segment to the device,
 // including segments with blocks still allocated; it then reports those
@@ -980,22 +993,8 @@ func (a *Allocator) Close() error {
 	if a.closed {
 		return fmt.Errorf("allocator: close: %w", ErrClosed)
 	}
-	var errs []error
-	live, liveBytes := 0, a.folded().AllocatedBytes[PoolAll].Current
-	for _, sh := range a.shards {
-		live += sh.active.len()
-	}
-	if a.async != nil {
-		live = len(a.async.live)
-		errs = append(errs, a.asyncClose()...)
-	}
-	if err := a.synchronizeAndFreeEvents(); err != nil {
-		errs = append(errs, err)
-		if serr := a.dev.Synchronize(); serr != nil {
-			errs = append(errs, serr)
-		}
-	}
-	errs = append(errs, a.src.close()...)
+	liveBytes := a.folded().AllocatedBytes[PoolAll].Current
+	live, errs := a.be.close()
 	for _, ev := range a.spareEvents {
 		if err := a.dev.EventDestroy(ev); err != nil {
 			errs = append(errs, err)
@@ -1035,6 +1034,25 @@ func (a *Allocator) Close() error {
 		errs = append(errs, fmt.Errorf("allocator: close: %d blocks (%d bytes) were never freed: %w", live, liveBytes, ErrLiveBlocks))
 	}
 	return errors.Join(errs...)
+}
+
+// close is the native policy's part of Close: wait for the pending
+// events and return every segment to the device. It returns the number of
+// blocks still allocated.
+func (n native) close() (int, []error) {
+	a := n.a
+	var errs []error
+	live := 0
+	for _, sh := range a.shards {
+		live += sh.active.len()
+	}
+	if err := a.synchronizeAndFreeEvents(); err != nil {
+		errs = append(errs, err)
+		if serr := a.dev.Synchronize(); serr != nil {
+			errs = append(errs, serr)
+		}
+	}
+	return live, append(errs, a.src.close()...)
 }
 
 // Stats returns a copy of the statistics, consistent as of one moment.
@@ -1129,15 +1147,18 @@ func (a *Allocator) Check() error {
 	defer a.unlockWorld()
 	parked := a.checkParked()
 	a.flushAll()
-	if a.async != nil {
-		return a.asyncCheck()
-	}
+	return errors.Join(append(parked, a.be.check())...)
+}
+
+// check is the native policy's Check, after the front cache was checked
+// and flushed.
+func (n native) check() error {
+	a := n.a
 	t, err := blocks.Check(a.segments, a.freeIndexes()...)
 	var errs []error
 	if err != nil {
 		errs = append(errs, err)
 	}
-	errs = append(errs, parked...)
 	errs = append(errs, a.checkShards()...)
 	folded := a.folded()
 	st := &folded

@@ -320,17 +320,12 @@ func (a *Allocator) holds(p cudart.Ptr) holding {
 	if a.closed {
 		return holdNone
 	}
-	if a.async != nil {
-		if a.async.live[uint64(p)] != nil {
-			return holdLive
-		}
-		for _, pa := range a.async.pending {
-			if pa.ptr == uint64(p) {
-				return holdSegment
-			}
-		}
-		return holdNone
-	}
+	return a.be.holds(p)
+}
+
+// holds is the native policy's part of Allocator.holds.
+func (n native) holds(p cudart.Ptr) holding {
+	a := n.a
 	if a.activeBlock(uint64(p)) != nil {
 		return holdLive
 	}
