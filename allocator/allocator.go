@@ -607,8 +607,8 @@ func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested ui
 		case wasSplit:
 			st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
 		default:
-			st.InactiveSplitBytes.add(p.stat, int64(rest.Size))
-			st.InactiveSplit.add(p.stat, 1)
+			st.InactiveSplitBytes.inc(p.stat, int64(rest.Size))
+			st.InactiveSplit.inc(p.stat, 1)
 		}
 	} else if wasSplit && !b.Segment.Expandable {
 		st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
@@ -617,13 +617,13 @@ func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested ui
 	b.Allocated = true
 	b.Requested = requested
 	p.sh.active.put(b.Ptr, b)
-	st.Allocation.add(p.stat, 1)
-	st.AllocatedBytes.add(p.stat, int64(b.Size))
-	st.Active.add(p.stat, 1)
-	st.ActiveBytes.add(p.stat, int64(b.Size))
-	st.RequestedBytes.add(p.stat, int64(requested))
+	st.Allocation.inc(p.stat, 1)
+	st.AllocatedBytes.inc(p.stat, int64(b.Size))
+	st.Active.inc(p.stat, 1)
+	st.ActiveBytes.inc(p.stat, int64(b.Size))
+	st.RequestedBytes.inc(p.stat, int64(requested))
 	if b.Size >= a.cfg.MaxSplitSize {
-		st.OversizeAllocations.add(1)
+		st.OversizeAllocations.inc(1)
 	}
 	if a.world {
 		a.settleShard(p.sh)
@@ -793,8 +793,8 @@ func (a *Allocator) freeBlock(p *pool, b *blocks.Block) {
 	}
 	st := &sh.stats
 	if !b.Segment.Expandable {
-		adjust(&st.InactiveSplit, p.stat, netCount)
-		adjust(&st.InactiveSplitBytes, p.stat, netBytes)
+		adjustHot(&st.InactiveSplit, p.stat, netCount)
+		adjustHot(&st.InactiveSplitBytes, p.stat, netBytes)
 	}
 	st.Active.sub(p.stat, 1)
 	st.ActiveBytes.sub(p.stat, int64(size))

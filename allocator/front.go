@@ -31,8 +31,8 @@ import (
 // shard's slot.
 func (a *Allocator) park(sh *shard, pl *pool, b *blocks.Block, count, bytes int64) {
 	st := &sh.stats
-	adjust(&st.InactiveSplit, pl.stat, count)
-	adjust(&st.InactiveSplitBytes, pl.stat, bytes)
+	adjustHot(&st.InactiveSplit, pl.stat, count)
+	adjustHot(&st.InactiveSplitBytes, pl.stat, bytes)
 	st.Active.sub(pl.stat, 1)
 	st.ActiveBytes.sub(pl.stat, int64(b.Size))
 	st.RequestedBytes.sub(pl.stat, int64(b.Requested))
@@ -127,18 +127,18 @@ func (a *Allocator) takeParked(sh *shard, size, rounded uint64) cudart.Ptr {
 	}
 	sh.parked = nil
 	st := &sh.stats
-	adjust(&st.InactiveSplit, p.stat, splitCount)
-	adjust(&st.InactiveSplitBytes, p.stat, splitBytes)
+	adjustHot(&st.InactiveSplit, p.stat, splitCount)
+	adjustHot(&st.InactiveSplitBytes, p.stat, splitBytes)
 	b.Allocated = true
 	b.Requested = size
 	sh.active.put(b.Ptr, b)
-	st.Allocation.add(p.stat, 1)
-	st.AllocatedBytes.add(p.stat, int64(rounded))
-	st.Active.add(p.stat, 1)
-	st.ActiveBytes.add(p.stat, int64(rounded))
-	st.RequestedBytes.add(p.stat, int64(size))
+	st.Allocation.inc(p.stat, 1)
+	st.AllocatedBytes.inc(p.stat, int64(rounded))
+	st.Active.inc(p.stat, 1)
+	st.ActiveBytes.inc(p.stat, int64(rounded))
+	st.RequestedBytes.inc(p.stat, int64(size))
 	if over > 0 {
-		st.OversizeAllocations.add(1)
+		st.OversizeAllocations.inc(1)
 	}
 	return cudart.Ptr(b.Ptr)
 }

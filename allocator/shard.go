@@ -126,6 +126,28 @@ func (sh *shard) lockSlow() {
 	sh.mu.Lock()
 }
 
+// inc is Stat.add for a shard's share of a statistic: it keeps no peak,
+// since the peak that counts is the global one, settled from the sums.
+func (s *Stat) inc(n int64) {
+	s.Current += n
+	s.Allocated += n
+}
+
+func (a *StatArray) inc(p Pool, n int64) {
+	a[PoolAll].inc(n)
+	a[p].inc(n)
+}
+
+// adjustHot is adjust for a shard's share.
+func adjustHot(a *StatArray, p Pool, n int64) {
+	switch {
+	case n > 0:
+		a.inc(p, n)
+	case n < 0:
+		a.sub(p, -n)
+	}
+}
+
 // under reports whether adding d to a's Current, in all pools and in p,
 // stays within cap.
 func under(a *StatArray, cap *[numPools]int64, p Pool, d int64) bool {
