@@ -45,16 +45,27 @@
 // other streams (RecordStream) returns to the pool only once an event
 // recorded on each of them has completed. When the device says no, cached
 // blocks are released and the device asked once more before an OOMError.
-// With expandable_segments:True, segments are virtual ranges that grow by
+// Segments come from a segment source (segments.go): one device malloc
+// each, or, with expandable_segments:True, virtual ranges that grow by
 // mapping pages at their end (expandable.go).
 //
 // # Concurrency and cost
 //
-// One mutex guards everything. A cached Malloc and Free (a hit in the free
-// index and its return) allocate nothing on the Go heap, make no device
-// call, read no clock and log nothing; the device is reached only to grow
-// or release a segment, and to poll events while RecordStream'd blocks are
-// pending.
+// Each stream has a shard with its own lock: its free indexes, its
+// allocated blocks and its share of the statistics. A cached Malloc locks
+// only its stream's shard, and a Free only the shard of the block's
+// stream (found through an address-sorted directory of segments that is
+// read without a lock), so goroutines on different streams do not contend.
+// Everything else (device calls, the OOM path, EmptyCache, garbage
+// collection, event queues, history, statistics reads, snapshots, Check)
+// runs with the allocator's mutex and every shard's lock, taken in stream
+// order, and sees one consistent whole. Statistics stay exact: counts are
+// folded from the shards when read, and a peak is never passed on the hot
+// path, whose increases stay within per-shard caps that add up to no more
+// than the peak (shard.go). A cached Malloc and Free allocate nothing on
+// the Go heap, make no device call, read no clock and log nothing; the
+// device is reached only to grow or release a segment, and to poll events
+// while RecordStream'd blocks are pending.
 package allocator
 
 import (
@@ -64,7 +75,7 @@ import (
 	"math/bits"
 	"strings"
 	"sync"
-	"time"
+	"sync/atomic"
 
 	"go.uber.org/zap"
 
@@ -191,14 +202,13 @@ func WithLogger(l *zap.Logger) Option {
 	}
 }
 
-// pool is one of the two block pools.
+// pool is one of a shard's two block pools.
 type pool struct {
-	free  *blocks.FreeIndex
-	small bool
-	stat  Pool
-	// freeSearches counts searches of this pool while garbage collection is
-	// on; blocks age by it (PyTorch's get_free_blocks_call_count).
-	freeSearches uint64
+	free     *blocks.FreeIndex
+	small    bool
+	stat     Pool
+	sh       *shard
+	recycler blocks.Recycler
 }
 
 // pendingEvent is a block waiting for an event on a stream that used it.
@@ -216,21 +226,26 @@ type eventQueue struct {
 // Allocator is a caching device-memory allocator for one device. It is
 // safe for concurrent use.
 type Allocator struct {
-	mu     sync.Mutex
-	dev    cudart.Device
-	info   cudart.Info
-	cfg    Config
-	log    *zap.Logger
-	closed bool
+	mu    sync.Mutex // world mode: mu, then every shard's (shard.go)
+	world bool       // in world mode
+	// capsDirty: a hot statistic or a peak changed in world mode, so
+	// unlockWorld shares out the caps again.
+	capsDirty bool
+	favored   *shard // the shard whose change marked the caps dirty
+	dev       cudart.Device
+	info      cudart.Info
+	cfg       Config
+	log       *zap.Logger
+	closed    bool
 
-	small, large pool
-	segments     []*blocks.Segment
-	active       ptrMap // allocated blocks by address
-	recycler     blocks.Recycler
-	scratch      []*blocks.Block // reused by release paths
-
-	streams    []cudart.Stream // streams seen and checked
-	lastStream cudart.Stream
+	shards   []*shard // one per stream seen, in stream order
+	shardTab atomic.Pointer[shardTable]
+	dir      atomic.Pointer[directory] // segments by address, for Free
+	segments []*blocks.Segment
+	scratch  []*blocks.Block // reused by release paths
+	// gcSearches counts searches of each pool while garbage collection is
+	// on; blocks age by it (PyTorch's get_free_blocks_call_count).
+	gcSearches [numPools]uint64
 
 	queues      []eventQueue
 	pending     int            // events not yet completed
@@ -242,12 +257,14 @@ type Allocator struct {
 	reserved uint64 // bytes held from the device
 
 	stats         Stats
-	async         *asyncBackend // non-nil for backend:cudaMallocAsync
-	exp           *expandable   // non-nil for expandable_segments:True
-	history       *history      // nil unless recording history
-	curStack      uint32        // the stack of the Malloc or Free in progress
-	lastDeviceErr error         // the device's last out-of-memory error
-	ownsDevice    bool          // opened by Open: Close closes the device
+	be            backend         // the policy behind the public calls (backend.go)
+	async         *asyncAllocator // be, for backend:cudaMallocAsync; nil otherwise
+	src           source          // where segments come from (segments.go)
+	exp           *expandable     // non-nil for expandable_segments:True
+	history       *history        // nil unless recording history
+	curStack      uint32          // the stack of the Malloc or Free in progress
+	lastDeviceErr error           // the device's last out-of-memory error
+	ownsDevice    bool            // opened by Open: Close closes the device
 }
 
 // New returns an allocator for dev. It reads the device's total memory once
@@ -279,30 +296,33 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		return nil, fmt.Errorf("allocator: reading device memory: %w", err)
 	}
 	a := &Allocator{
-		dev:    dev,
-		info:   dev.Info(),
-		cfg:    cfg,
-		log:    o.log,
-		small:  pool{free: blocks.NewFreeIndex(), small: true, stat: PoolSmall},
-		large:  pool{free: blocks.NewFreeIndex(), stat: PoolLarge},
-		active: newPtrMap(1024),
-		total:  total,
-		exp:    exp,
+		dev:   dev,
+		info:  dev.Info(),
+		cfg:   cfg,
+		log:   o.log,
+		total: total,
+		exp:   exp,
 	}
+	a.dir.Store(&directory{})
+	a.addShard(cudart.DefaultStream).mu.Unlock()
+	a.src = mallocSource{a}
+	a.be = native{a}
 	if exp != nil {
 		exp.reclaim = !o.pytorchExpandable
+		exp.a = a
+		a.src = exp
 	}
 	a.allowed = total
 	if cfg.Backend == BackendAsync {
-		if a.async, err = newAsyncBackend(dev); err != nil {
+		if a.async, err = newAsyncAllocator(a, dev); err != nil {
 			return nil, err
 		}
+		a.be = a.async
 	}
 	if cfg.PerProcessMemoryFraction > 0 {
 		a.capped = true
 		a.allowed = uint64(cfg.PerProcessMemoryFraction * float64(total))
 	}
-	a.streams = append(a.streams, cudart.DefaultStream)
 	a.stats.MaxSplitSize = a.maxSplitStat()
 	if o.history.MaxEntries > 0 {
 		a.history = newHistory(o.history)
@@ -361,51 +381,29 @@ func roundupPower2NextDivision(size, divisions uint64) uint64 {
 	return rounded + step
 }
 
-// allocationSize is PyTorch's get_allocation_size: the segment size for a
-// rounded request.
-func allocationSize(size uint64) uint64 {
-	switch {
-	case size <= smallSize:
-		return smallBuffer
-	case size < minLargeAlloc:
-		return largeBuffer
-	}
-	return (size + roundLarge - 1) / roundLarge * roundLarge
-}
-
-func (a *Allocator) poolFor(size uint64) *pool {
-	if size <= smallSize {
-		return &a.small
-	}
-	return &a.large
-}
-
+// poolOf returns the pool that holds b (world mode).
 func (a *Allocator) poolOf(b *blocks.Block) *pool {
+	sh := a.shardOf(cudart.Stream(b.Segment.Stream))
 	if b.Segment.Small {
-		return &a.small
+		return &sh.small
 	}
-	return &a.large
+	return &sh.large
 }
 
-// checkStream admits s if it is known, or the device vouches for it.
-func (a *Allocator) checkStream(s cudart.Stream) error {
-	if s == a.lastStream {
-		return nil
-	}
-	for _, t := range a.streams {
-		if t == s {
-			a.lastStream = s
-			return nil
+// checkStream admits s if it is known, or the device vouches for it, and
+// returns its shard (world mode).
+func (a *Allocator) checkStream(s cudart.Stream) (*shard, error) {
+	for _, sh := range a.shards {
+		if sh.stream == s {
+			return sh, nil
 		}
 	}
 	if c, ok := a.dev.(cudart.StreamChecker); ok {
 		if err := c.CheckStream(s); err != nil {
-			return fmt.Errorf("allocator: stream %#x: %w: %w", uint64(s), ErrInvalidStream, err)
+			return nil, fmt.Errorf("allocator: stream %#x: %w: %w", uint64(s), ErrInvalidStream, err)
 		}
 	}
-	a.streams = append(a.streams, s)
-	a.lastStream = s
-	return nil
+	return a.addShard(s), nil
 }
 
 // Malloc returns size bytes of device memory for use on stream. The address
@@ -418,12 +416,71 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 	if size == 0 {
 		return 0, nil
 	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	if sh := a.lookupShard(stream); sh != nil {
+		sh.lock()
+		p := a.fastMalloc(sh, size)
+		sh.mu.Unlock()
+		if p != 0 {
+			return p, nil
+		}
+	}
+	return a.slowMalloc(size, stream)
+}
+
+// fastMalloc is Malloc's hot path under the stream's shard lock alone: a
+// hit in the front cache or the free index. A hit that would pass the
+// shard's caps escalates (shard.go). It returns 0 when the call needs world
+// mode, having changed nothing but, perhaps, flushed the front cache.
+func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
+	if a.closed || a.pending > 0 || a.history != nil || a.async != nil ||
+		size > a.allowed || size > maxRequestSize || a.gcEnabled() {
+		return 0
+	}
+	rounded := a.roundSize(size)
+	if sh.parked != nil {
+		if ptr := a.takeParked(sh, size, rounded); ptr != 0 {
+			return ptr
+		}
+		a.flushParked(sh)
+	}
+	p := sh.poolFor(rounded)
+	b := a.findFreeBlock(p, uint64(sh.stream), rounded)
+	if b == nil {
+		return 0
+	}
+	// The statistics this block would change, as allocFoundBlock will.
+	maxSplit := a.cfg.MaxSplitSize
+	got, splitCount, splitBytes := b.Size, int64(0), int64(0)
+	if shouldSplit(p, b, rounded, maxSplit) {
+		got = rounded
+		if !b.Segment.Expandable && !b.IsSplit() {
+			splitCount, splitBytes = 1, int64(b.Size-rounded)
+		}
+	}
+	var over int64
+	if got >= maxSplit {
+		over = 1
+	}
+	if !sh.fits(p.stat, 1, int64(got), int64(size), splitCount, splitBytes, over) {
+		if !a.escalate(sh) {
+			return 0
+		}
+		defer a.deescalate(sh)
+	}
+	p.free.Delete(b)
+	a.allocFoundBlock(p, b, rounded, size)
+	return cudart.Ptr(b.Ptr)
+}
+
+// slowMalloc is Malloc in world mode.
+func (a *Allocator) slowMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, error) {
+	a.lockWorld()
+	defer a.unlockWorld()
 	if a.closed {
 		return 0, fmt.Errorf("allocator: malloc: %w", ErrClosed)
 	}
-	if err := a.checkStream(stream); err != nil {
+	sh, err := a.checkStream(stream)
+	if err != nil {
 		return 0, err
 	}
 	if h := a.history; h != nil && h.depth > 0 {
@@ -434,20 +491,24 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 		// No release of the cache can help: fail without touching it.
 		return 0, a.outOfMemory(size, size, stream, nil)
 	}
-	if a.async != nil {
-		return a.asyncMalloc(size, stream)
-	}
+	return a.be.malloc(sh, size)
+}
+
+// malloc is the native policy's Malloc in world mode, after the checks
+// every backend shares.
+func (n native) malloc(sh *shard, size uint64) (cudart.Ptr, error) {
+	a, stream := n.a, sh.stream
 	if a.pending > 0 {
 		if err := a.processEvents(); err != nil {
 			return 0, err
 		}
 	}
 	rounded := a.roundSize(size)
-	p := a.poolFor(rounded)
+	p := sh.poolFor(rounded)
 	b := a.getFreeBlock(p, uint64(stream), rounded)
 	if b == nil {
 		var err error
-		if b, err = a.grow(p, stream, size, rounded); err != nil {
+		if b, err = a.src.grow(p, stream, size, rounded); err != nil {
 			return 0, err
 		}
 	}
@@ -461,8 +522,21 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 func (a *Allocator) getFreeBlock(p *pool, stream, size uint64) *blocks.Block {
 	gc := a.gcEnabled()
 	if gc {
-		p.freeSearches++
+		a.gcSearches[p.stat]++
 	}
+	b := a.findFreeBlock(p, stream, size)
+	if b == nil {
+		return nil
+	}
+	p.free.Delete(b)
+	if gc {
+		b.GCBase = a.gcSearches[p.stat]
+	}
+	return b
+}
+
+// findFreeBlock is getFreeBlock's search, which changes nothing.
+func (a *Allocator) findFreeBlock(p *pool, stream, size uint64) *blocks.Block {
 	b := p.free.LowerBound(stream, size)
 	if b == nil {
 		return nil
@@ -477,45 +551,11 @@ func (a *Allocator) getFreeBlock(p *pool, stream, size uint64) *blocks.Block {
 	if size >= maxSplit && b.Size >= size+a.cfg.MaxNonSplitRounding {
 		return nil
 	}
-	p.free.Delete(b)
-	if gc {
-		b.GCBase = p.freeSearches
-	}
 	return b
 }
 
 func (a *Allocator) gcEnabled() bool {
 	return a.capped && a.cfg.GarbageCollectionThreshold > 0
-}
-
-// grow obtains a new segment for a request that no cached block serves,
-// following PyTorch's escalation: garbage-collect aged blocks (when
-// configured), ask the device, release oversize cached blocks and ask
-// again, release every cached segment and ask a last time.
-func (a *Allocator) grow(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
-	if a.exp != nil {
-		return a.growExpandable(p, stream, size, rounded)
-	}
-	if a.gcEnabled() {
-		a.garbageCollect()
-	}
-	allocSize := allocationSize(rounded)
-	b, err := a.allocBlock(p, stream, allocSize, false)
-	if b == nil && err == nil && a.releaseAvailableCachedBlocks(p, uint64(stream), rounded) {
-		b, err = a.allocBlock(p, stream, allocSize, false)
-	}
-	if b == nil && err == nil {
-		if err = a.releaseCachedBlocks(); err == nil {
-			b, err = a.allocBlock(p, stream, allocSize, true)
-		}
-	}
-	if err != nil {
-		return nil, err
-	}
-	if b == nil {
-		return nil, a.outOfMemory(size, allocSize, stream, a.lastDeviceErr)
-	}
-	return b, nil
 }
 
 // outOfMemory is every out-of-memory return, as PyTorch handles it: count
@@ -537,66 +577,13 @@ func (a *Allocator) oomError(size, allocSize uint64, cause error) *OOMError {
 	e := &OOMError{
 		Device: a.info.Index, Requested: size, AllocSize: allocSize,
 		DeviceTotal: total, DeviceFree: free,
-		Allocated: uint64(a.stats.AllocatedBytes[PoolAll].Current),
+		Allocated: uint64(a.folded().AllocatedBytes[PoolAll].Current),
 		Reserved:  a.reserved, Cause: cause,
 	}
 	if a.capped {
 		e.Allowed = a.allowed
 	}
 	return e
-}
-
-// allocBlock is PyTorch's alloc_block: one device malloc of a new segment.
-// It returns (nil, nil) when the device is out of memory (or the cap is
-// reached) and an error for any other device failure.
-func (a *Allocator) allocBlock(p *pool, stream cudart.Stream, allocSize uint64, isRetry bool) (*blocks.Block, error) {
-	if isRetry {
-		a.stats.NumAllocRetries++
-	}
-	a.lastDeviceErr = nil
-	if a.capped && a.reserved+allocSize > a.allowed {
-		return nil, nil
-	}
-	t0 := time.Now()
-	var ptr cudart.Ptr
-	var err error
-	if a.cfg.ReleaseLockOnDeviceMalloc {
-		a.mu.Unlock()
-		ptr, err = a.dev.Malloc(allocSize)
-		a.mu.Lock()
-		if err == nil && a.closed {
-			_ = a.dev.Free(ptr)
-			return nil, fmt.Errorf("allocator: malloc: %w", ErrClosed)
-		}
-	} else {
-		ptr, err = a.dev.Malloc(allocSize)
-	}
-	elapsed := time.Since(t0)
-	if err != nil {
-		if errors.Is(err, cudart.ErrOutOfMemory) {
-			a.lastDeviceErr = err
-			return nil, nil
-		}
-		return nil, fmt.Errorf("allocator: device malloc of %d bytes: %w", allocSize, err)
-	}
-	a.stats.DeviceMallocLatency.observe(elapsed)
-	seg := &blocks.Segment{Ptr: uint64(ptr), Size: allocSize, Stream: uint64(stream), Small: p.small, Index: len(a.segments)}
-	b := a.recycler.Get()
-	b.Ptr, b.Size, b.Segment = uint64(ptr), allocSize, seg
-	seg.Head = b
-	a.segments = append(a.segments, seg)
-	a.reserved += allocSize
-	a.stats.Segment.add(p.stat, 1)
-	a.stats.ReservedBytes.add(p.stat, int64(allocSize))
-	if allocSize >= a.cfg.MaxSplitSize {
-		a.stats.OversizeSegments.add(1)
-	}
-	a.stats.NumDeviceAlloc++
-	a.record(actionSegmentAlloc, seg.Ptr, allocSize, stream)
-	a.log.Debug("segment allocated", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", allocSize),
-		zap.Bool("small_pool", p.small), zap.Uint64("stream", uint64(stream)),
-		zap.Uint64("reserved_bytes", a.reserved), zap.Duration("took", elapsed))
-	return b, nil
 }
 
 func shouldSplit(p *pool, b *blocks.Block, size, maxSplit uint64) bool {
@@ -611,17 +598,17 @@ func shouldSplit(p *pool, b *blocks.Block, size, maxSplit uint64) bool {
 // when worth it, mark the block allocated and count it.
 func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested uint64) {
 	wasSplit := b.IsSplit()
-	st := &a.stats
+	st := &p.sh.stats
 	if shouldSplit(p, b, size, a.cfg.MaxSplitSize) {
-		rest := blocks.Split(b, size, &a.recycler)
+		rest := blocks.Split(b, size, &p.recycler)
 		p.free.Insert(rest)
 		switch {
 		case b.Segment.Expandable: // PyTorch leaves them out of inactive_split
 		case wasSplit:
 			st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
 		default:
-			st.InactiveSplitBytes.add(p.stat, int64(rest.Size))
-			st.InactiveSplit.add(p.stat, 1)
+			st.InactiveSplitBytes.inc(p.stat, int64(rest.Size))
+			st.InactiveSplit.inc(p.stat, 1)
 		}
 	} else if wasSplit && !b.Segment.Expandable {
 		st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
@@ -629,16 +616,19 @@ func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested ui
 	}
 	b.Allocated = true
 	b.Requested = requested
-	a.active.put(b.Ptr, b)
-	st.Allocation.add(p.stat, 1)
-	st.AllocatedBytes.add(p.stat, int64(b.Size))
-	st.Active.add(p.stat, 1)
-	st.ActiveBytes.add(p.stat, int64(b.Size))
-	st.RequestedBytes.add(p.stat, int64(requested))
+	p.sh.active.put(b.Ptr, b)
+	st.Allocation.inc(p.stat, 1)
+	st.AllocatedBytes.inc(p.stat, int64(b.Size))
+	st.Active.inc(p.stat, 1)
+	st.ActiveBytes.inc(p.stat, int64(b.Size))
+	st.RequestedBytes.inc(p.stat, int64(requested))
 	if b.Size >= a.cfg.MaxSplitSize {
-		st.OversizeAllocations.add(1)
+		st.OversizeAllocations.inc(1)
 	}
-	a.record(actionAlloc, b.Ptr, requested, cudart.Stream(b.Segment.Stream))
+	if a.world {
+		a.settleShard(p.sh)
+		a.record(actionAlloc, b.Ptr, requested, cudart.Stream(b.Segment.Stream))
+	}
 }
 
 // Free returns p, obtained from Malloc, to the cache. If other streams used
@@ -648,8 +638,87 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 	if p == 0 {
 		return nil
 	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	if sh := a.dirLookup(uint64(p)); sh != nil {
+		sh.lock()
+		ok := a.fastFree(sh, uint64(p))
+		sh.mu.Unlock()
+		if ok {
+			return nil
+		}
+	}
+	return a.slowFree(p)
+}
+
+// fastFree is Free's hot path under the shard lock alone: a block no
+// other stream used, parked in the front cache (or merged and indexed in
+// an expandable segment). A change that would pass the shard's caps
+// escalates (shard.go). It reports false when the call needs world mode,
+// having changed nothing but, perhaps, flushed the front cache.
+func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
+	if a.closed || a.history != nil || a.async != nil {
+		return false
+	}
+	if sh.parked != nil {
+		a.flushParked(sh)
+	}
+	b := sh.active.get(ptr)
+	if b == nil || len(b.StreamUses) > 0 {
+		return false
+	}
+	pl := &sh.large
+	if b.Segment.Small {
+		pl = &sh.small
+	}
+	if !b.Segment.Expandable {
+		// The inactive-split change freeBlock will make: the merged block
+		// counts when it is split, its free neighbours stop counting.
+		var n, merged int64
+		left, right := b.Prev, b.Next
+		if left != nil && left.Indexed() {
+			n, merged, left = n+1, merged+int64(left.Size), left.Prev
+		}
+		if right != nil && right.Indexed() {
+			n, merged, right = n+1, merged+int64(right.Size), right.Next
+		}
+		count, bytes := -n, -merged
+		if left != nil || right != nil {
+			count, bytes = count+1, bytes+int64(b.Size)+merged
+		}
+		if !sh.fits(pl.stat, 0, 0, 0, count, bytes, 0) {
+			if !a.escalate(sh) {
+				return false
+			}
+			defer a.deescalate(sh)
+		}
+		if !sh.noPark {
+			sh.active.del(ptr)
+			a.release(pl, b)
+			a.park(sh, pl, b, count, bytes)
+			return true
+		}
+	}
+	sh.active.del(ptr)
+	a.release(pl, b)
+	a.freeBlock(pl, b)
+	return true
+}
+
+// release ends b's allocation: it counts it as freed (not yet returned
+// to the pool).
+func (a *Allocator) release(pl *pool, b *blocks.Block) {
+	b.Allocated = false
+	st := &pl.sh.stats
+	st.Allocation.sub(pl.stat, 1)
+	st.AllocatedBytes.sub(pl.stat, int64(b.Size))
+	if b.Size >= a.cfg.MaxSplitSize {
+		st.OversizeAllocations.sub(1)
+	}
+}
+
+// slowFree is Free in world mode.
+func (a *Allocator) slowFree(p cudart.Ptr) error {
+	a.lockWorld()
+	defer a.unlockWorld()
 	if a.closed {
 		return fmt.Errorf("allocator: free of %#x: %w", uint64(p), ErrClosed)
 	}
@@ -657,22 +726,19 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 		a.curStack = h.capture()
 		defer a.endCall()
 	}
-	if a.async != nil {
-		return a.asyncFree(p)
-	}
-	b := a.active.get(uint64(p))
+	return a.be.free(p)
+}
+
+// free is the native policy's Free in world mode.
+func (n native) free(p cudart.Ptr) error {
+	a := n.a
+	b := a.activeBlock(uint64(p))
 	if b == nil {
 		return a.unknownPointer("free", p)
 	}
 	pl := a.poolOf(b)
-	a.active.del(b.Ptr)
-	b.Allocated = false
-	st := &a.stats
-	st.Allocation.sub(pl.stat, 1)
-	st.AllocatedBytes.sub(pl.stat, int64(b.Size))
-	if b.Size >= a.cfg.MaxSplitSize {
-		st.OversizeAllocations.sub(1)
-	}
+	pl.sh.active.del(b.Ptr)
+	a.release(pl, b)
 	a.record(actionFreeRequested, b.Ptr, b.Requested, cudart.Stream(b.Segment.Stream))
 	if len(b.StreamUses) > 0 {
 		if err := a.insertEvents(b); err != nil {
@@ -684,12 +750,12 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 			}
 			b.StreamUses = b.StreamUses[:0]
 			if b.EventCount == 0 {
-				a.freeBlock(b)
+				a.freeBlock(pl, b)
 			}
 		}
 		return nil
 	}
-	a.freeBlock(b)
+	a.freeBlock(pl, b)
 	return nil
 }
 
@@ -712,11 +778,11 @@ func (a *Allocator) unknownPointer(op string, p cudart.Ptr) error {
 
 // freeBlock is PyTorch's free_block: merge with free neighbours, index the
 // result and settle the statistics.
-func (a *Allocator) freeBlock(b *blocks.Block) {
-	p := a.poolOf(b)
+func (a *Allocator) freeBlock(p *pool, b *blocks.Block) {
+	sh := p.sh
 	ptr, size, requested := b.Ptr, b.Size, b.Requested // before merging moves them
 	var netCount, netBytes int64
-	n, merged := blocks.Merge(b, p.free, &a.recycler)
+	n, merged := blocks.Merge(b, p.free, &p.recycler)
 	netCount -= int64(n)
 	netBytes -= int64(merged)
 	b.Requested = 0
@@ -725,15 +791,29 @@ func (a *Allocator) freeBlock(b *blocks.Block) {
 		netCount++
 		netBytes += int64(b.Size)
 	}
-	st := &a.stats
+	st := &sh.stats
 	if !b.Segment.Expandable {
-		adjust(&st.InactiveSplit, p.stat, netCount)
-		adjust(&st.InactiveSplitBytes, p.stat, netBytes)
+		adjustHot(&st.InactiveSplit, p.stat, netCount)
+		adjustHot(&st.InactiveSplitBytes, p.stat, netBytes)
 	}
 	st.Active.sub(p.stat, 1)
 	st.ActiveBytes.sub(p.stat, int64(size))
 	st.RequestedBytes.sub(p.stat, int64(requested))
-	a.record(actionFreeCompleted, ptr, requested, cudart.Stream(b.Segment.Stream))
+	if a.world {
+		a.settleShard(sh)
+		a.record(actionFreeCompleted, ptr, requested, cudart.Stream(b.Segment.Stream))
+	}
+}
+
+// activeBlock returns the allocated block at address p, or nil (world
+// mode).
+func (a *Allocator) activeBlock(p uint64) *blocks.Block {
+	for _, sh := range a.shards {
+		if b := sh.active.get(p); b != nil {
+			return b
+		}
+	}
+	return nil
 }
 
 func adjust(a *StatArray, p Pool, n int64) {
@@ -749,19 +829,22 @@ func adjust(a *StatArray, p Pool, n int64) {
 // torch.Tensor.record_stream does: when p is freed, its memory is reused
 // only after the work queued on s up to that Free has completed.
 func (a *Allocator) RecordStream(p cudart.Ptr, s cudart.Stream) error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	if a.closed {
 		return fmt.Errorf("allocator: record stream: %w", ErrClosed)
 	}
-	if a.async != nil {
-		return a.asyncRecordStream(p, s)
-	}
-	b := a.active.get(uint64(p))
+	return a.be.recordStream(p, s)
+}
+
+// recordStream is the native policy's RecordStream in world mode.
+func (n native) recordStream(p cudart.Ptr, s cudart.Stream) error {
+	a := n.a
+	b := a.activeBlock(uint64(p))
 	if b == nil {
 		return a.unknownPointer("record stream", p)
 	}
-	if err := a.checkStream(s); err != nil {
+	if _, err := a.checkStream(s); err != nil {
 		return err
 	}
 	if uint64(s) == b.Segment.Stream {
@@ -848,7 +931,7 @@ func (a *Allocator) retire(pe pendingEvent) {
 	a.pending--
 	pe.block.EventCount--
 	if pe.block.EventCount == 0 {
-		a.freeBlock(pe.block)
+		a.freeBlock(a.poolOf(pe.block), pe.block)
 	}
 }
 
@@ -874,166 +957,30 @@ func (a *Allocator) synchronizeAndFreeEvents() error {
 	return nil
 }
 
-// releaseBlock returns a whole free segment to the device.
-func (a *Allocator) releaseBlock(b *blocks.Block) error {
-	seg := b.Segment
-	p := a.poolOf(b)
-	if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
-		return fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err)
-	}
-	p.free.Delete(b)
-	last := a.segments[len(a.segments)-1]
-	a.segments[seg.Index] = last
-	last.Index = seg.Index
-	a.segments[len(a.segments)-1] = nil
-	a.segments = a.segments[:len(a.segments)-1]
-	a.reserved -= seg.Size
-	a.stats.Segment.sub(p.stat, 1)
-	a.stats.ReservedBytes.sub(p.stat, int64(seg.Size))
-	if seg.Size >= a.cfg.MaxSplitSize {
-		a.stats.OversizeSegments.sub(1)
-	}
-	a.stats.NumDeviceFree++
-	a.record(actionSegmentFree, seg.Ptr, seg.Size, cudart.Stream(seg.Stream))
-	a.log.Debug("segment released", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", seg.Size),
-		zap.Uint64("reserved_bytes", a.reserved))
-	a.recycler.Put(b)
-	return nil
-}
-
-// releaseAll releases every collected block, stopping at the first error.
-func (a *Allocator) releaseAll(list []*blocks.Block) error {
-	for _, b := range list {
-		if err := a.releaseBlock(b); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// collectWhole gathers the pool's free blocks that are whole segments.
-func (a *Allocator) collectWhole(p *pool) []*blocks.Block {
-	list := a.scratch[:0]
-	p.free.Ascend(func(b *blocks.Block) bool {
-		if !b.IsSplit() {
-			list = append(list, b)
-		}
-		return true
-	})
-	a.scratch = list[:0]
-	return list
-}
-
 // releaseCachedBlocks is PyTorch's release_cached_blocks: wait for pending
 // events, then return every whole free segment to the device.
 func (a *Allocator) releaseCachedBlocks() error {
 	if err := a.synchronizeAndFreeEvents(); err != nil {
 		return err
 	}
-	if a.exp != nil {
-		return a.releaseExpandable() // every segment is expandable
-	}
-	if err := a.releaseAll(a.collectWhole(&a.large)); err != nil {
-		return err
-	}
-	return a.releaseAll(a.collectWhole(&a.small))
-}
-
-// releaseAvailableCachedBlocks is PyTorch's release_available_cached_blocks:
-// with max_split_size set, release one oversize cached block large enough
-// for the request, or else oversize blocks from the largest down until
-// enough bytes are freed. It reports whether it released enough.
-func (a *Allocator) releaseAvailableCachedBlocks(p *pool, stream, size uint64) bool {
-	maxSplit := a.cfg.MaxSplitSize
-	if maxSplit == math.MaxUint64 {
-		return false
-	}
-	key := max(size, maxSplit)
-	if b := p.free.LowerBound(stream, key); b != nil {
-		if b.IsSplit() {
-			return false
-		}
-		return a.releaseBlock(b) == nil
-	}
-	list := a.scratch[:0]
-	var total uint64
-	p.free.DescendStream(stream, key, func(b *blocks.Block) bool {
-		if b.Size < maxSplit || total >= key {
-			return false
-		}
-		if !b.IsSplit() {
-			list = append(list, b)
-			total += b.Size
-		}
-		return true
-	})
-	a.scratch = list[:0]
-	if err := a.releaseAll(list); err != nil {
-		return false
-	}
-	return total >= key
-}
-
-// garbageCollect is PyTorch's garbage_collect_cached_blocks: once reserved
-// memory passes threshold × allowed, release unsplit large cached blocks
-// whose age is at least the average, repeatedly, until enough is freed.
-func (a *Allocator) garbageCollect() {
-	threshold := uint64(a.cfg.GarbageCollectionThreshold * float64(a.allowed))
-	if a.reserved <= threshold {
-		return
-	}
-	target := a.reserved - threshold
-	p := &a.large
-	age := func(b *blocks.Block) uint64 { return p.freeSearches - b.GCBase }
-	var totalAge uint64
-	count := 0
-	p.free.Ascend(func(b *blocks.Block) bool {
-		if !b.IsSplit() {
-			totalAge += age(b)
-			count++
-		}
-		return true
-	})
-	var reclaimed uint64
-	for freed := true; reclaimed < target && freed && count > 0; {
-		threshold := float64(totalAge) / float64(count)
-		freed = false
-		list := a.scratch[:0]
-		p.free.Ascend(func(b *blocks.Block) bool {
-			if !b.IsSplit() && float64(age(b)) >= threshold {
-				list = append(list, b)
-			}
-			return true
-		})
-		a.scratch = list[:0]
-		for _, b := range list {
-			g, size := age(b), b.Size
-			if a.releaseBlock(b) != nil {
-				return
-			}
-			freed = true
-			reclaimed += size
-			totalAge -= g
-			count--
-		}
-	}
+	return a.src.releaseCached()
 }
 
 // EmptyCache waits for pending stream events, then returns every cached
 // segment that holds no allocation to the device, as
 // torch.cuda.empty_cache() does. Segments with a live block stay.
 func (a *Allocator) EmptyCache() error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	if a.closed {
 		return fmt.Errorf("allocator: empty cache: %w", ErrClosed)
 	}
 	a.stats.NumEmptyCache++
-	if a.async != nil {
-		return a.asyncEmptyCache()
-	}
-	return a.releaseCachedBlocks()
+	return a.be.emptyCache()
 }
+
+// emptyCache is the native policy's EmptyCache: release_cached_blocks.
+func (n native) emptyCache() error { return n.a.releaseCachedBlocks() }
 
 // Close waits for pending events and returns every segment to the device,
 // including segments with blocks still allocated; it then reports those
@@ -1041,34 +988,13 @@ func (a *Allocator) EmptyCache() error {
 // afterwards (ErrClosed). The device is closed too when Open opened it;
 // an allocator from New leaves it open.
 func (a *Allocator) Close() error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	if a.closed {
 		return fmt.Errorf("allocator: close: %w", ErrClosed)
 	}
-	var errs []error
-	live, liveBytes := a.active.len(), a.stats.AllocatedBytes[PoolAll].Current
-	if a.async != nil {
-		live = len(a.async.live)
-		errs = append(errs, a.asyncClose()...)
-	}
-	if err := a.synchronizeAndFreeEvents(); err != nil {
-		errs = append(errs, err)
-		if serr := a.dev.Synchronize(); serr != nil {
-			errs = append(errs, serr)
-		}
-	}
-	for _, seg := range a.segments {
-		if seg.Expandable {
-			continue // closeExpandable
-		}
-		if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
-			errs = append(errs, fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err))
-			continue
-		}
-		a.stats.NumDeviceFree++
-	}
-	errs = append(errs, a.closeExpandable()...)
+	liveBytes := a.folded().AllocatedBytes[PoolAll].Current
+	live, errs := a.be.close()
 	for _, ev := range a.spareEvents {
 		if err := a.dev.EventDestroy(ev); err != nil {
 			errs = append(errs, err)
@@ -1085,9 +1011,18 @@ func (a *Allocator) Close() error {
 	}
 	st.OversizeAllocations.sub(st.OversizeAllocations.Current)
 	st.OversizeSegments.sub(st.OversizeSegments.Current)
+	for _, sh := range a.shards {
+		for _, arr := range sh.stats.arrays() {
+			for p := range arr {
+				arr[p].sub(arr[p].Current)
+			}
+		}
+		sh.stats.OversizeAllocations.sub(sh.stats.OversizeAllocations.Current)
+		sh.small.free, sh.large.free = blocks.NewStreamFreeIndex(uint64(sh.stream)), blocks.NewStreamFreeIndex(uint64(sh.stream))
+		sh.active = newPtrMap(0)
+	}
 	a.segments, a.spareEvents, a.queues = nil, nil, nil
-	a.small.free, a.large.free = blocks.NewFreeIndex(), blocks.NewFreeIndex()
-	a.active = newPtrMap(0)
+	a.dir.Store(&directory{})
 	a.reserved, a.pending = 0, 0
 	a.closed = true
 	if a.ownsDevice {
@@ -1101,14 +1036,33 @@ func (a *Allocator) Close() error {
 	return errors.Join(errs...)
 }
 
+// close is the native policy's part of Close: wait for the pending
+// events and return every segment to the device. It returns the number of
+// blocks still allocated.
+func (n native) close() (int, []error) {
+	a := n.a
+	var errs []error
+	live := 0
+	for _, sh := range a.shards {
+		live += sh.active.len()
+	}
+	if err := a.synchronizeAndFreeEvents(); err != nil {
+		errs = append(errs, err)
+		if serr := a.dev.Synchronize(); serr != nil {
+			errs = append(errs, serr)
+		}
+	}
+	return live, append(errs, a.src.close()...)
+}
+
 // Stats returns a copy of the statistics, consistent as of one moment.
 func (a *Allocator) Stats() Stats {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	s := a.stats
+	a.lockWorld()
+	defer a.unlockWorld()
+	s := a.folded()
 	var largest uint64
-	for _, p := range []*pool{&a.small, &a.large} {
-		if b := p.free.Largest(); b != nil && b.Size > largest {
+	for _, x := range a.freeIndexes() {
+		if b := x.Largest(); b != nil && b.Size > largest {
 			largest = b.Size
 		}
 	}
@@ -1119,54 +1073,69 @@ func (a *Allocator) Stats() Stats {
 // MemoryAllocated returns the bytes currently handed out (rounded sizes),
 // as torch.cuda.memory_allocated().
 func (a *Allocator) MemoryAllocated() int64 {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.stats.AllocatedBytes[PoolAll].Current
+	a.lockWorld()
+	defer a.unlockWorld()
+	s := a.folded()
+	return s.AllocatedBytes[PoolAll].Current
 }
 
 // MemoryReserved returns the bytes held from the device, as
 // torch.cuda.memory_reserved().
 func (a *Allocator) MemoryReserved() int64 {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	return a.stats.ReservedBytes[PoolAll].Current
 }
 
 // Usage returns the current allocated, reserved and requested bytes (all
 // pools) under one lock: cheaper than Stats for callers that sample often.
 func (a *Allocator) Usage() (allocated, reserved, requested int64) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	st := &a.stats
-	return st.AllocatedBytes[PoolAll].Current, st.ReservedBytes[PoolAll].Current, st.RequestedBytes[PoolAll].Current
+	a.lockWorld()
+	defer a.unlockWorld()
+	allocated, requested = a.stats.AllocatedBytes[PoolAll].Current, a.stats.RequestedBytes[PoolAll].Current
+	for _, sh := range a.shards {
+		allocated += sh.stats.AllocatedBytes[PoolAll].Current
+		requested += sh.stats.RequestedBytes[PoolAll].Current
+	}
+	return allocated, a.stats.ReservedBytes[PoolAll].Current, requested
 }
 
 // MaxMemoryAllocated returns the peak of MemoryAllocated since the last
 // ResetPeakStats.
 func (a *Allocator) MaxMemoryAllocated() int64 {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	return a.stats.AllocatedBytes[PoolAll].Peak
 }
 
 // MaxMemoryReserved returns the peak of MemoryReserved since the last
 // ResetPeakStats.
 func (a *Allocator) MaxMemoryReserved() int64 {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	return a.stats.ReservedBytes[PoolAll].Peak
 }
 
 // ResetPeakStats sets every peak to its current value.
 func (a *Allocator) ResetPeakStats() {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	st := &a.stats
 	for _, arr := range st.namedArrays() {
 		arr.a.resetPeak()
 	}
 	st.OversizeAllocations.resetPeak()
 	st.OversizeSegments.resetPeak()
+	// The hot statistics' global currents live in the shards: fold them in.
+	f := a.folded()
+	g, h := st.hotArrays(), f.hotArrays()
+	for k := range numHot {
+		for p := range numPools {
+			g[k][p].Peak = h[k][p].Current
+		}
+	}
+	st.OversizeAllocations.Peak = f.OversizeAllocations.Current
+	a.capsDirty = true
 }
 
 // Check walks every segment, block and index and compares what it finds
@@ -1174,17 +1143,25 @@ func (a *Allocator) ResetPeakStats() {
 // error listing each broken one otherwise. It is meant for tests and
 // debugging: it costs time proportional to the number of blocks.
 func (a *Allocator) Check() error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.async != nil {
-		return a.asyncCheck()
-	}
-	t, err := blocks.Check(a.segments, a.small.free, a.large.free)
+	a.lockAll()
+	defer a.unlockWorld()
+	parked := a.checkParked()
+	a.flushAll()
+	return errors.Join(append(parked, a.be.check())...)
+}
+
+// check is the native policy's Check, after the front cache was checked
+// and flushed.
+func (n native) check() error {
+	a := n.a
+	t, err := blocks.Check(a.segments, a.freeIndexes()...)
 	var errs []error
 	if err != nil {
 		errs = append(errs, err)
 	}
-	st := &a.stats
+	errs = append(errs, a.checkShards()...)
+	folded := a.folded()
+	st := &folded
 	want := func(name string, got, exp int64) {
 		if got != exp {
 			errs = append(errs, fmt.Errorf("stat %s is %d, structures say %d", name, got, exp))
@@ -1201,7 +1178,11 @@ func (a *Allocator) Check() error {
 	want("requested_bytes", st.RequestedBytes[PoolAll].Current, int64(t.RequestedBytes))
 	want("inactive_split", st.InactiveSplit[PoolAll].Current, int64(t.InactiveSplitCount))
 	want("inactive_split_bytes", st.InactiveSplitBytes[PoolAll].Current, int64(t.InactiveSplitBytes))
-	want("active map size", int64(a.active.len()), int64(t.AllocatedCount))
+	live := 0
+	for _, sh := range a.shards {
+		live += sh.active.len()
+	}
+	want("active map size", int64(live), int64(t.AllocatedCount))
 	for _, arr := range st.namedArrays() {
 		want(arr.name+" pools", arr.a[PoolSmall].Current+arr.a[PoolLarge].Current, arr.a[PoolAll].Current)
 	}
@@ -1209,20 +1190,25 @@ func (a *Allocator) Check() error {
 	for _, s := range a.segments {
 		for b := s.Head; b != nil; b = b.Next {
 			events += b.EventCount
-			if b.Allocated && a.active.get(b.Ptr) != b {
-				errs = append(errs, fmt.Errorf("allocated %v is missing from the active map", b))
+			if b.Allocated && a.shardOf(cudart.Stream(s.Stream)).active.get(b.Ptr) != b {
+				errs = append(errs, fmt.Errorf("allocated %v is missing from its stream's active map", b))
 			}
 		}
 	}
 	want("pending events", int64(a.pending), int64(events))
-	errs = append(errs, a.checkExpandable()...)
-	for i, p := range []*pool{&a.small, &a.large} {
-		p.free.Ascend(func(b *blocks.Block) bool {
-			if b.Segment.Small != p.small {
-				errs = append(errs, fmt.Errorf("%v is in pool %d but its segment belongs to the other", b, i))
-			}
-			return true
-		})
+	errs = append(errs, a.src.check()...)
+	for _, sh := range a.shards {
+		for i, p := range []*pool{&sh.small, &sh.large} {
+			p.free.Ascend(func(b *blocks.Block) bool {
+				if b.Segment.Small != p.small {
+					errs = append(errs, fmt.Errorf("%v is in pool %d but its segment belongs to the other", b, i))
+				}
+				if b.Segment.Stream != uint64(sh.stream) {
+					errs = append(errs, fmt.Errorf("%v of stream %#x is in the shard of stream %#x", b, b.Segment.Stream, uint64(sh.stream)))
+				}
+				return true
+			})
+		}
 	}
 	return errors.Join(errs...)
 }

@@ -7,12 +7,15 @@ import (
 	"github.com/allocd/allocd/cudart"
 )
 
-// asyncBackend is backend:cudaMallocAsync: every Malloc and Free goes to the
-// device's stream-ordered pool (whose release threshold the device sets
-// high, as PyTorch does), and the allocator keeps only the bookkeeping for
-// statistics, RecordStream and error checking. It lives under the
-// allocator's mutex.
-type asyncBackend struct {
+// asyncAllocator is backend:cudaMallocAsync, PyTorch's
+// CudaMallocAsyncAllocator: its own backend (backend.go) beside the native
+// policy. Every Malloc and Free goes to the device's stream-ordered pool
+// (whose release threshold the device sets high, as PyTorch does), and it
+// keeps only the bookkeeping for statistics, RecordStream and error
+// checking. It shares the allocator's statistics, events, history and
+// world mode (it has no hot path of its own).
+type asyncAllocator struct {
+	a    *Allocator
 	dev  cudart.AsyncAllocator
 	pool cudart.PoolReporter // nil when the device cannot report usage
 	live map[uint64]*asyncAlloc
@@ -28,13 +31,13 @@ type asyncAlloc struct {
 	events               []cudart.Event
 }
 
-func newAsyncBackend(dev cudart.Device) (*asyncBackend, error) {
+func newAsyncAllocator(a *Allocator, dev cudart.Device) (*asyncAllocator, error) {
 	ad, ok := dev.(cudart.AsyncAllocator)
 	if !ok {
 		return nil, fmt.Errorf("allocator: backend:cudaMallocAsync: device %q has no stream-ordered pool: %w", dev.Info().Name, ErrNotSupported)
 	}
 	pr, _ := dev.(cudart.PoolReporter)
-	return &asyncBackend{dev: ad, pool: pr, live: make(map[uint64]*asyncAlloc)}, nil
+	return &asyncAllocator{a: a, dev: ad, pool: pr, live: make(map[uint64]*asyncAlloc)}, nil
 }
 
 // asyncPoolOf attributes an async allocation to a pool by size, so that
@@ -46,18 +49,20 @@ func asyncPoolOf(size uint64) Pool {
 	return PoolLarge
 }
 
-func (a *Allocator) asyncMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, error) {
-	ab := a.async
-	if err := a.asyncProcess(false); err != nil {
+// mallocStream serves a request from the device's pool, trimming it and
+// retrying once on out of memory.
+func (m *asyncAllocator) mallocStream(size uint64, stream cudart.Stream) (cudart.Ptr, error) {
+	a := m.a
+	if err := m.process(false); err != nil {
 		return 0, err
 	}
-	ptr, err := ab.dev.MallocAsync(size, stream)
+	ptr, err := m.dev.MallocAsync(size, stream)
 	if err != nil && errors.Is(err, cudart.ErrOutOfMemory) {
 		// Release what the pool caches, wait for deferred frees, retry once.
-		if err = a.asyncProcess(true); err == nil {
-			if err = ab.dev.TrimPool(); err == nil {
+		if err = m.process(true); err == nil {
+			if err = m.dev.TrimPool(); err == nil {
 				a.stats.NumAllocRetries++
-				ptr, err = ab.dev.MallocAsync(size, stream)
+				ptr, err = m.dev.MallocAsync(size, stream)
 			}
 		}
 	}
@@ -68,7 +73,7 @@ func (a *Allocator) asyncMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, 
 		return 0, fmt.Errorf("allocator: device malloc async of %d bytes: %w", size, err)
 	}
 	p := asyncPoolOf(size)
-	ab.live[uint64(ptr)] = &asyncAlloc{ptr: uint64(ptr), size: size, requested: size, stream: stream}
+	m.live[uint64(ptr)] = &asyncAlloc{ptr: uint64(ptr), size: size, requested: size, stream: stream}
 	st := &a.stats
 	st.NumDeviceAlloc++
 	st.Allocation.add(p, 1)
@@ -76,16 +81,16 @@ func (a *Allocator) asyncMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, 
 	st.Active.add(p, 1)
 	st.ActiveBytes.add(p, int64(size))
 	st.RequestedBytes.add(p, int64(size))
-	a.asyncSyncReserved()
+	m.syncReserved()
 	a.record(actionAlloc, uint64(ptr), size, stream)
 	return ptr, nil
 }
 
-func (a *Allocator) asyncFree(ptr cudart.Ptr) error {
-	ab := a.async
-	al := ab.live[uint64(ptr)]
+func (m *asyncAllocator) free(ptr cudart.Ptr) error {
+	a := m.a
+	al := m.live[uint64(ptr)]
 	if al == nil {
-		for _, pa := range ab.pending {
+		for _, pa := range m.pending {
 			if pa.ptr == uint64(ptr) {
 				return fmt.Errorf("allocator: free of %#x: %w (the block is already free)", uint64(ptr), ErrDoubleFree)
 			}
@@ -111,53 +116,55 @@ func (a *Allocator) asyncFree(ptr cudart.Ptr) error {
 		}
 		al.uses = nil
 		if len(al.events) > 0 {
-			delete(ab.live, al.ptr)
-			a.asyncFreed(al)
-			ab.pending = append(ab.pending, al)
+			delete(m.live, al.ptr)
+			m.freed(al)
+			m.pending = append(m.pending, al)
 			a.record(actionFreeRequested, al.ptr, al.size, al.stream)
 			return nil
 		}
 	}
-	if err := ab.dev.FreeAsync(ptr, al.stream); err != nil {
+	if err := m.dev.FreeAsync(ptr, al.stream); err != nil {
 		return fmt.Errorf("allocator: device free async of %#x: %w", uint64(ptr), err)
 	}
-	delete(ab.live, al.ptr)
-	a.asyncFreed(al)
-	a.asyncCompleted(al)
+	delete(m.live, al.ptr)
+	m.freed(al)
+	m.completed(al)
 	return nil
 }
 
 // asyncFreed counts the end of an allocation (free requested).
-func (a *Allocator) asyncFreed(al *asyncAlloc) {
+func (m *asyncAllocator) freed(al *asyncAlloc) {
+	a := m.a
 	p := asyncPoolOf(al.size)
 	a.stats.Allocation.sub(p, 1)
 	a.stats.AllocatedBytes.sub(p, int64(al.size))
 }
 
 // asyncCompleted counts the memory's return to the pool (free completed).
-func (a *Allocator) asyncCompleted(al *asyncAlloc) {
+func (m *asyncAllocator) completed(al *asyncAlloc) {
+	a := m.a
 	p := asyncPoolOf(al.size)
 	a.stats.Active.sub(p, 1)
 	a.stats.ActiveBytes.sub(p, int64(al.size))
 	a.stats.RequestedBytes.sub(p, int64(al.requested))
 	a.stats.NumDeviceFree++
-	a.asyncSyncReserved()
+	m.syncReserved()
 	a.record(actionFreeCompleted, al.ptr, al.size, al.stream)
 }
 
 // asyncProcess issues the deferred frees whose events have completed; with
 // wait it first waits for all of them.
-func (a *Allocator) asyncProcess(wait bool) error {
-	ab := a.async
-	if len(ab.pending) == 0 {
+func (m *asyncAllocator) process(wait bool) error {
+	a := m.a
+	if len(m.pending) == 0 {
 		return nil
 	}
 	if wait {
 		a.stats.NumSyncAllStreams++
 	}
-	keep := ab.pending[:0]
+	keep := m.pending[:0]
 	var firstErr error
-	for _, al := range ab.pending {
+	for _, al := range m.pending {
 		done := true
 		for _, ev := range al.events {
 			var ok bool
@@ -177,24 +184,25 @@ func (a *Allocator) asyncProcess(wait bool) error {
 			keep = append(keep, al)
 			continue
 		}
-		if err := ab.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil && firstErr == nil {
+		if err := m.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil && firstErr == nil {
 			firstErr = fmt.Errorf("allocator: device free async of %#x: %w", al.ptr, err)
 		}
 		a.spareEvents = append(a.spareEvents, al.events...)
-		a.asyncCompleted(al)
+		m.completed(al)
 	}
-	for i := len(keep); i < len(ab.pending); i++ {
-		ab.pending[i] = nil
+	for i := len(keep); i < len(m.pending); i++ {
+		m.pending[i] = nil
 	}
-	ab.pending = keep
+	m.pending = keep
 	return firstErr
 }
 
 // asyncSyncReserved refreshes reserved bytes from the pool (slow path: one
 // device query) or, when the device cannot tell, from active bytes.
-func (a *Allocator) asyncSyncReserved() {
+func (m *asyncAllocator) syncReserved() {
+	a := m.a
 	var reserved uint64
-	if pr := a.async.pool; pr != nil {
+	if pr := m.pool; pr != nil {
 		r, _, err := pr.PoolUsage()
 		if err != nil {
 			return
@@ -215,12 +223,13 @@ func (a *Allocator) asyncSyncReserved() {
 	adjust(&a.stats.Segment, PoolLarge, segs-a.stats.Segment[PoolLarge].Current)
 }
 
-func (a *Allocator) asyncRecordStream(ptr cudart.Ptr, s cudart.Stream) error {
-	al := a.async.live[uint64(ptr)]
+func (m *asyncAllocator) recordStream(ptr cudart.Ptr, s cudart.Stream) error {
+	a := m.a
+	al := m.live[uint64(ptr)]
 	if al == nil {
 		return fmt.Errorf("allocator: record stream of %#x: %w", uint64(ptr), ErrUnknownPointer)
 	}
-	if err := a.checkStream(s); err != nil {
+	if _, err := a.checkStream(s); err != nil {
 		return err
 	}
 	if s == al.stream {
@@ -235,66 +244,69 @@ func (a *Allocator) asyncRecordStream(ptr cudart.Ptr, s cudart.Stream) error {
 	return nil
 }
 
-func (a *Allocator) asyncEmptyCache() error {
-	if err := a.asyncProcess(true); err != nil {
+func (m *asyncAllocator) emptyCache() error {
+	a := m.a
+	if err := m.process(true); err != nil {
 		return err
 	}
 	if err := a.dev.Synchronize(); err != nil {
 		return fmt.Errorf("allocator: empty cache: %w", err)
 	}
-	if err := a.async.dev.TrimPool(); err != nil {
+	if err := m.dev.TrimPool(); err != nil {
 		return fmt.Errorf("allocator: empty cache: trimming the pool: %w", err)
 	}
-	a.asyncSyncReserved()
+	m.syncReserved()
 	return nil
 }
 
 // asyncClose frees everything still live or pending and trims the pool.
-func (a *Allocator) asyncClose() []error {
+func (m *asyncAllocator) closeAll() []error {
+	a := m.a
 	var errs []error
-	if err := a.asyncProcess(true); err != nil {
+	if err := m.process(true); err != nil {
 		errs = append(errs, err)
 	}
-	for _, al := range a.async.live {
-		if err := a.async.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil {
+	for _, al := range m.live {
+		if err := m.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	// Frees still deferred (their events failed): issue them after the
 	// device has finished everything.
-	for _, al := range a.async.pending {
-		if err := a.async.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil {
+	for _, al := range m.pending {
+		if err := m.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil {
 			errs = append(errs, err)
 		}
 		a.spareEvents = append(a.spareEvents, al.events...)
 	}
 	// Nothing is live or pending any more: the bookkeeping says so, so
 	// that Check agrees with the zeroed statistics.
-	a.async.live = make(map[uint64]*asyncAlloc)
-	a.async.pending = nil
+	m.live = make(map[uint64]*asyncAlloc)
+	m.pending = nil
 	if err := a.dev.Synchronize(); err != nil {
 		errs = append(errs, err)
 	}
-	if err := a.async.dev.TrimPool(); err != nil {
+	if err := m.dev.TrimPool(); err != nil {
 		errs = append(errs, err)
 	}
 	return errs
 }
 
-func (a *Allocator) asyncCheck() error {
+func (m *asyncAllocator) check() error {
+	a := m.a
 	var errs []error
 	var bytes, requested int64
-	for _, al := range a.async.live {
+	for _, al := range m.live {
 		bytes += int64(al.size)
 		requested += int64(al.requested)
 	}
 	if got := a.stats.AllocatedBytes[PoolAll].Current; got != bytes {
 		errs = append(errs, fmt.Errorf("stat allocated_bytes is %d, live allocations add up to %d", got, bytes))
 	}
-	if got := a.stats.Allocation[PoolAll].Current; got != int64(len(a.async.live)) {
-		errs = append(errs, fmt.Errorf("stat allocation is %d, %d live allocations", got, len(a.async.live)))
+	if got := a.stats.Allocation[PoolAll].Current; got != int64(len(m.live)) {
+		errs = append(errs, fmt.Errorf("stat allocation is %d, %d live allocations", got, len(m.live)))
 	}
-	for _, al := range a.async.pending {
+	for _, al := range m.pending {
 		bytes += int64(al.size)
 		requested += int64(al.requested)
 	}

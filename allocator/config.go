@@ -71,6 +71,11 @@ func DefaultConfig() Config {
 // ErrConfig is wrapped by every configuration error.
 var ErrConfig = errors.New("invalid allocator configuration")
 
+// PinnedKeyPrefix starts the keys of the pinned host allocator, which reads
+// the same ALLOCD_CONF string. ParseConfig checks only their syntax (a key
+// given twice is still an error) and leaves their values to package pinned.
+const PinnedKeyPrefix = "pinned_"
+
 // ConfigError names the key and value that were wrong and what is accepted.
 type ConfigError struct {
 	Key, Value string
@@ -149,6 +154,9 @@ func ParseConfig(s string) (Config, error) {
 			return DefaultConfig(), &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "key given twice"}
 		}
 		seen[key] = true
+		if strings.HasPrefix(key, PinnedKeyPrefix) {
+			continue // the pinned host allocator's key: package pinned checks it
+		}
 		if err := cfg.set(key, val); err != nil {
 			return DefaultConfig(), err
 		}

@@ -190,3 +190,20 @@ func TestIsDecimal(t *testing.T) {
 		}
 	}
 }
+
+// TestParseConfigLeavesPinnedKeys: the pinned host allocator's keys share
+// ALLOCD_CONF; the device allocator skips them but still checks the syntax.
+func TestParseConfigLeavesPinnedKeys(t *testing.T) {
+	cfg, err := ParseConfig("pinned_roundup_power2_divisions:4,max_split_size_mb:64,pinned_use_background_threads:False")
+	if err != nil {
+		t.Fatalf("ParseConfig: %v", err)
+	}
+	if cfg.MaxSplitSize != 64<<20 {
+		t.Errorf("MaxSplitSize = %d, want 64 MiB", cfg.MaxSplitSize)
+	}
+	for _, bad := range []string{"pinned_roundup_power2_divisions:4,pinned_roundup_power2_divisions:8", "pinned_x:", "pinned_x:1,"} {
+		if _, err := ParseConfig(bad); !errors.Is(err, ErrConfig) {
+			t.Errorf("ParseConfig(%q) = %v, want an ErrConfig", bad, err)
+		}
+	}
+}

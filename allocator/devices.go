@@ -315,23 +315,18 @@ const (
 // holds reports how a relates to p, under its lock. A closed allocator
 // holds nothing.
 func (a *Allocator) holds(p cudart.Ptr) holding {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	if a.closed {
 		return holdNone
 	}
-	if a.async != nil {
-		if a.async.live[uint64(p)] != nil {
-			return holdLive
-		}
-		for _, pa := range a.async.pending {
-			if pa.ptr == uint64(p) {
-				return holdSegment
-			}
-		}
-		return holdNone
-	}
-	if a.active.get(uint64(p)) != nil {
+	return a.be.holds(p)
+}
+
+// holds is the native policy's part of Allocator.holds.
+func (n native) holds(p cudart.Ptr) holding {
+	a := n.a
+	if a.activeBlock(uint64(p)) != nil {
 		return holdLive
 	}
 	for _, s := range a.segments {

@@ -104,8 +104,10 @@ import (
 	"github.com/allocd/allocd/trace"
 )
 
-// expandable is the allocator's expandable-segment state.
+// expandable is the allocator's expandable-segment state and its segment
+// source (segments.go).
 type expandable struct {
+	a    *Allocator
 	vm   cudart.VirtualMemory
 	gran uint64
 	// segs are the live expandable segments in address order.
@@ -203,6 +205,14 @@ func expandableFit(p *pool, b *blocks.Block) *blocks.Block {
 	}
 	return b
 }
+
+// The source interface, over the functions below.
+func (e *expandable) grow(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+	return e.a.growExpandable(p, stream, size, rounded)
+}
+func (e *expandable) releaseCached() error { return e.a.releaseExpandable() }
+func (e *expandable) close() []error       { return e.a.closeExpandable() }
+func (e *expandable) check() []error       { return e.a.checkExpandable() }
 
 // growExpandable is grow for expandable segments: map pages for the
 // request; if the device says no, release cached memory (unmap free pages)
@@ -312,10 +322,11 @@ func (a *Allocator) reserveExpandable(p *pool, stream uint64) (*blocks.Block, er
 	}
 	seg := &blocks.Segment{Ptr: uint64(ptr), Size: size, Stream: stream, Small: p.small,
 		Index: len(a.segments), Expandable: true, PageSize: page}
-	b := a.recycler.Get()
+	b := p.recycler.Get()
 	b.Ptr, b.Size, b.Segment, b.Unmapped = seg.Ptr, size, seg, true
 	seg.Head = b
 	a.segments = append(a.segments, seg)
+	a.dirAdd(seg)
 	es := &expSegment{seg: seg}
 	i := sort.Search(len(a.exp.segs), func(i int) bool { return a.exp.segs[i].seg.Ptr > seg.Ptr })
 	a.exp.segs = append(a.exp.segs, nil)
@@ -344,10 +355,10 @@ func (a *Allocator) mapBlock(p *pool, b *blocks.Block, size uint64) (bool, error
 	start, n := b.Ptr, (end-begin)*page
 	b.Unmapped = false
 	if n < b.Size {
-		rest := blocks.Split(b, n, &a.recycler)
+		rest := blocks.Split(b, n, &p.recycler)
 		rest.Unmapped = true
 	}
-	blocks.Merge(b, p.free, &a.recycler)
+	blocks.Merge(b, p.free, &p.recycler)
 	p.free.Insert(b)
 	seg.Mapped += n
 	a.reserved += n
@@ -462,15 +473,15 @@ func (a *Allocator) unmapBlock(b *blocks.Block) (*blocks.Block, error) {
 	p.free.Delete(b)
 	start, n := es.addr(begin), (end-begin)*page
 	if before := start - b.Ptr; before > 0 {
-		mid := blocks.Split(b, before, &a.recycler)
+		mid := blocks.Split(b, before, &p.recycler)
 		p.free.Insert(b)
 		b = mid
 	}
 	if b.Size > n {
-		p.free.Insert(blocks.Split(b, n, &a.recycler))
+		p.free.Insert(blocks.Split(b, n, &p.recycler))
 	}
 	b.Unmapped = true
-	blocks.MergeUnmapped(b, &a.recycler)
+	blocks.MergeUnmapped(b, &p.recycler)
 	seg.Mapped -= n
 	a.reserved -= n
 	a.stats.ReservedBytes.sub(p.stat, int64(n))
@@ -526,13 +537,15 @@ func (a *Allocator) growthExcess(c *blocks.Block, size uint64) uint64 {
 // pages cover want, else the largest blocks first.
 func (a *Allocator) reclaimPages(want uint64) error {
 	list := a.exp.scratch[:0]
-	for _, p := range [2]*pool{&a.large, &a.small} {
-		p.free.Ascend(func(b *blocks.Block) bool {
-			if b.Segment.Expandable && wholePages(b) > 0 && !slices.Contains(a.exp.chain, b) {
-				list = append(list, b)
-			}
-			return true
-		})
+	for _, small := range [2]bool{false, true} {
+		for _, p := range a.pools(small) {
+			p.free.Ascend(func(b *blocks.Block) bool {
+				if b.Segment.Expandable && wholePages(b) > 0 && !slices.Contains(a.exp.chain, b) {
+					list = append(list, b)
+				}
+				return true
+			})
+		}
 	}
 	a.exp.scratch = list[:0]
 	sort.SliceStable(list, func(i, j int) bool { return wholePages(list[i]) > wholePages(list[j]) })
@@ -566,14 +579,16 @@ func (a *Allocator) reclaimPages(want uint64) error {
 // the free index's order, and release ranges left wholly unmapped.
 func (a *Allocator) releaseExpandable() error {
 	synced := false
-	for _, p := range [2]*pool{&a.large, &a.small} {
+	for _, small := range [2]bool{false, true} {
 		list := a.exp.scratch[:0]
-		p.free.Ascend(func(b *blocks.Block) bool {
-			if b.Segment.Expandable {
-				list = append(list, b)
-			}
-			return true
-		})
+		for _, p := range a.pools(small) {
+			p.free.Ascend(func(b *blocks.Block) bool {
+				if b.Segment.Expandable {
+					list = append(list, b)
+				}
+				return true
+			})
+		}
 		a.exp.scratch = list[:0]
 		for _, b := range list {
 			if wholePages(b) == 0 {
@@ -610,6 +625,7 @@ func (a *Allocator) releaseExpandableSegment(es *expSegment) error {
 	last.Index = seg.Index
 	a.segments[len(a.segments)-1] = nil
 	a.segments = a.segments[:len(a.segments)-1]
+	a.dirRemove(seg)
 	for i, x := range a.exp.segs {
 		if x == es {
 			a.exp.segs = append(a.exp.segs[:i], a.exp.segs[i+1:]...)
@@ -617,7 +633,7 @@ func (a *Allocator) releaseExpandableSegment(es *expSegment) error {
 		}
 	}
 	a.log.Debug("expandable segment released", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", seg.Size))
-	a.recycler.Put(seg.Head)
+	a.poolOf(seg.Head).recycler.Put(seg.Head)
 	return nil
 }
 

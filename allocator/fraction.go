@@ -13,8 +13,8 @@ import "fmt"
 // gets an error wrapping ErrConfig and changes nothing. Config() reports
 // the new value.
 func (a *Allocator) SetMemoryFraction(f float64) error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	if a.closed {
 		return fmt.Errorf("allocator: set memory fraction: %w", ErrClosed)
 	}

@@ -210,8 +210,8 @@ func (a *Allocator) RecordHistory(opt HistoryOptions) error {
 	if err := opt.validate(); err != nil {
 		return err
 	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	if a.closed {
 		return fmt.Errorf("allocator: record history: %w", ErrClosed)
 	}

@@ -23,8 +23,8 @@ import (
 // writes it as the pickle memory_viz opens. The snapshot shares nothing
 // mutable with the allocator.
 func (a *Allocator) Snapshot() *trace.Snapshot {
-	a.mu.Lock()
-	defer a.mu.Unlock()
+	a.lockWorld()
+	defer a.unlockWorld()
 	snap := &trace.Snapshot{
 		Segments: make([]trace.Segment, 0, len(a.segments)),
 		AllocatorSettings: map[string]any{

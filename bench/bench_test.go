@@ -102,6 +102,36 @@ func BenchmarkMixed(b *testing.B) {
 	}
 }
 
+// BenchmarkMixedWarm runs BenchmarkMixed's workload twice on the same
+// streams (MixedWarm). ns/op covers both passes; ns/step and Mops/s are
+// the second, cached pass only.
+func BenchmarkMixedWarm(b *testing.B) {
+	steps := MixedSteps
+	if testing.Short() {
+		steps = 20_000
+	}
+	for _, threads := range MixedThreads {
+		b.Run(fmt.Sprintf("threads=%d", threads), func(b *testing.B) {
+			var last MixedResult
+			b.ReportAllocs()
+			for b.Loop() {
+				b.StopTimer()
+				a := newSimAllocator(b, "", false) // fresh: each run makes new streams
+				b.StartTimer()
+				r, err := MixedWarm(a, threads, steps)
+				if err != nil {
+					b.Fatal(err)
+				}
+				last = r
+			}
+			b.ReportMetric(last.NsPerOp(), "ns/step")
+			b.ReportMetric(last.MopsPerSec(), "Mops/s")
+			b.ReportMetric(float64(last.PeakReserved)/(1<<20), "peak-reserved-MiB")
+			b.ReportMetric(float64(last.PeakAllocated)/(1<<20), "peak-allocated-MiB")
+		})
+	}
+}
+
 func sharedTraceFiles(tb testing.TB) []string {
 	files, _ := filepath.Glob(filepath.Join(sharedTraces, "*.pickle.gz"))
 	if len(files) == 0 {

@@ -73,6 +73,21 @@ func RunSuite(t *Target, cfg allocator.Config, s Suite) (Report, error) {
 		}
 		rep.Mixed = append(rep.Mixed, MixedRowOf(r))
 	}
+	for _, th := range s.Threads {
+		if s.MixedSteps <= 0 {
+			break
+		}
+		a, err := fresh()
+		if err != nil {
+			return rep, err
+		}
+		r, err := MixedWarm(a, th, s.MixedSteps)
+		_ = a.Close()
+		if err != nil {
+			return rep, fmt.Errorf("mixed_warm/threads=%d: %w", th, err)
+		}
+		rep.Warm = append(rep.Warm, MixedRowOf(r))
+	}
 	for _, file := range s.Traces {
 		tr, err := LoadTrace(file)
 		if err != nil {

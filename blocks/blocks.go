@@ -119,20 +119,30 @@ func (s *Segment) Whole() bool {
 }
 
 // Recycler hands out Block structs and takes them back, so that splitting
-// and merging allocate nothing on the Go heap once warm.
+// and merging allocate nothing on the Go heap once warm. It allocates
+// Blocks a slab at a time, so that the Blocks of one recycler (one
+// allocator shard) share cache lines only with each other: goroutines
+// working on different recyclers do not write to the same lines.
 type Recycler struct {
 	free []*Block
 }
 
+// recyclerSlab is how many Blocks a Recycler allocates at once.
+const recyclerSlab = 32
+
 // Get returns a zeroed Block.
 func (r *Recycler) Get() *Block {
-	if n := len(r.free); n > 0 {
-		b := r.free[n-1]
-		r.free[n-1] = nil
-		r.free = r.free[:n-1]
-		return b
+	if len(r.free) == 0 {
+		slab := make([]Block, recyclerSlab)
+		for i := range slab {
+			r.free = append(r.free, &slab[len(slab)-1-i])
+		}
 	}
-	return new(Block)
+	n := len(r.free)
+	b := r.free[n-1]
+	r.free[n-1] = nil
+	r.free = r.free[:n-1]
+	return b
 }
 
 // Put returns b for reuse. b must no longer be referenced.

@@ -213,3 +213,77 @@ func TestFreeIndexAfter(t *testing.T) {
 		}
 	}
 }
+
+// TestStreamFreeIndex: an index of one stream orders by (size, address),
+// answers nothing for other streams and refuses their blocks.
+func TestStreamFreeIndex(t *testing.T) {
+	var r Recycler
+	idx := NewStreamFreeIndex(7)
+	seg := &Segment{Stream: 7}
+	mk := func(ptr, size uint64) *Block {
+		b := r.Get()
+		b.Ptr, b.Size, b.Segment = ptr, size, seg
+		idx.Insert(b)
+		return b
+	}
+	a := mk(0x3000, 1024)
+	b := mk(0x1000, 2048)
+	c := mk(0x2000, 1024)
+	if got := idx.LowerBound(7, 1000); got != c {
+		t.Errorf("LowerBound(7, 1000) = %v, want %v", got, c)
+	}
+	if got := idx.LowerBound(7, 1025); got != b {
+		t.Errorf("LowerBound(7, 1025) = %v, want %v", got, b)
+	}
+	if got := idx.LowerBound(8, 512); got != nil {
+		t.Errorf("LowerBound of another stream = %v", got)
+	}
+	if got := idx.After(c); got != a {
+		t.Errorf("After(%v) = %v, want %v", c, got, a)
+	}
+	if got := idx.Largest(); got != b {
+		t.Errorf("Largest = %v, want %v", got, b)
+	}
+	var sizes []uint64
+	idx.DescendStream(7, 2048, func(x *Block) bool { sizes = append(sizes, x.Size); return true })
+	if len(sizes) != 2 || sizes[0] != 1024 {
+		t.Errorf("DescendStream below 2048: %v", sizes)
+	}
+	defer func() {
+		if recover() == nil {
+			t.Error("a block of stream 8 went into the index of stream 7")
+		}
+	}()
+	o := r.Get()
+	o.Ptr, o.Size, o.Segment = 0x9000, 512, &Segment{Stream: 8}
+	idx.Insert(o)
+}
+
+// TestLowerBoundExcept: the first fitting block other than the one
+// skipped, in either kind of index.
+func TestLowerBoundExcept(t *testing.T) {
+	for _, idx := range []*FreeIndex{NewFreeIndex(), NewStreamFreeIndex(1)} {
+		var r Recycler
+		seg := &Segment{Stream: 1}
+		mk := func(ptr, size uint64) *Block {
+			b := r.Get()
+			b.Ptr, b.Size, b.Segment = ptr, size, seg
+			idx.Insert(b)
+			return b
+		}
+		a := mk(0x1000, 1024)
+		b := mk(0x2000, 2048)
+		if got := idx.LowerBoundExcept(1, 1024, a); got != b {
+			t.Errorf("skipping %v: %v, want %v", a, got, b)
+		}
+		if got := idx.LowerBoundExcept(1, 1024, b); got != a {
+			t.Errorf("skipping %v: %v, want %v", b, got, a)
+		}
+		if got := idx.LowerBoundExcept(1, 1500, b); got != nil {
+			t.Errorf("skipping the only fit: %v", got)
+		}
+		if got := idx.LowerBoundExcept(2, 512, nil); got != nil {
+			t.Errorf("another stream: %v", got)
+		}
+	}
+}

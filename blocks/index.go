@@ -20,12 +20,23 @@ func lessBlock(a, b *Block) bool {
 	return a.Ptr < b.Ptr
 }
 
+// lessSizeAddr orders the blocks of one stream.
+func lessSizeAddr(a, b *Block) bool {
+	if a.Size != b.Size {
+		return a.Size < b.Size
+	}
+	return a.Ptr < b.Ptr
+}
+
 // FreeIndex holds free blocks ordered by (stream, size, address): the order
 // best fit needs. Insert and Delete allocate nothing once the tree's node
-// free list is warm.
+// free list is warm. An index from NewStreamFreeIndex holds one stream's
+// blocks only, and its comparisons never load a block's Segment.
 type FreeIndex struct {
-	tree  *btree.BTreeG[*Block]
-	bytes uint64
+	tree   *btree.BTreeG[*Block]
+	bytes  uint64
+	single bool   // one stream only
+	stream uint64 // that stream
 	// pivot is the search key; a field so that searches do not allocate.
 	pivot    Block
 	pivotSeg Segment
@@ -35,6 +46,18 @@ type FreeIndex struct {
 func NewFreeIndex() *FreeIndex {
 	idx := &FreeIndex{
 		tree: btree.NewWithFreeListG(btreeDegree, lessBlock, btree.NewFreeListG[*Block](1024)),
+	}
+	idx.pivot.Segment = &idx.pivotSeg
+	return idx
+}
+
+// NewStreamFreeIndex returns an empty index for the blocks of one stream,
+// ordered by (size, address). Inserting a block of another stream panics.
+func NewStreamFreeIndex(stream uint64) *FreeIndex {
+	idx := &FreeIndex{
+		tree:   btree.NewWithFreeListG(btreeDegree, lessSizeAddr, btree.NewFreeListG[*Block](1024)),
+		single: true,
+		stream: stream,
 	}
 	idx.pivot.Segment = &idx.pivotSeg
 	return idx
@@ -50,6 +73,9 @@ func (x *FreeIndex) Bytes() uint64 { return x.bytes }
 func (x *FreeIndex) Insert(b *Block) {
 	if b.indexed {
 		panic(fmt.Sprintf("blocks: %v inserted twice", b))
+	}
+	if x.single && b.Segment.Stream != x.stream {
+		panic(fmt.Sprintf("blocks: %v of stream %#x inserted in the index of stream %#x", b, b.Segment.Stream, x.stream))
 	}
 	b.indexed = true
 	x.bytes += b.Size
@@ -73,8 +99,38 @@ func (x *FreeIndex) Delete(b *Block) {
 func (x *FreeIndex) LowerBound(stream, size uint64) *Block {
 	x.pivotSeg.Stream, x.pivot.Size, x.pivot.Ptr = stream, size, 0
 	var found *Block
+	if x.single {
+		if stream != x.stream {
+			return nil
+		}
+		x.tree.AscendGreaterOrEqual(&x.pivot, func(b *Block) bool {
+			found = b
+			return false
+		})
+		return found
+	}
 	x.tree.AscendGreaterOrEqual(&x.pivot, func(b *Block) bool {
 		if b.Segment.Stream == stream {
+			found = b
+		}
+		return false
+	})
+	return found
+}
+
+// LowerBoundExcept is LowerBound passing over skip: the first block of
+// stream whose size is at least size, other than skip, in one descent.
+func (x *FreeIndex) LowerBoundExcept(stream, size uint64, skip *Block) *Block {
+	if x.single && stream != x.stream {
+		return nil
+	}
+	x.pivotSeg.Stream, x.pivot.Size, x.pivot.Ptr = stream, size, 0
+	var found *Block
+	x.tree.AscendGreaterOrEqual(&x.pivot, func(b *Block) bool {
+		if b == skip {
+			return true
+		}
+		if x.single || b.Segment.Stream == stream {
 			found = b
 		}
 		return false
@@ -93,7 +149,7 @@ func (x *FreeIndex) After(b *Block) *Block {
 		if c == b {
 			return true
 		}
-		if c.Segment.Stream == b.Segment.Stream {
+		if x.single || c.Segment.Stream == b.Segment.Stream {
 			found = c
 		}
 		return false
@@ -104,6 +160,9 @@ func (x *FreeIndex) After(b *Block) *Block {
 // DescendStream calls fn for the blocks of stream whose size is below
 // limit, largest first, until fn returns false.
 func (x *FreeIndex) DescendStream(stream, limit uint64, fn func(*Block) bool) {
+	if x.single && stream != x.stream {
+		return
+	}
 	x.pivotSeg.Stream, x.pivot.Size, x.pivot.Ptr = stream, limit, 0
 	x.tree.DescendLessOrEqual(&x.pivot, func(b *Block) bool {
 		if b.Segment.Stream != stream {
@@ -119,6 +178,10 @@ func (x *FreeIndex) DescendStream(stream, limit uint64, fn func(*Block) bool) {
 // Largest returns the largest block of any stream, or nil. It costs
 // O(streams · log n): the last block of each stream is its largest.
 func (x *FreeIndex) Largest() *Block {
+	if x.single {
+		b, _ := x.tree.Max()
+		return b
+	}
 	var best *Block
 	last, ok := x.tree.Max()
 	for ok {

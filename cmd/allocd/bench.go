@@ -34,9 +34,10 @@ func newBenchCmd() *cobra.Command {
 pair/SIZE (malloc+free of one size on the default stream, best of 3 runs),
 mixed/threads=T (T goroutines, each on its own stream over its share of a
 4096-slot window, freeing a random slot when it is live and allocating it
-otherwise; sizes 80% up to 1 MiB, 18% up to 32 MiB, 2% up to 256 MiB) and,
-for each TRACE, a replay. Each benchmark gets
-a fresh allocator.`,
+otherwise; sizes 80% up to 1 MiB, 18% up to 32 MiB, 2% up to 256 MiB),
+mixed_warm/threads=T (the same pattern twice on the same streams, only the
+second pass timed) and, for each TRACE, a replay. Each benchmark gets a
+fresh allocator.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("conf") {
 				f.conf = os.Getenv("ALLOCD_CONF")

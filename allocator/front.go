@@ -1,0 +1,177 @@
+package allocator
+
+// The front cache: one parked block per shard in front of the free index.
+//
+// A cached Free does not merge its block and insert it into the B-tree at
+// once: it parks it in its shard, with the statistics already settled as
+// if PyTorch's free_block had merged it. The shard's next call decides:
+// a Malloc of exactly the parked size takes it back when PyTorch's best
+// fit would have chosen the same place (no free block before it, the
+// merged block ranking first in (size, address) order, and the split that
+// PyTorch would make leaving the same remainder); any other call first
+// flushes it (merge and insert, the statistics unchanged). So a
+// malloc/free pair of one size touches the B-tree only to read it, while
+// every placement, every split and every statistic stay exactly those of
+// PyTorch's policy: replays show the same peaks. World mode flushes every
+// shard before anything else (lockWorld), so device mallocs, EmptyCache,
+// the OOM path, snapshots and statistics reads never see a parked block;
+// Check inspects the parked blocks before flushing them. Blocks of
+// expandable segments are never parked.
+
+import (
+	"fmt"
+
+	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/cudart"
+)
+
+// park ends the free of b, already released, without merging it: the
+// statistics change as freeBlock's would (count and bytes are the
+// inactive-split change that fastFree computed), and b waits in the
+// shard's slot.
+func (a *Allocator) park(sh *shard, pl *pool, b *blocks.Block, count, bytes int64) {
+	st := &sh.stats
+	adjustHot(&st.InactiveSplit, pl.stat, count)
+	adjustHot(&st.InactiveSplitBytes, pl.stat, bytes)
+	st.Active.sub(pl.stat, 1)
+	st.ActiveBytes.sub(pl.stat, int64(b.Size))
+	st.RequestedBytes.sub(pl.stat, int64(b.Requested))
+	b.Requested = 0
+	sh.parked = b
+}
+
+// flushParked merges the parked block with its free neighbours and
+// indexes it, as freeBlock does, without touching the statistics (park
+// counted it).
+func (a *Allocator) flushParked(sh *shard) {
+	b := sh.parked
+	sh.parked = nil
+	p := &sh.large
+	if b.Segment.Small {
+		p = &sh.small
+	}
+	blocks.Merge(b, p.free, &p.recycler)
+	p.free.Insert(b)
+}
+
+// flushAll flushes every shard (world mode).
+func (a *Allocator) flushAll() {
+	for _, sh := range a.shards {
+		if sh.parked != nil {
+			a.flushParked(sh)
+		}
+	}
+}
+
+// takeParked hands out the parked block for a request of size bytes
+// (rounded) when PyTorch's policy would place it there, and returns 0,
+// having changed nothing, otherwise.
+func (a *Allocator) takeParked(sh *shard, size, rounded uint64) cudart.Ptr {
+	b := sh.parked
+	if b.Size != rounded {
+		return 0
+	}
+	p := sh.poolFor(rounded)
+	if b.Segment.Small != p.small {
+		return 0
+	}
+	// PyTorch merged b with its free neighbours into m. A free block
+	// before b moves m's start: the request would land there.
+	if l := b.Prev; l != nil && l.Indexed() {
+		return 0
+	}
+	right := b.Next
+	if right != nil && !right.Indexed() {
+		right = nil
+	}
+	msize := b.Size
+	if right != nil {
+		msize += right.Size
+	}
+	maxSplit := a.cfg.MaxSplitSize
+	if rounded < maxSplit && msize >= maxSplit {
+		return 0 // getFreeBlock would refuse m
+	}
+	if rounded >= maxSplit && msize >= rounded+a.cfg.MaxNonSplitRounding {
+		return 0
+	}
+	if right != nil && !p.small && !(rounded < maxSplit && right.Size > smallSize) {
+		return 0 // m would be handed out whole, not split at b's end
+	}
+	// Best fit: m must come first in (size, address) order among the free
+	// blocks PyTorch would see (right is inside m there).
+	var x *blocks.Block
+	if n := p.free.Len(); n > 1 || n == 1 && right == nil {
+		x = p.free.LowerBoundExcept(uint64(sh.stream), rounded, right)
+	}
+	if x != nil && (x.Size < msize || x.Size == msize && x.Ptr < b.Ptr) {
+		return 0
+	}
+	// allocFoundBlock's statistics on m.
+	wasSplit := b.Prev != nil || (right == nil && b.Next != nil) || (right != nil && right.Next != nil)
+	var splitCount, splitBytes int64
+	switch {
+	case right != nil && !wasSplit:
+		splitCount, splitBytes = 1, int64(right.Size)
+	case right != nil:
+		splitBytes = -int64(rounded)
+	case wasSplit:
+		splitCount, splitBytes = -1, -int64(rounded)
+	}
+	var over int64
+	if rounded >= maxSplit {
+		over = 1
+	}
+	if !sh.fits(p.stat, 1, int64(rounded), int64(size), splitCount, splitBytes, over) {
+		return 0
+	}
+	sh.parked = nil
+	st := &sh.stats
+	adjustHot(&st.InactiveSplit, p.stat, splitCount)
+	adjustHot(&st.InactiveSplitBytes, p.stat, splitBytes)
+	b.Allocated = true
+	b.Requested = size
+	sh.active.put(b.Ptr, b)
+	st.Allocation.inc(p.stat, 1)
+	st.AllocatedBytes.inc(p.stat, int64(rounded))
+	st.Active.inc(p.stat, 1)
+	st.ActiveBytes.inc(p.stat, int64(rounded))
+	st.RequestedBytes.inc(p.stat, int64(size))
+	if over > 0 {
+		st.OversizeAllocations.inc(1)
+	}
+	return cudart.Ptr(b.Ptr)
+}
+
+// checkParked reports broken invariants of the parked blocks (world
+// locks held, before flushAll): a parked block is free, not indexed, not
+// waiting for events, not in an active map, mapped, of an ordinary
+// segment of its shard's stream, and one of that segment's blocks.
+func (a *Allocator) checkParked() []error {
+	var errs []error
+	for _, sh := range a.shards {
+		b := sh.parked
+		if b == nil {
+			continue
+		}
+		if b.Allocated || b.Indexed() || b.EventCount > 0 || b.Unmapped || b.Requested != 0 {
+			errs = append(errs, fmt.Errorf("parked %v of stream %#x is allocated, indexed, pending, unmapped or keeps a requested size", b, uint64(sh.stream)))
+		}
+		if sh.active.get(b.Ptr) != nil {
+			errs = append(errs, fmt.Errorf("parked %v is in the active map", b))
+		}
+		s := b.Segment
+		if s == nil || s.Expandable || s.Stream != uint64(sh.stream) || s.Index >= len(a.segments) || a.segments[s.Index] != s {
+			errs = append(errs, fmt.Errorf("parked %v is not in an ordinary segment of stream %#x", b, uint64(sh.stream)))
+			continue
+		}
+		found := false
+		for x := s.Head; x != nil; x = x.Next {
+			found = found || x == b
+		}
+		if !found {
+			errs = append(errs, fmt.Errorf("parked %v is not among its segment's blocks", b))
+		}
+	}
+	return errs
+}

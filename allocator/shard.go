@@ -1,0 +1,606 @@
+package allocator
+
+// Per-stream shards and the two lock modes.
+//
+// Blocks never cross streams, so each stream's share of the cache is a
+// shard with its own mutex: its two pools (free indexes and Block
+// recyclers), its allocated blocks by address, and its share of the
+// statistics that a cached Malloc or Free changes ("hot" statistics).
+// A cached Malloc on stream s locks only s's shard; a Free finds the
+// shard through the segment directory (an immutable, address-sorted copy
+// of the segment list, swapped atomically when a segment comes or goes)
+// and locks only that shard. Goroutines on different streams therefore
+// share no lock and write no common cache line on the hot path.
+//
+// Everything else runs in world mode: the allocator's mutex a.mu, then
+// every shard's mutex in stream order (lockWorld). Device calls, the OOM
+// path, EmptyCache, garbage collection, event queues, history, new
+// streams, RecordStream, statistics reads, snapshots and Check all see one
+// consistent whole there, exactly as under the single mutex before. A hot
+// path that cannot finish (a miss, pending events, history on, a new
+// stream) changes nothing (but may flush its front cache, front.go),
+// unlocks its shard and redoes the call in world mode. Fields read by the hot path outside its
+// shard (closed, pending, history, async, the configuration and cap) are
+// written only in world mode, when every shard lock is held.
+//
+// # Exact statistics
+//
+// Each shard counts its own Current, Allocated and Freed; a read folds
+// them (Stats, MemoryAllocated, …), so they are exact. A peak needs the
+// sum of every shard at the moment it is reached. Instead of a shared
+// counter, each shard holds, for each hot statistic and pool, a cap:
+// the caps add up to no more than the peak, and a hot path whose increase
+// stays within its cap cannot make a new peak. One that would pass its
+// cap escalates: it takes every other shard's lock without waiting
+// (world mode when one stays busy), and with every shard held it makes
+// its change, raises the peaks from the exact sums and shares the slack
+// (peak − sum) out again as caps. In world mode the sums are taken and
+// the peaks raised after every change of a hot statistic. Hot paths spin
+// briefly for their shard's lock before they sleep, since escalations
+// hold it for a moment only.
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+
+	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/cudart"
+)
+
+// hotStats are the statistics a cached Malloc or Free changes, with the
+// field names of Stats.
+type hotStats struct {
+	Allocation, Active, InactiveSplit                               StatArray
+	AllocatedBytes, ActiveBytes, InactiveSplitBytes, RequestedBytes StatArray
+	OversizeAllocations                                             Stat
+}
+
+const numHot = 7 // StatArrays in hotStats
+
+// hotNames are PyTorch's names of hotStats' arrays, in arrays() order.
+var hotNames = [numHot]string{"allocation", "active", "inactive_split",
+	"allocated_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"}
+
+// arrays lists hotStats' arrays in a fixed order.
+func (h *hotStats) arrays() [numHot]*StatArray {
+	return [numHot]*StatArray{&h.Allocation, &h.Active, &h.InactiveSplit,
+		&h.AllocatedBytes, &h.ActiveBytes, &h.InactiveSplitBytes, &h.RequestedBytes}
+}
+
+// statArrays lists the same arrays of a Stats, in the same order.
+func (s *Stats) hotArrays() [numHot]*StatArray {
+	return [numHot]*StatArray{&s.Allocation, &s.Active, &s.InactiveSplit,
+		&s.AllocatedBytes, &s.ActiveBytes, &s.InactiveSplitBytes, &s.RequestedBytes}
+}
+
+// shard is one stream's share of the cache (see above).
+type shard struct {
+	mu     sync.Mutex
+	stream cudart.Stream
+	small  pool
+	large  pool
+	active ptrMap        // allocated blocks of this stream by address
+	parked *blocks.Block // the front cache (front.go)
+	noPark bool          // tests: free as PyTorch does, straight into the index
+	stats  hotStats
+	// caps bound each hot statistic's Current (per hotStats.arrays order,
+	// then OversizeAllocations) while the hot path runs.
+	caps     [numHot][numPools]int64
+	capOver  int64
+	_padding [64]byte // keep shards on their own cache lines
+}
+
+func newShard(s cudart.Stream) *shard {
+	sh := &shard{stream: s, active: newPtrMap(1024)}
+	sh.small = pool{free: blocks.NewStreamFreeIndex(uint64(s)), small: true, stat: PoolSmall, sh: sh}
+	sh.large = pool{free: blocks.NewStreamFreeIndex(uint64(s)), stat: PoolLarge, sh: sh}
+	return sh
+}
+
+// poolFor returns the pool serving a rounded size.
+func (sh *shard) poolFor(size uint64) *pool {
+	if size <= smallSize {
+		return &sh.small
+	}
+	return &sh.large
+}
+
+// lock takes the shard's lock for a hot path. The lock is held briefly
+// (a hot path, or another shard's escalation), so it spins, yielding the
+// processor, before it sleeps: waking a sleeping goroutine costs far more
+// than the wait.
+func (sh *shard) lock() {
+	if !sh.mu.TryLock() {
+		sh.lockSlow()
+	}
+}
+
+func (sh *shard) lockSlow() {
+	for range 100 {
+		runtime.Gosched()
+		if sh.mu.TryLock() {
+			return
+		}
+	}
+	sh.mu.Lock()
+}
+
+// inc is Stat.add for a shard's share of a statistic: it keeps no peak,
+// since the peak that counts is the global one, settled from the sums.
+func (s *Stat) inc(n int64) {
+	s.Current += n
+	s.Allocated += n
+}
+
+func (a *StatArray) inc(p Pool, n int64) {
+	a[PoolAll].inc(n)
+	a[p].inc(n)
+}
+
+// adjustHot is adjust for a shard's share.
+func adjustHot(a *StatArray, p Pool, n int64) {
+	switch {
+	case n > 0:
+		a.inc(p, n)
+	case n < 0:
+		a.sub(p, -n)
+	}
+}
+
+// under reports whether adding d to a's Current, in all pools and in p,
+// stays within cap.
+func under(a *StatArray, cap *[numPools]int64, p Pool, d int64) bool {
+	return d <= 0 || (a[PoolAll].Current+d <= cap[PoolAll] && a[p].Current+d <= cap[p])
+}
+
+// fits reports whether the hot path may change the shard's statistics by
+// these increases (of one block of size bytes): counts by one, bytes by
+// size, requested by req, inactive split by splitCount and splitBytes,
+// oversize by over.
+func (sh *shard) fits(p Pool, count, size, req, splitCount, splitBytes, over int64) bool {
+	st, c := &sh.stats, &sh.caps
+	return under(&st.Allocation, &c[0], p, count) &&
+		under(&st.Active, &c[1], p, count) &&
+		under(&st.InactiveSplit, &c[2], p, splitCount) &&
+		under(&st.AllocatedBytes, &c[3], p, size) &&
+		under(&st.ActiveBytes, &c[4], p, size) &&
+		under(&st.InactiveSplitBytes, &c[5], p, splitBytes) &&
+		under(&st.RequestedBytes, &c[6], p, req) &&
+		(over <= 0 || st.OversizeAllocations.Current+over <= sh.capOver)
+}
+
+// dirEntry is one segment of the directory.
+type dirEntry struct {
+	start, end uint64
+	sh         *shard
+}
+
+// directory is the segments by address, published whole. one is the
+// shard that owns every segment when a single one does (a program on one
+// stream): Free then skips the search, and the shard's active map tells
+// a foreign address apart.
+type directory struct {
+	entries []dirEntry
+	one     *shard
+}
+
+func newDirectory(d []dirEntry) *directory {
+	dir := &directory{entries: d}
+	for i, e := range d {
+		if i == 0 {
+			dir.one = e.sh
+		} else if e.sh != dir.one {
+			dir.one = nil
+			break
+		}
+	}
+	return dir
+}
+
+// shardTable is the published list of shards, for the hot path, with
+// their streams beside them: looking a stream up reads no shard, whose
+// cache lines its own goroutine keeps writing.
+type shardTable struct {
+	streams []cudart.Stream
+	list    []*shard
+}
+
+// lookupShard returns the shard of stream s without locking, or nil when
+// s has none yet.
+func (a *Allocator) lookupShard(s cudart.Stream) *shard {
+	t := a.shardTab.Load()
+	for i, st := range t.streams {
+		if st == s {
+			return t.list[i]
+		}
+	}
+	return nil
+}
+
+// dirLookup returns the shard whose segment holds address p, without
+// locking, or nil.
+func (a *Allocator) dirLookup(p uint64) *shard {
+	dir := a.dir.Load()
+	if dir.one != nil {
+		return dir.one
+	}
+	d := dir.entries
+	lo, hi := 0, len(d)
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if d[m].end <= p {
+			lo = m + 1
+		} else {
+			hi = m
+		}
+	}
+	if lo < len(d) && d[lo].start <= p {
+		return d[lo].sh
+	}
+	return nil
+}
+
+// dirAdd and dirRemove publish a new directory with seg added or removed
+// (world mode).
+func (a *Allocator) dirAdd(seg *blocks.Segment) {
+	old := a.dir.Load().entries
+	i := 0
+	for i < len(old) && old[i].start < seg.Ptr {
+		i++
+	}
+	d := make([]dirEntry, 0, len(old)+1)
+	d = append(d, old[:i]...)
+	d = append(d, dirEntry{seg.Ptr, seg.Ptr + seg.Size, a.shardOf(cudart.Stream(seg.Stream))})
+	d = append(d, old[i:]...)
+	a.dir.Store(newDirectory(d))
+}
+
+func (a *Allocator) dirRemove(seg *blocks.Segment) {
+	old := a.dir.Load().entries
+	d := make([]dirEntry, 0, len(old))
+	for _, e := range old {
+		if e.start != seg.Ptr {
+			d = append(d, e)
+		}
+	}
+	a.dir.Store(newDirectory(d))
+}
+
+// shardOf returns the shard of stream s (world mode; s must have one).
+func (a *Allocator) shardOf(s cudart.Stream) *shard {
+	for _, sh := range a.shards {
+		if sh.stream == s {
+			return sh
+		}
+	}
+	panic("allocator: no shard for a segment's stream")
+}
+
+// addShard creates the shard of stream s in world mode: it is created
+// locked, so that unlockWorld unlocks it with the others, and kept in
+// stream order, the order of the free indexes before sharding.
+func (a *Allocator) addShard(s cudart.Stream) *shard {
+	sh := newShard(s)
+	sh.mu.Lock()
+	a.capsDirty = true
+	i := 0
+	for i < len(a.shards) && a.shards[i].stream < s {
+		i++
+	}
+	a.shards = append(a.shards, nil)
+	copy(a.shards[i+1:], a.shards[i:])
+	a.shards[i] = sh
+	t := &shardTable{list: append([]*shard(nil), a.shards...)}
+	for _, x := range t.list {
+		t.streams = append(t.streams, x.stream)
+	}
+	a.shardTab.Store(t)
+	return sh
+}
+
+// lockWorld takes the allocator's mutex and then every shard's, in stream
+// order, and flushes the parked blocks (front.go).
+func (a *Allocator) lockWorld() {
+	a.lockAll()
+	a.flushAll()
+}
+
+// lockAll is lockWorld without the flush.
+func (a *Allocator) lockAll() {
+	a.mu.Lock()
+	for _, sh := range a.shards {
+		sh.mu.Lock()
+	}
+	a.world = true
+}
+
+// unlockWorld shares out the caps again when a statistic changed, and
+// unlocks.
+func (a *Allocator) unlockWorld() {
+	if a.capsDirty {
+		a.shareCaps()
+	}
+	a.world = false
+	for i := len(a.shards) - 1; i >= 0; i-- {
+		a.shards[i].mu.Unlock()
+	}
+	a.mu.Unlock()
+}
+
+// hotSums returns, for each hot statistic and pool, the global Current:
+// the allocator's own (the async backend counts there) plus every
+// shard's; and the same for oversize_allocations.
+func (a *Allocator) hotSums() (sums [numHot][numPools]int64, over int64) {
+	g := a.stats.hotArrays()
+	for k := range numHot {
+		for p := range numPools {
+			sums[k][p] = g[k][p].Current
+		}
+	}
+	over = a.stats.OversizeAllocations.Current
+	for _, sh := range a.shards {
+		h := sh.stats.arrays()
+		for k := range numHot {
+			for p := range numPools {
+				sums[k][p] += h[k][p].Current
+			}
+		}
+		over += sh.stats.OversizeAllocations.Current
+	}
+	return sums, over
+}
+
+// settleShard is settle after a change of sh's hot statistics: while
+// every shard stays within its caps, the caps add up to no more than the
+// peaks and no sum can have passed its peak, so there is nothing to do.
+func (a *Allocator) settleShard(sh *shard) {
+	if !a.capsDirty && sh.withinCaps() {
+		return
+	}
+	a.settle()
+	a.favored = sh
+}
+
+// withinCaps reports whether every hot Current of sh is within its cap.
+func (sh *shard) withinCaps() bool {
+	h := sh.stats.arrays()
+	for k := range numHot {
+		for p := range numPools {
+			if h[k][p].Current > sh.caps[k][p] {
+				return false
+			}
+		}
+	}
+	return sh.stats.OversizeAllocations.Current <= sh.capOver
+}
+
+// escalate lets a hot path pass its shard's caps: it takes every other
+// shard's lock without waiting, and reports whether it got them all (it
+// holds none of them otherwise). Holding every shard lock excludes world
+// mode and every other hot path, so the caller may change the statistics
+// beyond its caps and then settle the peaks itself (deescalate). When a
+// lock is busy the caller falls back to world mode; waiting here could
+// deadlock with lockWorld, which takes the shard locks in order.
+func (a *Allocator) escalate(sh *shard) bool {
+	list := a.shardTab.Load().list
+	for range 20 {
+		if tryLockOthers(list, sh) {
+			return true
+		}
+		runtime.Gosched() // another hot path holds one: it is brief
+	}
+	return false
+}
+
+// tryLockOthers takes the locks of every shard in list but sh, or none.
+func tryLockOthers(list []*shard, sh *shard) bool {
+	for i, o := range list {
+		if o == sh {
+			continue
+		}
+		if !o.mu.TryLock() {
+			for _, u := range list[:i] {
+				if u != sh {
+					u.mu.Unlock()
+				}
+			}
+			return false
+		}
+	}
+	return true
+}
+
+// deescalate settles the peaks, shares out the caps and releases the
+// locks escalate took.
+func (a *Allocator) deescalate(sh *shard) {
+	a.settle()
+	a.favored = sh
+	a.shareCaps()
+	for _, o := range a.shardTab.Load().list {
+		if o != sh {
+			o.mu.Unlock()
+		}
+	}
+}
+
+// settle raises the global peaks of the hot statistics to the current
+// sums (world mode, after every change of a hot statistic) and marks the
+// caps for sharing out again.
+func (a *Allocator) settle() {
+	sums, over := a.hotSums()
+	g := a.stats.hotArrays()
+	for k := range numHot {
+		for p := range numPools {
+			g[k][p].Peak = max(g[k][p].Peak, sums[k][p])
+		}
+	}
+	a.stats.OversizeAllocations.Peak = max(a.stats.OversizeAllocations.Peak, over)
+	a.capsDirty = true
+}
+
+// shareCaps shares out each statistic's slack (peak − sum) as caps above
+// the shards' current values (world mode, after settle): half of it to
+// the shard whose change made the caps be shared out (it is likely to
+// grow again: a replay, one goroutine's burst), the other half equally
+// to the shards in use (with an active block); an idle shard gets none
+// until it asks.
+func (a *Allocator) shareCaps() {
+	a.capsDirty = false
+	favored := a.favored
+	a.favored = nil
+	if favored == nil {
+		favored = a.shards[0]
+	}
+	var n int64
+	for _, sh := range a.shards {
+		if sh == favored || sh.stats.Active[PoolAll].Current > 0 {
+			n++
+		}
+	}
+	sums, over := a.hotSums()
+	g := a.stats.hotArrays()
+	var slack [numHot][numPools]int64
+	for k := range numHot {
+		for p := range numPools {
+			slack[k][p] = g[k][p].Peak - sums[k][p]
+		}
+	}
+	overSlack := a.stats.OversizeAllocations.Peak - over
+	for _, sh := range a.shards {
+		var part, whole int64 = 0, 1 // this shard's share: part/whole of the slack
+		switch {
+		case sh == favored:
+			part, whole = n+1, 2*n
+		case sh.stats.Active[PoolAll].Current > 0:
+			part, whole = 1, 2*n
+		}
+		h := sh.stats.arrays()
+		for k := range numHot {
+			for p := range numPools {
+				sh.caps[k][p] = h[k][p].Current + slack[k][p]/whole*part
+			}
+		}
+		sh.capOver = sh.stats.OversizeAllocations.Current + overSlack/whole*part
+	}
+}
+
+// folded returns the statistics with every shard's hot counts added in
+// (world mode). Peaks are the global ones.
+func (a *Allocator) folded() Stats {
+	s := a.stats
+	g := s.hotArrays()
+	for _, sh := range a.shards {
+		h := sh.stats.arrays()
+		for k := range numHot {
+			for p := range numPools {
+				g[k][p].Current += h[k][p].Current
+				g[k][p].Allocated += h[k][p].Allocated
+				g[k][p].Freed += h[k][p].Freed
+			}
+		}
+		o := &sh.stats.OversizeAllocations
+		s.OversizeAllocations.Current += o.Current
+		s.OversizeAllocations.Allocated += o.Allocated
+		s.OversizeAllocations.Freed += o.Freed
+	}
+	return s
+}
+
+// freeIndexes lists every pool's free index (world mode).
+func (a *Allocator) freeIndexes() []*blocks.FreeIndex {
+	out := make([]*blocks.FreeIndex, 0, 2*len(a.shards))
+	for _, sh := range a.shards {
+		out = append(out, sh.small.free, sh.large.free)
+	}
+	return out
+}
+
+// pools lists every shard's pool of one kind, in stream order (world
+// mode): the order one free index over all streams had.
+func (a *Allocator) pools(small bool) []*pool {
+	out := make([]*pool, 0, len(a.shards))
+	for _, sh := range a.shards {
+		if small {
+			out = append(out, &sh.small)
+		} else {
+			out = append(out, &sh.large)
+		}
+	}
+	return out
+}
+
+// checkShards reports broken invariants of the shards and the directory
+// (world mode): shards in stream order and published, every segment in
+// the directory under its stream's shard and nothing else there, every
+// active block in its stream's shard, every Current within its cap and
+// the caps of each statistic adding up to no more than its peak.
+func (a *Allocator) checkShards() []error {
+	var errs []error
+	t := a.shardTab.Load().list
+	if len(t) != len(a.shards) {
+		errs = append(errs, fmt.Errorf("%d shards, %d published", len(a.shards), len(t)))
+	}
+	for i, sh := range a.shards {
+		if i < len(t) && (t[i] != sh || a.shardTab.Load().streams[i] != sh.stream) {
+			errs = append(errs, fmt.Errorf("shard %d (stream %#x) is not the one published", i, uint64(sh.stream)))
+		}
+		if i > 0 && a.shards[i-1].stream >= sh.stream {
+			errs = append(errs, fmt.Errorf("shards out of stream order at stream %#x", uint64(sh.stream)))
+		}
+		sh.active.each(func(b *blocks.Block) {
+			if b.Segment.Stream != uint64(sh.stream) || !b.Allocated {
+				errs = append(errs, fmt.Errorf("%v of stream %#x is in the active map of stream %#x", b, b.Segment.Stream, uint64(sh.stream)))
+			}
+		})
+	}
+	dir := a.dir.Load()
+	d := dir.entries
+	if len(d) != len(a.segments) {
+		errs = append(errs, fmt.Errorf("%d segments, %d in the directory", len(a.segments), len(d)))
+	}
+	for i, e := range d {
+		if i > 0 && d[i-1].end > e.start {
+			errs = append(errs, fmt.Errorf("directory entries overlap or are out of order at %#x", e.start))
+		}
+	}
+	byStart := make(map[uint64]dirEntry, len(d))
+	for _, e := range d {
+		byStart[e.start] = e
+		if dir.one != nil && e.sh != dir.one {
+			errs = append(errs, fmt.Errorf("directory says every segment is of stream %#x, but %#x is of stream %#x", uint64(dir.one.stream), e.start, uint64(e.sh.stream)))
+		}
+	}
+	for _, s := range a.segments {
+		if e, ok := byStart[s.Ptr]; !ok || e.end != s.Ptr+s.Size || e.sh.stream != cudart.Stream(s.Stream) {
+			errs = append(errs, fmt.Errorf("segment %#x of stream %#x is not in the directory under its shard", s.Ptr, s.Stream))
+		}
+	}
+	g := a.stats.hotArrays()
+	for k := range numHot {
+		for p := range numPools {
+			var caps int64
+			for _, sh := range a.shards {
+				cur := sh.stats.arrays()[k][p].Current
+				caps += sh.caps[k][p]
+				if cur > sh.caps[k][p] {
+					errs = append(errs, fmt.Errorf("%s.%v of stream %#x: current %d above its cap %d", hotNames[k], Pool(p), uint64(sh.stream), cur, sh.caps[k][p]))
+				}
+			}
+			if caps > g[k][p].Peak-g[k][p].Current {
+				errs = append(errs, fmt.Errorf("%s.%v: caps add up to %d, above the peak %d", hotNames[k], Pool(p), caps, g[k][p].Peak))
+			}
+		}
+	}
+	var capOver int64
+	for _, sh := range a.shards {
+		capOver += sh.capOver
+		if cur := sh.stats.OversizeAllocations.Current; cur > sh.capOver {
+			errs = append(errs, fmt.Errorf("oversize_allocations of stream %#x: current %d above its cap %d", uint64(sh.stream), cur, sh.capOver))
+		}
+	}
+	if o := a.stats.OversizeAllocations; capOver > o.Peak-o.Current {
+		errs = append(errs, fmt.Errorf("oversize_allocations: caps add up to %d, above the peak %d", capOver, o.Peak))
+	}
+	return errs
+}

@@ -1,0 +1,240 @@
+package allocator
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"testing"
+
+	"github.com/allocd/allocd/cudart"
+)
+
+// TestConcurrentModel runs goroutines on several streams (two share one)
+// in rounds, with OOM, EmptyCache, RecordStream, ResetPeakStats and
+// SetMemoryFraction racing with allocation, and at each quiescent point
+// between rounds checks the invariants (Check walks shards, directory and
+// caps) and the model: live allocations never overlap, allocated bytes are
+// what the goroutines hold, the peak is at least that, and reserved bytes
+// are what the device holds. Run it with -race.
+func TestConcurrentModel(t *testing.T) {
+	for _, conf := range []string{"", "expandable_segments:True", "max_split_size_mb:40",
+		"garbage_collection_threshold:0.5,per_process_memory_fraction:0.8"} {
+		t.Run("conf="+conf, func(t *testing.T) { testConcurrentModel(t, conf) })
+	}
+}
+
+type modelAlloc struct {
+	ptr  cudart.Ptr
+	size uint64
+}
+
+func testConcurrentModel(t *testing.T, conf string) {
+	a, sim := newTestAllocator(t, 512*miB, conf)
+	const workers = 5
+	streams := []cudart.Stream{cudart.DefaultStream}
+	for range 3 {
+		s, err := sim.StreamCreate()
+		if err != nil {
+			t.Fatal(err)
+		}
+		streams = append(streams, s)
+	}
+	rounds, ops := 12, 600
+	if testing.Short() {
+		rounds = 4
+	}
+	live := make([][]modelAlloc, workers)
+	seeds := make([]uint64, workers)
+	for w := range seeds {
+		seeds[w] = uint64(w)*0x9E3779B97F4A7C15 + 1
+	}
+	var ooms int64
+	for round := range rounds {
+		var wg sync.WaitGroup
+		errs := make([]error, workers)
+		oom := make([]int64, workers)
+		for w := range workers {
+			wg.Go(func() {
+				s := streams[w%len(streams)]
+				x := seeds[w]
+				for range ops {
+					x ^= x << 13
+					x ^= x >> 7
+					x ^= x << 17
+					mine := &live[w]
+					switch op := x % 16; {
+					case op < 7:
+						size := sizeFor(x >> 4)
+						if op == 0 && w == 1 {
+							size = 300*miB + x%(200*miB) // beyond what the others leave: OOM likely
+						}
+						p, err := a.Malloc(size, s)
+						if errors.Is(err, ErrOutOfMemory) {
+							oom[w]++
+							continue
+						}
+						if err != nil {
+							errs[w] = fmt.Errorf("malloc %d: %w", size, err)
+							return
+						}
+						*mine = append(*mine, modelAlloc{p, size})
+					case op < 13:
+						if len(*mine) == 0 {
+							continue
+						}
+						j := int(x>>20) % len(*mine)
+						if op == 12 {
+							if err := a.RecordStream((*mine)[j].ptr, streams[(w+1)%len(streams)]); err != nil {
+								errs[w] = err
+								return
+							}
+						}
+						if err := a.Free((*mine)[j].ptr); err != nil {
+							errs[w] = fmt.Errorf("free: %w", err)
+							return
+						}
+						(*mine)[j] = (*mine)[len(*mine)-1]
+						*mine = (*mine)[:len(*mine)-1]
+					case op == 13 && w == 0:
+						if err := a.EmptyCache(); err != nil {
+							errs[w] = err
+							return
+						}
+					case op == 14 && w == 2:
+						a.ResetPeakStats()
+					case op == 15 && w == 3:
+						_ = a.Stats()
+						_ = a.Snapshot()
+					}
+				}
+				seeds[w] = x
+			})
+		}
+		wg.Wait()
+		for w, err := range errs {
+			if err != nil {
+				t.Fatalf("round %d, goroutine %d: %v", round, w, err)
+			}
+			ooms += oom[w]
+		}
+		// Quiescent: every structure and every count must agree.
+		if err := a.Check(); err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		var all []modelAlloc
+		for _, l := range live {
+			all = append(all, l...)
+		}
+		sort.Slice(all, func(i, j int) bool { return all[i].ptr < all[j].ptr })
+		var requested int64
+		for i, m := range all {
+			requested += int64(m.size)
+			if i > 0 && uint64(all[i-1].ptr)+all[i-1].size > uint64(m.ptr) {
+				t.Fatalf("round %d: allocations at %#x (+%d) and %#x overlap", round, uint64(all[i-1].ptr), all[i-1].size, uint64(m.ptr))
+			}
+		}
+		// Blocks freed after RecordStream stay active until their events
+		// are waited for; EmptyCache does that.
+		if err := a.EmptyCache(); err != nil {
+			t.Fatal(err)
+		}
+		st := a.Stats()
+		if got := st.RequestedBytes[PoolAll].Current; got != requested {
+			t.Fatalf("round %d: requested_bytes %d, the goroutines hold %d", round, got, requested)
+		}
+		if got := st.Allocation[PoolAll].Current; got != int64(len(all)) {
+			t.Fatalf("round %d: allocation %d, the goroutines hold %d", round, got, len(all))
+		}
+		for _, arr := range st.namedArrays() {
+			for p := range numPools {
+				if arr.a[p].Peak < arr.a[p].Current {
+					t.Fatalf("round %d: %s.%v peak %d below current %d", round, arr.name, Pool(p), arr.a[p].Peak, arr.a[p].Current)
+				}
+			}
+		}
+		if got := uint64(st.ReservedBytes[PoolAll].Current); got != sim.Used() {
+			t.Fatalf("round %d: reserved %d, the device holds %d", round, got, sim.Used())
+		}
+		if round == rounds/2 {
+			if err := a.SetMemoryFraction(0.6); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for _, l := range live {
+		for _, m := range l {
+			if err := a.Free(m.ptr); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	if ooms == 0 {
+		t.Log("no OOM happened")
+	}
+	if n := a.Stats().NumOOMs; n != ooms {
+		t.Errorf("num_ooms %d, the goroutines saw %d", n, ooms)
+	}
+}
+
+// TestPeaksExactAcrossShards: one goroutine interleaving three streams
+// (so every call but the growth runs on a shard's hot path) finds every
+// peak equal to the largest current value observed after each call.
+func TestPeaksExactAcrossShards(t *testing.T) {
+	a, sim := newTestAllocator(t, 4*giB, "")
+	streams := []cudart.Stream{cudart.DefaultStream}
+	for range 2 {
+		s, _ := sim.StreamCreate()
+		streams = append(streams, s)
+	}
+	var live []cudart.Ptr
+	var want Stats
+	observe := func() {
+		s := a.Stats()
+		for i, arr := range s.namedArrays() {
+			w := want.namedArrays()[i]
+			for p := range numPools {
+				w.a[p].Peak = max(w.a[p].Peak, arr.a[p].Current)
+			}
+		}
+		want.OversizeAllocations.Peak = max(want.OversizeAllocations.Peak, s.OversizeAllocations.Current)
+	}
+	x := uint64(12345)
+	for i := range 3000 {
+		x ^= x << 13
+		x ^= x >> 7
+		x ^= x << 17
+		if len(live) > 0 && x%5 < 2 {
+			j := int(x>>8) % len(live)
+			if err := a.Free(live[j]); err != nil {
+				t.Fatal(err)
+			}
+			live[j] = live[len(live)-1]
+			live = live[:len(live)-1]
+		} else {
+			live = append(live, mustMalloc(t, a, sizeFor(x>>3), streams[i%len(streams)]))
+		}
+		observe()
+		if i == 1500 {
+			a.ResetPeakStats()
+			want = a.Stats()
+		}
+	}
+	got := a.Stats()
+	for i, arr := range got.namedArrays() {
+		w := want.namedArrays()[i]
+		for p := range numPools {
+			if arr.a[p].Peak != w.a[p].Peak {
+				t.Errorf("%s.%v peak %d, the largest value seen %d", arr.name, Pool(p), arr.a[p].Peak, w.a[p].Peak)
+			}
+		}
+	}
+	for _, p := range live {
+		if err := a.Free(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
