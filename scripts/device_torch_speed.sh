@@ -11,6 +11,7 @@
 #    costs through torch.empty under each allocator.
 # 2. scripts/torch_workloads.py, native and allocd alternately, $PAIRS times (default 3), on
 #    $WORKLOADS (default gpt2_train,multistream_prefetch) with $STEPS timed steps (default 60).
+#    BENCH=0 skips step 1.
 # 3. scripts/compare_speed.py over all of them -> $OUT/speed.md.
 set -uo pipefail
 
@@ -20,6 +21,7 @@ ANCHOR=${ANCHOR:-.devrun/anchor/workloads.py}
 WORKLOADS=${WORKLOADS:-gpt2_train,multistream_prefetch}
 STEPS=${STEPS:-60}
 PAIRS=${PAIRS:-3}
+BENCH=${BENCH:-1} # 0 skips step 1
 
 [ -f "$LIBDIR/liballocd.so" ] || { echo "no liballocd.so in $LIBDIR" >&2; exit 2; }
 mkdir -p "$OUT"
@@ -31,7 +33,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset ALLOCD_DEVICE PYTORCH_CUDA_ALLOC_CONF ALLOCD_CONF ALLOCD_METRICS_LISTEN
 
 rc=0
-for i in 1 2; do
+for i in $( [ "$BENCH" = 1 ] && echo 1 2 ); do
 	for a in native allocd; do
 		python3 scripts/torch_alloc_bench.py --allocator $a --out "$OUT/bench_${a}_$i.json" || rc=1
 	done
@@ -46,6 +48,7 @@ for i in $(seq 1 "$PAIRS"); do
 		[ -f "$f" ] && results+=("$f")
 	done
 done
-python3 scripts/compare_speed.py "${results[@]}" --bench "$OUT/bench_native_2.json" "$OUT/bench_allocd_2.json" \
-	--md "$OUT/speed.md" || rc=1
+bench=()
+[ "$BENCH" = 1 ] && bench=(--bench "$OUT/bench_native_2.json" "$OUT/bench_allocd_2.json")
+python3 scripts/compare_speed.py "${results[@]}" "${bench[@]}" --md "$OUT/speed.md" || rc=1
 exit $rc
