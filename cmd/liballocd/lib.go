@@ -37,6 +37,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/devspec"
 )
 
 // maxDevices bounds the device index: PyTorch's c10::DeviceIndex is an
@@ -204,33 +205,13 @@ func parseSim(set settings) (simSpec, error) {
 		s.count = c
 	}
 	if set.simCapacity != "" {
-		c, err := parseBytes(set.simCapacity)
+		c, err := devspec.ParseSize(set.simCapacity) // as allocd and allocator.Open read it
 		if err != nil {
 			return simSpec{}, fmt.Errorf("allocd: ALLOCD_SIM_CAPACITY: %w", err)
 		}
 		s.capacity = c
 	}
 	return s, nil
-}
-
-// parseBytes reads "1073741824", "512MiB", "80GiB" or "1TiB".
-func parseBytes(s string) (uint64, error) {
-	mult := uint64(1)
-	num := s
-	for _, u := range []struct {
-		suffix string
-		m      uint64
-	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40}} {
-		if n, ok := strings.CutSuffix(s, u.suffix); ok {
-			num, mult = n, u.m
-			break
-		}
-	}
-	n, err := strconv.ParseUint(strings.TrimSpace(num), 10, 64)
-	if err != nil || n == 0 || n > ^uint64(0)/mult {
-		return 0, fmt.Errorf("%q: expected a positive byte count, optionally with KiB, MiB, GiB or TiB", s)
-	}
-	return n * mult, nil
 }
 
 // openDevice opens device index: a cudart.Sim under ALLOCD_DEVICE=sim, else

@@ -264,3 +264,25 @@ func grep(s, sub string) string {
 	}
 	return strings.Join(out, "\n")
 }
+
+// TestParseSimCapacity: ALLOCD_SIM_CAPACITY reads sizes as allocd's flags and
+// allocator.Open do, fractions included.
+func TestParseSimCapacity(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		want uint64
+		ok   bool
+	}{
+		{"1GiB", 1 << 30, true},
+		{"1.5GiB", 3 << 29, true},
+		{"4096", 4096, true},
+		{"0", 0, false},
+		{"NaN", 0, false},
+		{"lots", 0, false},
+	} {
+		s, err := parseSim(settings{device: "sim", simCapacity: c.in})
+		if (err == nil) != c.ok || (c.ok && s.capacity != c.want) {
+			t.Errorf("ALLOCD_SIM_CAPACITY=%q: capacity %d, err %v; want %d, ok %v", c.in, s.capacity, err, c.want, c.ok)
+		}
+	}
+}
