@@ -68,7 +68,7 @@ func (h *hotStats) arrays() [numHot]*StatArray {
 		&h.AllocatedBytes, &h.ActiveBytes, &h.InactiveSplitBytes, &h.RequestedBytes}
 }
 
-// statArrays lists the same arrays of a Stats, in the same order.
+// hotArrays lists the same arrays of a Stats, in the same order.
 func (s *Stats) hotArrays() [numHot]*StatArray {
 	return [numHot]*StatArray{&s.Allocation, &s.Active, &s.InactiveSplit,
 		&s.AllocatedBytes, &s.ActiveBytes, &s.InactiveSplitBytes, &s.RequestedBytes}
