@@ -75,37 +75,17 @@ func TestPairAllocatesNothing(t *testing.T) {
 
 // BenchmarkMixed is the mixed workload of `allocd bench` (Mixed); it reports ns per step
 // and aggregate Mops/s over all goroutines.
-func BenchmarkMixed(b *testing.B) {
-	steps := MixedSteps
-	if testing.Short() {
-		steps = 20_000
-	}
-	for _, threads := range MixedThreads {
-		b.Run(fmt.Sprintf("threads=%d", threads), func(b *testing.B) {
-			var last MixedResult
-			b.ReportAllocs()
-			for b.Loop() {
-				b.StopTimer()
-				a := newSimAllocator(b, "", false) // fresh: each run makes new streams
-				b.StartTimer()
-				r, err := Mixed(a, threads, steps)
-				if err != nil {
-					b.Fatal(err)
-				}
-				last = r
-			}
-			b.ReportMetric(last.NsPerOp(), "ns/step")
-			b.ReportMetric(last.MopsPerSec(), "Mops/s")
-			b.ReportMetric(float64(last.PeakReserved)/(1<<20), "peak-reserved-MiB")
-			b.ReportMetric(float64(last.PeakAllocated)/(1<<20), "peak-allocated-MiB")
-		})
-	}
-}
+func BenchmarkMixed(b *testing.B) { benchmarkMixed(b, Mixed) }
 
 // BenchmarkMixedWarm runs BenchmarkMixed's workload twice on the same
 // streams (MixedWarm). ns/op covers both passes; ns/step and Mops/s are
 // the second, cached pass only.
-func BenchmarkMixedWarm(b *testing.B) {
+func BenchmarkMixedWarm(b *testing.B) { benchmarkMixed(b, MixedWarm) }
+
+// benchmarkMixed runs run (Mixed or MixedWarm) for every goroutine count of
+// MixedThreads on a fresh simulated allocator per iteration, and reports
+// the last run's figures.
+func benchmarkMixed(b *testing.B, run func(*allocator.Allocator, int, int) (MixedResult, error)) {
 	steps := MixedSteps
 	if testing.Short() {
 		steps = 20_000
@@ -118,7 +98,7 @@ func BenchmarkMixedWarm(b *testing.B) {
 				b.StopTimer()
 				a := newSimAllocator(b, "", false) // fresh: each run makes new streams
 				b.StartTimer()
-				r, err := MixedWarm(a, threads, steps)
+				r, err := run(a, threads, steps)
 				if err != nil {
 					b.Fatal(err)
 				}

@@ -58,35 +58,27 @@ func RunSuite(t *Target, cfg allocator.Config, s Suite) (Report, error) {
 		_ = a.Close()
 		rep.Pair[fmt.Sprint(size)] = best
 	}
-	for _, th := range s.Threads {
-		if s.MixedSteps <= 0 {
-			break
+	// The cold mixed runs, then the warm ones, each on a fresh allocator.
+	for _, m := range []struct {
+		name string
+		run  func(*allocator.Allocator, int, int) (MixedResult, error)
+		rows *[]MixedRow
+	}{{"mixed", Mixed, &rep.Mixed}, {"mixed_warm", MixedWarm, &rep.Warm}} {
+		for _, th := range s.Threads {
+			if s.MixedSteps <= 0 {
+				break
+			}
+			a, err := fresh()
+			if err != nil {
+				return rep, err
+			}
+			r, err := m.run(a, th, s.MixedSteps)
+			_ = a.Close()
+			if err != nil {
+				return rep, fmt.Errorf("%s/threads=%d: %w", m.name, th, err)
+			}
+			*m.rows = append(*m.rows, MixedRowOf(r))
 		}
-		a, err := fresh()
-		if err != nil {
-			return rep, err
-		}
-		r, err := Mixed(a, th, s.MixedSteps)
-		_ = a.Close()
-		if err != nil {
-			return rep, fmt.Errorf("mixed/threads=%d: %w", th, err)
-		}
-		rep.Mixed = append(rep.Mixed, MixedRowOf(r))
-	}
-	for _, th := range s.Threads {
-		if s.MixedSteps <= 0 {
-			break
-		}
-		a, err := fresh()
-		if err != nil {
-			return rep, err
-		}
-		r, err := MixedWarm(a, th, s.MixedSteps)
-		_ = a.Close()
-		if err != nil {
-			return rep, fmt.Errorf("mixed_warm/threads=%d: %w", th, err)
-		}
-		rep.Warm = append(rep.Warm, MixedRowOf(r))
 	}
 	for _, file := range s.Traces {
 		tr, err := LoadTrace(file)
