@@ -31,8 +31,10 @@ package allocator
 // counter, each shard holds, for each hot statistic and pool, a cap:
 // the caps add up to no more than the peak, and a hot path whose increase
 // stays within its cap cannot make a new peak. One that would pass its
-// cap escalates: it takes every other shard's lock without waiting
-// (world mode when one stays busy), and with every shard held it makes
+// cap escalates: it takes the allocator's mutex without waiting (world
+// mode when another holds it) and every other shard's lock, waiting for
+// each (escalate says why that cannot deadlock), and with every shard held
+// it makes
 // its change, raises the peaks from the exact sums and shares the slack
 // (peak − sum) out again as caps. In world mode the sums are taken and
 // the peaks raised after every change of a hot statistic. Hot paths spin
@@ -375,39 +377,32 @@ func (sh *shard) withinCaps() bool {
 	return sh.stats.OversizeAllocations.Current <= sh.capOver
 }
 
-// escalate lets a hot path pass its shard's caps: it takes every other
-// shard's lock without waiting, and reports whether it got them all (it
-// holds none of them otherwise). Holding every shard lock excludes world
-// mode and every other hot path, so the caller may change the statistics
-// beyond its caps and then settle the peaks itself (deescalate). When a
-// lock is busy the caller falls back to world mode; waiting here could
-// deadlock with lockWorld, which takes the shard locks in order.
+// escalate lets a hot path pass its shard's caps: it takes the
+// allocator's mutex without waiting, then every other shard's lock,
+// waiting for each, and reports whether it got them (it holds none of
+// them otherwise). Holding every shard lock excludes world mode and every
+// other hot path, so the caller may change the statistics beyond its caps
+// and then settle the peaks itself (deescalate).
+//
+// Waiting cannot deadlock. A goroutine that holds a.mu holds it from the
+// start of world mode or of an escalation, so when the TryLock succeeds
+// no one else is taking the shard locks in bulk, and the other holders of
+// shard locks are hot paths, which never wait while they hold their
+// shard's lock: they take a.mu only by TryLock, and give their shard up
+// before they fall back to world mode. The wait is one hot call per
+// shard. Taking the other shards with TryLock alone, all or nothing,
+// almost never succeeds while several goroutines run hot paths, since
+// each holds its own lock most of the time.
 func (a *Allocator) escalate(sh *shard) bool {
-	list := a.shardTab.Load().list
-	for range 20 {
-		if tryLockOthers(list, sh) {
-			return true
-		}
-		runtime.Gosched() // another hot path holds one: it is brief
+	if !a.mu.TryLock() {
+		return false // world mode, or another escalation: redo there
 	}
-	return false
-}
-
-// tryLockOthers takes the locks of every shard in list but sh, or none.
-func tryLockOthers(list []*shard, sh *shard) bool {
-	for i, o := range list {
-		if o == sh {
-			continue
-		}
-		if !o.mu.TryLock() {
-			for _, u := range list[:i] {
-				if u != sh {
-					u.mu.Unlock()
-				}
-			}
-			return false
+	for _, o := range a.shards {
+		if o != sh {
+			o.lock()
 		}
 	}
+	a.stats.NumEscalations++
 	return true
 }
 
@@ -417,11 +412,12 @@ func (a *Allocator) deescalate(sh *shard) {
 	a.settle()
 	a.favored = sh
 	a.shareCaps()
-	for _, o := range a.shardTab.Load().list {
+	for _, o := range a.shards {
 		if o != sh {
 			o.mu.Unlock()
 		}
 	}
+	a.mu.Unlock()
 }
 
 // settle raises the global peaks of the hot statistics to the current

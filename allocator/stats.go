@@ -138,6 +138,10 @@ type Stats struct {
 
 	// LargestFreeBlock is the size of the largest cached free block.
 	LargestFreeBlock int64
+	// NumEscalations counts cached mallocs and frees that took every
+	// stream's lock to settle a peak (allocd only; not a PyTorch key): a
+	// measure of the contention between streams that the hot path pays.
+	NumEscalations int64
 	// DeviceMallocLatency observes each device malloc (slow path only).
 	DeviceMallocLatency Histogram
 }

@@ -155,6 +155,8 @@ var metrics = []MetricInfo{
 		"num_sync_all_streams", func(s *allocator.Stats) int64 { return s.NumSyncAllStreams }),
 	plainMetric("empty_cache_total", "counter", "EmptyCache calls, as torch.cuda.empty_cache().",
 		"", func(s *allocator.Stats) int64 { return s.NumEmptyCache }),
+	plainMetric("escalations_total", "counter", "Cached mallocs and frees that took every stream's lock to settle a peak statistic: the hot path's contention between streams.",
+		"", func(s *allocator.Stats) int64 { return s.NumEscalations }),
 
 	{Name: Namespace + "_device_free_bytes", Type: "gauge", Help: "Free device memory as the device reports it (cudaMemGetInfo), all processes counted.",
 		Labels: deviceLabels, PyTorch: "torch.cuda.mem_get_info()[0]", kind: kindDeviceFree},
