@@ -9,7 +9,7 @@
 #
 # 1. scripts/torch_alloc_bench.py, native then allocd, twice: what one cached malloc+free
 #    costs through torch.empty under each allocator.
-# 2. scripts/torch_workloads.py, native and allocd alternately, $PAIRS times (default 3), on
+# 2. scripts/torch_workloads.py, native and allocd alternately (ABBA order), $PAIRS times (default 3), on
 #    $WORKLOADS (default gpt2_train,multistream_prefetch) with $STEPS timed steps (default 60).
 #    BENCH=0 skips step 1.
 # 3. scripts/compare_speed.py over all of them -> $OUT/speed.md.
@@ -40,7 +40,11 @@ for i in $( [ "$BENCH" = 1 ] && echo 1 2 ); do
 done
 results=()
 for i in $(seq 1 "$PAIRS"); do
-	for a in native allocd; do
+	# ABBA: odd pairs run native first, even pairs allocd first, so that a drift over the
+	# session (clocks, temperature) does not always favour one side.
+	order="native allocd"
+	[ $((i % 2)) = 0 ] && order="allocd native"
+	for a in $order; do
 		f="$OUT/${a}_$i.json"
 		python3 scripts/torch_workloads.py --allocator $a --workloads "$WORKLOADS" --anchor "$ANCHOR" \
 			--steps "$STEPS" --out "$f" >"$OUT/${a}_$i.log" 2>&1 || { rc=1; tail -20 "$OUT/${a}_$i.log"; }

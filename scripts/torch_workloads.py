@@ -15,7 +15,8 @@ torchvision's ResNets); the step loops are this script's own:
 
 Every workload starts from the same seeds (torch.manual_seed, random.seed), runs W warm-up
 steps and N timed steps (torch.cuda.synchronize() before and after each; the median is
-reported), records each step's loss (or the generated token ids), the peak reserved and
+reported, and beside it the median launch time: from the step's start until the Python code
+returns, before the final synchronize, which tells a CPU-bound step from a GPU-bound one), records each step's loss (or the generated token ids), the peak reserved and
 allocated bytes (torch.cuda.memory_stats() natively, allocd_torch.memory_stats() under
 allocd) and, under allocd, one scrape of /metrics between two timed steps half way through.
 After each workload: gc, empty_cache and reset_peak_memory_stats, so peaks are per workload.
@@ -172,7 +173,7 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
     step, kind = WORKLOADS[name](torch, anchor)
     torch.cuda.synchronize()
     build_s = time.time() - t0
-    values, tokens, ms = [], [], []
+    values, tokens, ms, launch = [], [], [], []
     metrics = None
     mid = warmup + steps // 2
     allocs0 = 0
@@ -182,10 +183,12 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
             allocs0 = api["memory_stats"]().get("allocation.all.allocated", 0)
         t = time.perf_counter()
         out = step(i)
+        tl = time.perf_counter()
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t) * 1e3
         if i >= warmup:
             ms.append(dt)
+            launch.append((tl - t) * 1e3)
         if kind == "loss":
             values.append(out.item())
         else:
@@ -201,7 +204,8 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
     res = {
         "kind": kind, "warmup": warmup, "steps": steps, "values": values,
         "step_ms": [round(x, 4) for x in ms], "median_ms": statistics.median(ms),
-        "min_ms": min(ms), "allocs_per_step": allocs_per_step, "build_s": round(build_s, 2), "wall_s": round(wall, 2),
+        "min_ms": min(ms), "launch_ms": [round(x, 4) for x in launch],
+        "median_launch_ms": statistics.median(launch), "allocs_per_step": allocs_per_step, "build_s": round(build_s, 2), "wall_s": round(wall, 2),
         "peak_reserved": st["reserved_bytes.all.peak"], "peak_allocated": st["allocated_bytes.all.peak"],
         "stats": {k: st.get(k) for k in ("reserved_bytes.all.current", "allocated_bytes.all.current",
                                          "num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms",
