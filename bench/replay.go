@@ -43,6 +43,10 @@ type ReplayResult struct {
 	UnmatchedFrees int
 	// Elapsed is the time spent in the replay loop.
 	Elapsed time.Duration
+	// DeviceMallocTime is the part of Elapsed spent in device mallocs
+	// (cudaMalloc, as the allocator's device_malloc histogram measures
+	// them): a cost every caching allocator pays for the same segments.
+	DeviceMallocTime time.Duration
 }
 
 // SegmentAddresses lists the segment_alloc entries of a device trace as
@@ -122,6 +126,7 @@ func Replay(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayRe
 	res.PeakReserved = st.ReservedBytes[allocator.PoolAll].Peak
 	res.PeakRequested = st.RequestedBytes[allocator.PoolAll].Peak
 	res.DeviceMallocs = st.NumDeviceAlloc
+	res.DeviceMallocTime = time.Duration(st.DeviceMallocLatency.Sum * float64(time.Second))
 	res.DeviceFrees = st.NumDeviceFree
 	res.AllocRetries = st.NumAllocRetries
 	res.OOMs = st.NumOOMs

@@ -21,11 +21,13 @@ type ReplayRow struct {
 	AllocRetries       int64   `json:"alloc_retries"`
 	OOMs               int64   `json:"ooms"`
 	NsPerOp            float64 `json:"ns_per_op"`
+	// DeviceMallocNsPerOp is the share of NsPerOp spent in device mallocs.
+	DeviceMallocNsPerOp float64 `json:"device_malloc_ns_per_op"`
 }
 
 // RowOf returns r as a row, with Trace and Conf empty.
 func RowOf(r ReplayResult) ReplayRow {
-	return ReplayRow{
+	row := ReplayRow{
 		Ops:                r.Ops,
 		PeakAllocatedBytes: r.PeakAllocated,
 		PeakReservedBytes:  r.PeakReserved,
@@ -36,6 +38,10 @@ func RowOf(r ReplayResult) ReplayRow {
 		OOMs:               r.OOMs,
 		NsPerOp:            r.NsPerOp(),
 	}
+	if r.Ops > 0 {
+		row.DeviceMallocNsPerOp = float64(r.DeviceMallocTime.Nanoseconds()) / float64(r.Ops)
+	}
+	return row
 }
 
 // MixedRow is one run of the mixed benchmark in `allocd bench --json`.

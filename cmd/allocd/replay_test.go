@@ -36,7 +36,7 @@ func TestReplayJSONFields(t *testing.T) {
 	if len(lines) != 2 {
 		t.Fatalf("want one JSON line per configuration, got %d:\n%s", len(lines), out)
 	}
-	want := []string{"alloc_retries", "conf", "device_frees", "device_mallocs", "ns_per_op", "ooms", "ops",
+	want := []string{"alloc_retries", "conf", "device_frees", "device_malloc_ns_per_op", "device_mallocs", "ns_per_op", "ooms", "ops",
 		"peak_allocated_bytes", "peak_requested_bytes", "peak_reserved_bytes", "trace"}
 	for _, line := range lines {
 		var m map[string]any
