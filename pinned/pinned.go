@@ -427,8 +427,9 @@ func (a *Allocator) takeFree(class int) *block {
 }
 
 func (a *Allocator) pushFree(b *block) {
-	b.freeIdx = len(a.free[b.class])
-	a.free[b.class] = append(a.free[b.class], b)
+	l := &a.free[b.class]
+	b.freeIdx = len(*l)
+	*l = append(*l, b)
 }
 
 func (a *Allocator) handOut(b *block, n int) Buffer {
