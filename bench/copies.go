@@ -41,8 +41,12 @@ type CopyOptions struct {
 	Bytes int64
 	// Trials is the number of timed runs; the best counts (3).
 	Trials int
-	// CachedIters is the number of cached Alloc+Free pairs timed (100,000).
+	// CachedIters and CachedTime are the least number of cached
+	// Alloc+Free pairs timed (1,000,000) and the least time they run
+	// (200 ms): the pairs run in batches of cachedBatch until both are
+	// reached, after an untimed warm-up batch.
 	CachedIters int
+	CachedTime  time.Duration
 	// HostAllocTime bounds the time spent timing cudaHostAlloc+cudaFreeHost
 	// per size, at least 5 pairs (1 s).
 	HostAllocTime time.Duration
@@ -62,7 +66,10 @@ func (o *CopyOptions) defaults() {
 		o.Trials = 3
 	}
 	if o.CachedIters <= 0 {
-		o.CachedIters = 100_000
+		o.CachedIters = 1_000_000
+	}
+	if o.CachedTime <= 0 {
+		o.CachedTime = 200 * time.Millisecond
 	}
 	if o.HostAllocTime <= 0 {
 		o.HostAllocTime = time.Second
@@ -83,6 +90,7 @@ type CopyRow struct {
 type AllocRow struct {
 	Bytes            int     `json:"bytes"`
 	CachedNs         float64 `json:"cached_alloc_free_ns"`
+	CachedRun        int     `json:"cached_alloc_free_pairs"`
 	HostAllocFreeNs  float64 `json:"cuda_host_alloc_free_ns"`
 	HostAllocFreeRun int     `json:"cuda_host_alloc_free_pairs"`
 	Speedup          float64 `json:"speedup"`
@@ -190,6 +198,10 @@ func copyRow(dev CopyDevice, h *pinned.Allocator, s cudart.Stream, n int, opt Co
 	return row, nil
 }
 
+// cachedBatch is the number of cached Alloc+Free pairs between two reads
+// of the clock in allocRow, and its warm-up.
+const cachedBatch = 10_000
+
 func allocRow(dev CopyDevice, h *pinned.Allocator, n int, opt CopyOptions) (AllocRow, error) {
 	row := AllocRow{Bytes: n}
 	warm, err := h.Alloc(n)
@@ -199,17 +211,31 @@ func allocRow(dev CopyDevice, h *pinned.Allocator, n int, opt CopyOptions) (Allo
 	if err := h.Free(warm); err != nil {
 		return row, err
 	}
-	t0 := time.Now()
-	for range opt.CachedIters {
-		b, err := h.Alloc(n)
-		if err != nil {
-			return row, err
+	pairs := func(k int) error {
+		for range k {
+			b, err := h.Alloc(n)
+			if err != nil {
+				return err
+			}
+			if err := h.Free(b); err != nil {
+				return err
+			}
 		}
-		if err := h.Free(b); err != nil {
-			return row, err
-		}
+		return nil
 	}
-	row.CachedNs = float64(time.Since(t0).Nanoseconds()) / float64(opt.CachedIters)
+	if err := pairs(cachedBatch); err != nil { // warm-up, untimed
+		return row, err
+	}
+	t0 := time.Now()
+	var el time.Duration
+	for row.CachedRun < opt.CachedIters || el < opt.CachedTime {
+		if err := pairs(cachedBatch); err != nil {
+			return row, err
+		}
+		row.CachedRun += cachedBatch
+		el = time.Since(t0)
+	}
+	row.CachedNs = float64(el.Nanoseconds()) / float64(row.CachedRun)
 	t0 = time.Now()
 	for row.HostAllocFreeRun < 5 || time.Since(t0) < opt.HostAllocTime {
 		b, err := dev.HostAlloc(uint64(n), pinned.DefaultFlags)
@@ -247,7 +273,7 @@ func RunCopies(w io.Writer, dev cudart.Device, asJSON bool) error {
 			}
 		}
 		// Its figures mean nothing for a GPU: run the harness briefly.
-		opt.Bytes, opt.Trials, opt.CachedIters, opt.HostAllocTime = 64<<20, 1, 10_000, 100*time.Millisecond
+		opt.Bytes, opt.Trials, opt.CachedIters, opt.CachedTime, opt.HostAllocTime = 64<<20, 1, 100_000, 20*time.Millisecond, 100*time.Millisecond
 	}
 	cd, ok := dev.(CopyDevice)
 	if !ok {

@@ -15,7 +15,7 @@ func TestCopiesOnSim(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rep, err := Copies(sim, CopyOptions{Sizes: []int{4 << 10, 1 << 20}, AllocSizes: []int{1 << 20}, Bytes: 4 << 20, Trials: 1, CachedIters: 1000, HostAllocTime: time.Millisecond})
+	rep, err := Copies(sim, CopyOptions{Sizes: []int{4 << 10, 1 << 20}, AllocSizes: []int{1 << 20}, Bytes: 4 << 20, Trials: 1, CachedIters: 1000, CachedTime: time.Millisecond, HostAllocTime: time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -27,7 +27,7 @@ func TestCopiesOnSim(t *testing.T) {
 			t.Errorf("row %+v has a zero bandwidth", c)
 		}
 	}
-	if a := rep.Alloc[0]; a.CachedNs <= 0 || a.HostAllocFreeRun < 5 || a.Speedup <= 0 {
+	if a := rep.Alloc[0]; a.CachedNs <= 0 || a.CachedRun < 1000 || a.HostAllocFreeRun < 5 || a.Speedup <= 0 {
 		t.Errorf("alloc row %+v", a)
 	}
 	if c := sim.HostCounters(); c.LiveHostAllocations != 0 {

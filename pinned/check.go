@@ -59,6 +59,9 @@ func (a *Allocator) Check() error {
 			bad("block %p of %d bytes is in class %d; its size rounds to %d, class %d", b, size, b.class, rs, rc)
 		}
 		reserved += int64(size)
+		if o := b.owner.Load(); o != a {
+			bad("block %p is held but names %p as its owner", b, o)
+		}
 		if b.events != events[b] {
 			bad("block %p counts %d events outstanding; %d are pending for it", b, b.events, events[b])
 		}

@@ -56,9 +56,14 @@
 //
 // One mutex guards everything. A cached Alloc and the Free of a block no
 // stream used allocate nothing on the Go heap, make no device call, read no
-// clock and log nothing (BenchmarkCachedAllocFree shows it). A Free of a
-// block used by streams records one event per stream; a miss queries the
-// pending events; new memory is page-locked with the mutex released.
+// clock and log nothing (BenchmarkCachedAllocFree shows it). Each is one
+// uncontended Lock and Unlock around a few loads and stores: the free list
+// pop or push and the statistics, peaks included; Free knows the block is
+// its own by the block's owner pointer, which the allocator clears when the
+// block goes back to the system. The two lock operations, atomic
+// read-modify-writes, are most of the cost. A Free of a block used by
+// streams records one event per stream; a miss queries the pending events;
+// new memory is page-locked with the mutex released.
 package pinned
 
 import (
@@ -66,6 +71,7 @@ import (
 	"fmt"
 	"math/bits"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/allocd/allocd/cudart"
@@ -131,6 +137,12 @@ func DefaultConfig() Config { return Config{RoundupDivisions: 1, Flags: DefaultF
 // allocated (handed out), pending (freed, events outstanding) or free (in
 // its class's free list).
 type block struct {
+	// owner is the allocator holding the block, nil once the block went
+	// back to the system (releaseFree, Close). Free and the copy helpers
+	// compare it with their receiver instead of looking the block up; it
+	// is atomic because a foreign Buffer's block is read under another
+	// allocator's mutex than the one that writes it.
+	owner     atomic.Pointer[Allocator]
 	data      []byte // the whole allocation; len is the class size
 	class     int
 	gen       uint64 // bumped at every hand-out; Buffers carry it
@@ -215,12 +227,13 @@ type Allocator struct {
 
 	mu      sync.Mutex
 	closed  bool
-	blocks  map[*block]struct{}
+	pow2    bool       // cfg.RoundupDivisions is 1: a class is a power of two
 	free    [][]*block // by class
+	stats   Stats
+	blocks  map[*block]struct{} // every block held; owner == the allocator
 	pending []pendingEvent
 	idle    []cudart.Event // created events not in use
-	stats   Stats
-	reset   bool // ResetAccumulatedStats ran: totals no longer add up
+	reset   bool           // ResetAccumulatedStats ran: totals no longer add up
 }
 
 // New returns an allocator over dev. cfg.RoundupDivisions must be 0 or a
@@ -242,6 +255,7 @@ func New(dev Device, cfg Config) (*Allocator, error) {
 	return &Allocator{
 		dev:    dev,
 		cfg:    cfg,
+		pow2:   cfg.RoundupDivisions == 1,
 		blocks: map[*block]struct{}{},
 		free:   make([][]*block, 64*d),
 	}, nil
@@ -279,25 +293,54 @@ func RoundSize(n uint64, divisions int) (size uint64, class int) {
 // system after the cache was emptied (wrapping cudart.ErrOutOfMemory). On
 // error no buffer is handed out and no memory is held for it.
 func (a *Allocator) Alloc(n int) (Buffer, error) {
-	if n <= 0 {
-		if n == 0 {
-			return Buffer{}, nil
-		}
+	if n <= 0 || uint64(n) > MaxSize {
+		return a.allocInvalid(n)
+	}
+	var class int
+	if a.pow2 {
+		class = bits.Len64(uint64(n) - 1) // RoundSize(n, 1)
+	} else {
+		_, class = RoundSize(uint64(n), a.cfg.RoundupDivisions)
+	}
+	a.mu.Lock()
+	if l := a.free[class]; len(l) > 0 && !a.closed {
+		// takeFree and handOut, by hand: this is the hot path.
+		k := len(l) - 1
+		b := l[k]
+		l[k] = nil
+		a.free[class] = l[:k]
+		b.freeIdx = -1
+		b.allocated = true
+		b.requested = n
+		b.gen++
+		gen := b.gen
+		data := b.data[:n:n]
+		a.stats.Allocation.add(1)
+		a.stats.AllocatedBytes.add(int64(len(b.data)))
+		a.stats.RequestedBytes.add(int64(n))
+		a.mu.Unlock()
+		return Buffer{data: data, blk: b, gen: gen}, nil
+	}
+	return a.allocMiss(n, class)
+}
+
+// allocInvalid is Alloc of n <= 0 or above MaxSize.
+func (a *Allocator) allocInvalid(n int) (Buffer, error) {
+	switch {
+	case n == 0:
+		return Buffer{}, nil
+	case n < 0:
 		return Buffer{}, fmt.Errorf("pinned: alloc of %d bytes: %w", n, cudart.ErrInvalidValue)
 	}
-	if uint64(n) > MaxSize {
-		return Buffer{}, fmt.Errorf("pinned: alloc of %d bytes: %w", n, ErrTooLarge)
-	}
-	size, class := RoundSize(uint64(n), a.cfg.RoundupDivisions)
-	a.mu.Lock()
+	return Buffer{}, fmt.Errorf("pinned: alloc of %d bytes: %w", n, ErrTooLarge)
+}
+
+// allocMiss is Alloc when class's free list is empty (or the allocator
+// closed); a.mu is held on entry and released on return.
+func (a *Allocator) allocMiss(n, class int) (Buffer, error) {
 	if a.closed {
 		a.mu.Unlock()
 		return Buffer{}, fmt.Errorf("pinned: alloc: %w", ErrClosed)
-	}
-	if b := a.takeFree(class); b != nil {
-		buf := a.handOut(b, n)
-		a.mu.Unlock()
-		return buf, nil
 	}
 	if len(a.pending) > 0 {
 		if err := a.processEvents(); err != nil {
@@ -311,6 +354,12 @@ func (a *Allocator) Alloc(n int) (Buffer, error) {
 		}
 	}
 	a.mu.Unlock()
+	return a.allocNew(n, class)
+}
+
+// allocNew is Alloc from a new block; a.mu is not held.
+func (a *Allocator) allocNew(n, class int) (Buffer, error) {
+	size, _ := RoundSize(uint64(n), a.cfg.RoundupDivisions)
 	b, err := a.grow(size, class)
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -322,6 +371,7 @@ func (a *Allocator) Alloc(n int) (Buffer, error) {
 		return Buffer{}, fmt.Errorf("pinned: alloc: %w", ErrClosed)
 	}
 	a.blocks[b] = struct{}{}
+	b.owner.Store(a)
 	a.stats.NumHostAlloc++
 	a.stats.Segment.add(1)
 	a.stats.ReservedBytes.add(int64(len(b.data)))
@@ -387,8 +437,9 @@ func (a *Allocator) takeFree(class int) *block {
 }
 
 func (a *Allocator) pushFree(b *block) {
-	b.freeIdx = len(a.free[b.class])
-	a.free[b.class] = append(a.free[b.class], b)
+	l := &a.free[b.class]
+	b.freeIdx = len(*l)
+	*l = append(*l, b)
 }
 
 func (a *Allocator) handOut(b *block, n int) Buffer {
@@ -410,7 +461,7 @@ func (a *Allocator) lookup(op string, buf Buffer) (*block, error) {
 	if b == nil {
 		return nil, fmt.Errorf("pinned: %s of the zero Buffer: %w", op, ErrInvalidBuffer)
 	}
-	if _, ok := a.blocks[b]; !ok {
+	if b.owner.Load() != a {
 		return nil, fmt.Errorf("pinned: %s: the buffer is not from this allocator: %w", op, ErrInvalidBuffer)
 	}
 	if !b.allocated || b.gen != buf.gen {
@@ -426,10 +477,31 @@ func (a *Allocator) lookup(op string, buf Buffer) (*block, error) {
 // ErrInvalidBuffer; if recording an event fails the buffer stays allocated,
 // with its streams, and the error is returned.
 func (a *Allocator) Free(buf Buffer) error {
-	if buf.blk == nil && buf.data == nil {
-		return nil
+	b := buf.blk
+	if b == nil {
+		if buf.data == nil {
+			return nil
+		}
+		a.mu.Lock()
+		return a.freeSlow(buf)
 	}
 	a.mu.Lock()
+	// The checks of lookup, inline; freeSlow says which one failed.
+	if a.closed || b.owner.Load() != a || !b.allocated || b.gen != buf.gen || b.nstreams > 0 {
+		return a.freeSlow(buf)
+	}
+	b.allocated = false
+	b.gen++
+	a.stats.RequestedBytes.sub(int64(b.requested))
+	b.requested = 0
+	a.release(b)
+	a.mu.Unlock()
+	return nil
+}
+
+// freeSlow is Free of an invalid Buffer or of one that streams used; a.mu
+// is held on entry and released on return.
+func (a *Allocator) freeSlow(buf Buffer) error {
 	defer a.mu.Unlock()
 	b, err := a.lookup("free", buf)
 	if err != nil {
@@ -608,6 +680,7 @@ func (a *Allocator) releaseFree() error {
 		for _, b := range a.free[c] {
 			b.freeIdx = -1
 			delete(a.blocks, b)
+			b.owner.Store(nil)
 			a.stats.Segment.sub(1)
 			a.stats.ReservedBytes.sub(int64(len(b.data)))
 			out = append(out, b)
@@ -623,6 +696,7 @@ func (a *Allocator) releaseFree() error {
 			a.mu.Lock()
 			if !a.closed { // after Close the block is lost; the error says so
 				a.blocks[b] = struct{}{}
+				b.owner.Store(a)
 				a.stats.Segment.add(1)
 				a.stats.ReservedBytes.add(int64(len(b.data)))
 				a.pushFree(b)
@@ -669,6 +743,7 @@ func (a *Allocator) Close() error {
 		}
 		b.allocated, b.freeIdx, b.events = false, -1, 0
 		b.gen++
+		b.owner.Store(nil)
 	}
 	clear(a.blocks)
 	for c := range a.free {

@@ -3,6 +3,7 @@ package pinned
 import (
 	"bytes"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
@@ -139,6 +140,51 @@ func TestAllocFreeReuse(t *testing.T) {
 	}
 	if c := dev.HostCounters(); c.LiveHostAllocations != 0 {
 		t.Errorf("EmptyCache left %d host allocations", c.LiveHostAllocations)
+	}
+}
+
+// TestBufferOwnership: Free and the copy helpers take a Buffer only from
+// the allocator whose block it names, while that allocator holds the block:
+// not from another allocator, not once EmptyCache returned the block to the
+// system, not after Close.
+func TestBufferOwnership(t *testing.T) {
+	dev := newSim(t, false)
+	a := newAlloc(t, dev, DefaultConfig())
+	other := newAlloc(t, dev, DefaultConfig())
+	b, err := a.Alloc(100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, err := range []error{other.Free(b), other.RecordStream(b, 1), other.CopyToDevice(0x1000, b, 1)} {
+		if !errors.Is(err, ErrInvalidBuffer) || !strings.Contains(err.Error(), "not from this allocator") {
+			t.Errorf("another allocator's Buffer: %v, want ErrInvalidBuffer (not from this allocator)", err)
+		}
+	}
+	if err := a.Free(b); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.EmptyCache(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Free(b); !errors.Is(err, ErrInvalidBuffer) || !strings.Contains(err.Error(), "not from this allocator") {
+		t.Errorf("Free of a Buffer whose block went back to the system: %v, want ErrInvalidBuffer (not from this allocator)", err)
+	}
+	live, err := a.Alloc(100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustCheck(t, a)
+	if err := a.Close(); !errors.Is(err, ErrLiveBuffers) {
+		t.Fatalf("Close with a live buffer = %v, want ErrLiveBuffers", err)
+	}
+	if err := a.Free(live); !errors.Is(err, ErrClosed) {
+		t.Errorf("Free after Close = %v, want ErrClosed", err)
+	}
+	if live.blk.owner.Load() != nil {
+		t.Error("Close left the block's owner set")
+	}
+	if _, err := a.Alloc(100); !errors.Is(err, ErrClosed) {
+		t.Errorf("Alloc after Close = %v, want ErrClosed", err)
 	}
 }
 
