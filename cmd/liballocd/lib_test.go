@@ -286,3 +286,22 @@ func TestParseSimCapacity(t *testing.T) {
 		}
 	}
 }
+
+// TestBench builds testdata/bench.c and runs it briefly on the simulated
+// device: a smoke test of the benchmark (its numbers are not checked), which
+// also checks that every pair's free has been applied by the end.
+func TestBench(t *testing.T) {
+	lib := buildLib(t)
+	bench := filepath.Join(t.TempDir(), "bench")
+	if b, err := exec.Command("gcc", "-Wall", "-Wextra", "-Werror", "-O2", "-pthread", "-o", bench, "testdata/bench.c", "-ldl").CombinedOutput(); err != nil {
+		t.Fatalf("gcc bench.c: %v\n%s", err, b)
+	}
+	cmd := exec.Command(bench, lib, "2000")
+	cmd.Env = append(os.Environ(), "ALLOCD_DEVICE=sim", "ALLOCD_CONF=", "ALLOCD_SIM_CAPACITY=", "ALLOCD_SIM_MANUAL_EVENTS=")
+	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "ALLOCD_METRICS_LISTEN=") })
+	out, err := cmd.CombinedOutput()
+	t.Logf("bench:\n%s", out)
+	if err != nil || !strings.HasSuffix(string(out), "OK\n") {
+		t.Fatalf("bench: %v", err)
+	}
+}
