@@ -6,7 +6,12 @@ package main
 #cgo noescape liballocd_set_error
 #cgo nocallback liballocd_set_error
 #include <stddef.h>
+#include <stdint.h>
 #include "lasterror.h"
+
+// Called by allocd_torch_malloc (freequeue.c); hidden, like the rest of the
+// library's internals.
+uintptr_t liballocd_go_malloc(size_t size, int device, uintptr_t stream) __attribute__((visibility("hidden")));
 */
 import "C"
 
@@ -85,14 +90,6 @@ func goString(p *C.char) *string {
 	return &s
 }
 
-// devicePointer returns a device address as the void* C expects. It is
-// never a Go pointer; the conversion goes through memory so that vet's
-// unsafe.Pointer check does not apply to an address that is not Go's.
-func devicePointer(p cudart.Ptr) unsafe.Pointer {
-	u := uintptr(p)
-	return *(*unsafe.Pointer)(unsafe.Pointer(&u))
-}
-
 //export allocd_init
 func allocd_init(conf, metricsListen, logLevel *C.char) (rc C.int) {
 	defer recovered("allocd_init")
@@ -103,21 +100,25 @@ func allocd_init(conf, metricsListen, logLevel *C.char) (rc C.int) {
 	return 0
 }
 
-//export allocd_torch_malloc
-func allocd_torch_malloc(size C.size_t, device C.int, stream unsafe.Pointer) (p unsafe.Pointer) {
+// liballocd_go_malloc is allocd_torch_malloc (freequeue.c), which returns
+// its result as a void*. The pointer travels as an integer: a result of
+// pointer type costs the cgo check of a pointer returned to C on every call.
+//
+//export liballocd_go_malloc
+func liballocd_go_malloc(size C.size_t, device C.int, stream C.uintptr_t) (p C.uintptr_t) {
 	defer recovered("allocd_torch_malloc")
 	l, err := getDrained()
 	if err != nil {
 		setError(err)
-		return nil
+		return 0
 	}
-	ptr, err := l.malloc(uint64(size), int(device), cudart.Stream(uintptr(stream)))
+	ptr, err := l.malloc(uint64(size), int(device), cudart.Stream(stream))
 	if err != nil {
 		setError(err)
 		l.log.Debug("malloc failed", zap.Error(err))
-		return nil
+		return 0
 	}
-	return devicePointer(ptr)
+	return C.uintptr_t(ptr)
 }
 
 //export allocd_torch_record_stream

@@ -20,19 +20,27 @@ typedef struct {
 	uintptr_t stream;
 } liballocd_free_entry;
 
-// liballocd_queue_pending counts the frees queued or taken but not yet
-// applied: allocd_torch_free adds 1 to it (atomically, before it returns),
-// and Go subtracts a batch once it has applied it. Zero means every free
-// that has returned has been applied.
-extern int64_t liballocd_queue_pending;
-
-// The queue: liballocd_queue[0:liballocd_queue_len], oldest first, guarded
-// by the spin lock liballocd_queue_lock (0 free, 1 held), which Go takes
-// with atomic compare-and-swap too (queue.go), so that draining costs no
-// call from Go into C.
-extern uint32_t liballocd_queue_lock;
-extern uint64_t liballocd_queue_len;
-extern liballocd_free_entry liballocd_queue[LIBALLOCD_QUEUE_CAP];
+// liballocd_queue_state is the queue's one word of state, changed only
+// with atomic operations, by C and by Go (queue.go) alike, so that draining
+// costs no call from Go into C:
+//
+//	bit 0  LIBALLOCD_QUEUE_LOCKED: a free is writing its entry
+//	bit 1  LIBALLOCD_QUEUE_DRAINING: Go has taken a batch and not yet
+//	       applied it all; no other thread takes one meanwhile
+//	bit 2  LIBALLOCD_QUEUE_BUFFER: which of the two buffers of
+//	       liballocd_queue frees go into; Go takes a batch by switching
+//	       buffers, and reads the other while frees fill this one
+//	bits 3-63  how many frees that buffer holds, oldest first
+//
+// Every change but the lock holder's own release is a compare-and-swap that
+// expects the lock bit clear. So a state without queued frees and without
+// DRAINING means every free that has returned has been applied.
+#define LIBALLOCD_QUEUE_LOCKED 1
+#define LIBALLOCD_QUEUE_DRAINING 2
+#define LIBALLOCD_QUEUE_BUFFER 4
+#define LIBALLOCD_QUEUE_ONE 8
+extern uint64_t liballocd_queue_state;
+extern liballocd_free_entry liballocd_queue[2][LIBALLOCD_QUEUE_CAP];
 
 #pragma GCC visibility pop
 

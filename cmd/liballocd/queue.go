@@ -15,8 +15,8 @@ import "C"
 
 import (
 	"runtime"
-	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/allocd/allocd/cudart"
@@ -26,39 +26,68 @@ import (
 // arguments in C and returns without entering Go; drain applies the queued
 // frees, oldest first, and every export that reads or changes the
 // allocators' state calls it first (through getDrained), as do the metrics
-// server's handlers. Since a free counts as pending until it has been
-// applied (liballocd_queue_pending), a caller that finds nothing pending
-// knows that every free that returned before its call has taken effect, and
-// one that finds some waits on drainMu for any batch being applied by
-// another thread before it takes the rest.
+// server's handlers. One thread at a time takes a batch and applies it
+// (liballocd_queue_state's DRAINING bit), and a caller that finds frees
+// queued or a batch being applied waits for it. So a caller that returns
+// from drain knows that every free that returned before its call has
+// taken effect.
 
-var (
-	drainMu  sync.Mutex
-	drainBuf [C.LIBALLOCD_QUEUE_CAP]C.liballocd_free_entry // guarded by drainMu
+const (
+	qLocked   = C.LIBALLOCD_QUEUE_LOCKED
+	qDraining = C.LIBALLOCD_QUEUE_DRAINING
+	qBuffer   = C.LIBALLOCD_QUEUE_BUFFER
+	qOne      = C.LIBALLOCD_QUEUE_ONE
 )
 
 // The C globals of freequeue.h, read and written by Go directly (no call
 // into C).
 var (
-	qPending = (*int64)(unsafe.Pointer(&C.liballocd_queue_pending))
-	qLock    = (*uint32)(unsafe.Pointer(&C.liballocd_queue_lock))
-	qLen     = (*uint64)(unsafe.Pointer(&C.liballocd_queue_len))
-	qEntries = (*[C.LIBALLOCD_QUEUE_CAP]C.liballocd_free_entry)(unsafe.Pointer(&C.liballocd_queue[0]))
+	qState   = (*uint64)(unsafe.Pointer(&C.liballocd_queue_state))
+	qBuffers = (*[2][C.LIBALLOCD_QUEUE_CAP]C.liballocd_free_entry)(unsafe.Pointer(&C.liballocd_queue[0][0]))
 )
 
-// take moves the queued frees into drainBuf and returns how many; the
-// caller holds drainMu. The spin lock is held only for the copy.
-func take() int {
-	for spins := 0; !atomic.CompareAndSwapUint32(qLock, 0, 1); spins++ {
-		if spins >= 64 {
-			runtime.Gosched()
-		}
+// backoff waits a little in a compare-and-swap loop: it spins first, then
+// yields, then sleeps (another thread's batch may wait on the allocator).
+func backoff(spins int) {
+	switch {
+	case spins < 64:
+	case spins < 128:
+		runtime.Gosched()
+	default:
+		time.Sleep(20 * time.Microsecond)
 	}
-	n := int(*qLen)
-	copy(drainBuf[:n], qEntries[:n])
-	*qLen = 0
-	atomic.StoreUint32(qLock, 0)
-	return n
+}
+
+// take takes the queued frees as a batch: it switches frees to the other
+// buffer, sets DRAINING and returns the batch, which stays valid until
+// drained. nil: nothing left to wait for. While another thread applies a
+// batch, it waits.
+func take() []C.liballocd_free_entry {
+	for spins := 0; ; spins++ {
+		s := atomic.LoadUint64(qState)
+		if s&^(qLocked|qBuffer) == 0 {
+			return nil // nothing queued (a free still holding the lock has not returned)
+		}
+		if s&(qLocked|qDraining) == 0 && atomic.CompareAndSwapUint64(qState, s, (s&qBuffer)^qBuffer|qDraining) {
+			b := 0
+			if s&qBuffer != 0 {
+				b = 1
+			}
+			return qBuffers[b][:s/qOne]
+		}
+		backoff(spins)
+	}
+}
+
+// drained clears DRAINING once the batch has been applied.
+func drained() {
+	for spins := 0; ; spins++ {
+		s := atomic.LoadUint64(qState)
+		if s&qLocked == 0 && atomic.CompareAndSwapUint64(qState, s, s&^qDraining) {
+			return
+		}
+		backoff(spins)
+	}
 }
 
 // drain applies the queued frees. With setErr, a bad free's error becomes
@@ -66,20 +95,18 @@ func take() int {
 // metrics server's goroutines pass false. A bad free is counted and logged
 // by free either way.
 func (l *lib) drain(setErr bool) {
-	if atomic.LoadInt64(qPending) == 0 {
+	if atomic.LoadUint64(qState)&^(qLocked|qBuffer) == 0 {
 		return
 	}
-	drainMu.Lock()
-	n := take()
-	// One deferred call, not two: it releases drainMu and counts the batch
-	// as applied even if a free panics (the export recovers), so that a
-	// panic can neither deadlock nor leave every later call on this path.
-	defer func() {
-		atomic.AddInt64(qPending, -int64(n))
-		drainMu.Unlock()
-	}()
-	for i := range n {
-		e := &drainBuf[i]
+	batch := take()
+	if batch == nil {
+		return
+	}
+	// Deferred, so that a free that panics (the export recovers) cannot
+	// leave DRAINING set and every later call waiting.
+	defer drained()
+	for i := range batch {
+		e := &batch[i]
 		if err := l.free(cudart.Ptr(e.ptr), int(e.device)); err != nil && setErr {
 			setError(err) // logged, rate limited, by free
 		}

@@ -8,9 +8,12 @@
 // For each size it runs PAIRS malloc+free pairs (default 200000) from one
 // thread, then from 4 threads at once (each its own stream, PAIRS each), and
 // prints the wall-clock ns per pair (for 4 threads: total wall time divided
-// by all pairs, so it is throughput), the median of 5 runs. Every size is malloced and freed once
-// first, so that each timed malloc is served from the cache. TestBench
-// (lib_test.go) runs it briefly as a smoke test.
+// by all pairs, so it is throughput) and the process's CPU time per pair
+// (steadier on a shared machine; it includes the library's Go runtime
+// threads and, with 4 threads, time spent waiting in spin loops), each the
+// median of 5 runs. Every size is malloced and freed once first, so that
+// each timed malloc is served from the cache. TestBench (lib_test.go) runs
+// it briefly as a smoke test.
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -39,11 +42,13 @@ static double median(double *v) {
 	return v[REPS / 2];
 }
 
-static double now(void) {
+static double clock_ns(clockid_t c) {
 	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
+	clock_gettime(c, &ts);
 	return ts.tv_sec * 1e9 + ts.tv_nsec;
 }
+static double now(void) { return clock_ns(CLOCK_MONOTONIC); }
+static double cpu(void) { return clock_ns(CLOCK_PROCESS_CPUTIME_ID); }
 
 struct job {
 	size_t size;
@@ -92,14 +97,15 @@ int main(int argc, char **argv) {
 	}
 	static const size_t sizes[] = {512, 64 << 10, 4 << 20};
 	for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
-		double ns1[REPS], ns4[REPS];
+		double ns1[REPS], ns4[REPS], cpu1[REPS], cpu4[REPS];
 		int failed = 0;
 		for (int r = 0; r < REPS; r++) {
 			struct job one = {sizes[s], (stream_t)1, NULL, 0};
 			run(&one); // warm-up
-			double t0 = now();
+			double t0 = now(), c0 = cpu();
 			run(&one);
 			ns1[r] = (now() - t0) / pairs;
+			cpu1[r] = (cpu() - c0) / pairs;
 			failed |= one.failed;
 
 			pthread_barrier_t start;
@@ -112,19 +118,21 @@ int main(int argc, char **argv) {
 			}
 			pthread_barrier_wait(&start);
 			t0 = now();
+			c0 = cpu();
 			for (int i = 0; i < THREADS; i++) {
 				pthread_join(th[i], NULL);
 				failed |= jobs[i].failed;
 			}
 			ns4[r] = (now() - t0) / (pairs * THREADS);
+			cpu4[r] = (cpu() - c0) / (pairs * THREADS);
 			pthread_barrier_destroy(&start);
 		}
 		if (failed) {
 			fprintf(stderr, "FAIL: malloc of %zu returned NULL\n", sizes[s]);
 			return 1;
 		}
-		printf("size %8zu: 1 thread %7.1f ns/pair, %d threads %7.1f ns/pair (median of %d)\n", sizes[s],
-		       median(ns1), THREADS, median(ns4), REPS);
+		printf("size %8zu: 1 thread %6.1f ns/pair (cpu %6.1f), %d threads %6.1f ns/pair (cpu %6.1f), median of %d\n",
+		       sizes[s], median(ns1), median(cpu1), THREADS, median(ns4), median(cpu4), REPS);
 	}
 	long long a = allocated(0);
 	if (a != 0) {
