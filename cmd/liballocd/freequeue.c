@@ -22,6 +22,15 @@ uintptr_t liballocd_go_malloc(size_t size, int device, uintptr_t stream);
 uint64_t liballocd_queue_state;
 liballocd_free_entry liballocd_queue[2][LIBALLOCD_QUEUE_CAP];
 
+// cpu_relax tells the CPU that this thread spins.
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#elif defined(__aarch64__)
+	__asm__ __volatile__("yield");
+#endif
+}
+
 // lock sets the lock bit and returns the state it found (lock bit clear).
 // The lock is held for a few stores: spin briefly, then yield the CPU to
 // whoever holds it.
@@ -34,7 +43,7 @@ static uint64_t lock(void) {
 			return s;
 		}
 		if (spins < 64) {
-			__builtin_ia32_pause();
+			cpu_relax();
 		} else {
 			sched_yield();
 		}
