@@ -220,7 +220,9 @@ func TestDriver(t *testing.T) {
 }
 
 // scrape checks the driver's metrics server while the driver waits: one
-// live 3 MiB allocation on device 1, a wrong-device free counted on 0.
+// live 3 MiB allocation on device 1, a wrong-device free counted on 0. The
+// driver freed a 1 MiB block of device 1 and an unknown pointer just before:
+// queued frees, which the server applies before it reads.
 func scrape(t *testing.T, addr string) {
 	t.Helper()
 	get := func(path string) string {
@@ -242,6 +244,7 @@ func scrape(t *testing.T, addr string) {
 		`allocd_bad_frees_total{gpu="0",reason="double_free"} 1`,
 		`allocd_bad_frees_total{gpu="0",reason="unknown_pointer"} 1`,
 		`allocd_bad_frees_total{gpu="1",reason="wrong_device"} 0`,
+		`allocd_bad_frees_total{gpu="1",reason="unknown_pointer"} 1`, // queued just before the scrape
 		`allocd_allocated_bytes{UUID=`,
 		`allocd_peak_allocated_bytes{UUID=`,
 	} {

@@ -79,14 +79,20 @@ func take() []C.liballocd_free_entry {
 	}
 }
 
-// drained clears DRAINING once the batch has been applied.
+// drained clears DRAINING once the batch has been applied. Only a free
+// writing its entry can hold it up (the lock bit, or a change between the
+// load and the compare-and-swap), and a full buffer sends frees to drain,
+// which waits for DRAINING: so it retries a bounded number of times, and it
+// never sleeps, since every other drain waits for it.
 func drained() {
 	for spins := 0; ; spins++ {
 		s := atomic.LoadUint64(qState)
 		if s&qLocked == 0 && atomic.CompareAndSwapUint64(qState, s, s&^qDraining) {
 			return
 		}
-		backoff(spins)
+		if spins >= 64 {
+			runtime.Gosched()
+		}
 	}
 }
 
