@@ -57,7 +57,8 @@ __attribute__((visibility("default"))) void allocd_torch_free(void *ptr, size_t 
 	uint64_t s = lock();
 	uint64_t n = s / LIBALLOCD_QUEUE_ONE;
 	if (n < LIBALLOCD_QUEUE_CAP) {
-		liballocd_queue[(s & LIBALLOCD_QUEUE_BUFFER) != 0][n] = (liballocd_free_entry){(uintptr_t)ptr, size, device, (uintptr_t)stream};
+		liballocd_free_entry *e = &liballocd_queue[(s & LIBALLOCD_QUEUE_BUFFER) != 0][n];
+		*e = (liballocd_free_entry){(uintptr_t)ptr, size, device, (uintptr_t)stream};
 		unlock(s + LIBALLOCD_QUEUE_ONE);
 		return;
 	}
