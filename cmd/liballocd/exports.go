@@ -5,10 +5,13 @@ package main
 /*
 #cgo noescape liballocd_set_error
 #cgo nocallback liballocd_set_error
-#cgo noescape liballocd_get_error
-#cgo nocallback liballocd_get_error
 #include <stddef.h>
+#include <stdint.h>
 #include "lasterror.h"
+
+// Called by allocd_torch_malloc (freequeue.c); hidden, like the rest of the
+// library's internals.
+uintptr_t liballocd_go_malloc(size_t size, int device, uintptr_t stream) __attribute__((visibility("hidden")));
 */
 import "C"
 
@@ -29,7 +32,9 @@ import (
 // panic is reported like an error and never crosses into C), and reports
 // errors through the calling OS thread's allocd_last_error message (a Go
 // function called from C runs on the calling thread, and so do the C calls
-// it makes).
+// it makes). allocd_torch_free and allocd_last_error are C functions
+// (freequeue.c): a free is queued, and each export below that reads or
+// changes allocator state applies the queued frees first (getDrained).
 
 func main() {}
 
@@ -85,14 +90,6 @@ func goString(p *C.char) *string {
 	return &s
 }
 
-// devicePointer returns a device address as the void* C expects. It is
-// never a Go pointer; the conversion goes through memory so that vet's
-// unsafe.Pointer check does not apply to an address that is not Go's.
-func devicePointer(p cudart.Ptr) unsafe.Pointer {
-	u := uintptr(p)
-	return *(*unsafe.Pointer)(unsafe.Pointer(&u))
-}
-
 //export allocd_init
 func allocd_init(conf, metricsListen, logLevel *C.char) (rc C.int) {
 	defer recovered("allocd_init")
@@ -103,45 +100,31 @@ func allocd_init(conf, metricsListen, logLevel *C.char) (rc C.int) {
 	return 0
 }
 
-//export allocd_last_error
-func allocd_last_error(buf *C.char, n C.size_t) C.size_t {
-	return C.liballocd_get_error(buf, n)
-}
-
-//export allocd_torch_malloc
-func allocd_torch_malloc(size C.size_t, device C.int, stream unsafe.Pointer) (p unsafe.Pointer) {
+// liballocd_go_malloc is allocd_torch_malloc (freequeue.c), which returns
+// its result as a void*. The pointer travels as an integer: a result of
+// pointer type costs the cgo check of a pointer returned to C on every call.
+//
+//export liballocd_go_malloc
+func liballocd_go_malloc(size C.size_t, device C.int, stream C.uintptr_t) (p C.uintptr_t) {
 	defer recovered("allocd_torch_malloc")
-	l, err := get()
+	l, err := getDrained()
 	if err != nil {
 		setError(err)
-		return nil
+		return 0
 	}
-	ptr, err := l.malloc(uint64(size), int(device), cudart.Stream(uintptr(stream)))
+	ptr, err := l.malloc(uint64(size), int(device), cudart.Stream(stream))
 	if err != nil {
 		setError(err)
 		l.log.Debug("malloc failed", zap.Error(err))
-		return nil
+		return 0
 	}
-	return devicePointer(ptr)
-}
-
-//export allocd_torch_free
-func allocd_torch_free(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
-	defer recovered("allocd_torch_free")
-	l, err := get()
-	if err != nil {
-		setError(err)
-		return
-	}
-	if err := l.free(cudart.Ptr(uintptr(ptr)), int(device)); err != nil {
-		setError(err) // logged, rate limited, by free
-	}
+	return C.uintptr_t(ptr)
 }
 
 //export allocd_torch_record_stream
 func allocd_torch_record_stream(ptr unsafe.Pointer, stream unsafe.Pointer) {
 	defer recovered("allocd_torch_record_stream")
-	l, err := get()
+	l, err := getDrained()
 	if err != nil {
 		setError(err)
 		return
@@ -155,7 +138,7 @@ func allocd_torch_record_stream(ptr unsafe.Pointer, stream unsafe.Pointer) {
 //export allocd_torch_empty_cache
 func allocd_torch_empty_cache() {
 	defer recovered("allocd_torch_empty_cache")
-	l, err := get()
+	l, err := getDrained()
 	if err != nil {
 		setError(err)
 		return
@@ -168,7 +151,7 @@ func allocd_torch_empty_cache() {
 //export allocd_torch_set_memory_fraction
 func allocd_torch_set_memory_fraction(fraction C.double, device C.int) {
 	defer recovered("allocd_torch_set_memory_fraction")
-	l, err := get()
+	l, err := getDrained()
 	if err != nil {
 		setError(err)
 		return
@@ -185,7 +168,7 @@ func allocd_torch_set_memory_fraction(fraction C.double, device C.int) {
 //export allocd_memory_stats_json
 func allocd_memory_stats_json(device C.int, buf *C.char, n C.size_t) (size C.size_t) {
 	defer recovered("allocd_memory_stats_json")
-	l, err := get()
+	l, err := getDrained()
 	if err != nil {
 		setError(err)
 		return copyOut("{}", buf, n)
@@ -201,7 +184,7 @@ func allocd_memory_stats_json(device C.int, buf *C.char, n C.size_t) (size C.siz
 //export allocd_memory_summary
 func allocd_memory_summary(device C.int, abbreviated C.int, buf *C.char, n C.size_t) C.size_t {
 	defer recovered("allocd_memory_summary")
-	l, err := get()
+	l, err := getDrained()
 	if err != nil {
 		setError(err)
 		return copyOut("", buf, n)
@@ -219,7 +202,7 @@ func allocd_memory_summary(device C.int, abbreviated C.int, buf *C.char, n C.siz
 // query runs f on device's allocator; 0 when it does not exist.
 func query(export string, device C.int, f func(l *lib, device int) int64) (v C.longlong) {
 	defer recovered(export)
-	l, err := get()
+	l, err := getDrained()
 	if err != nil {
 		setError(err)
 		return 0
@@ -271,7 +254,7 @@ func allocd_max_memory_reserved(device C.int) C.longlong {
 func allocd_reset_peak_stats(device C.int) (rc C.int) {
 	defer recovered("allocd_reset_peak_stats")
 	rc = -1
-	l, err := get()
+	l, err := getDrained()
 	if err != nil {
 		return fail(err)
 	}
@@ -285,7 +268,7 @@ func allocd_reset_peak_stats(device C.int) (rc C.int) {
 func allocd_record_history(enabled C.int, maxEntries C.longlong, stackDepth C.int) (rc C.int) {
 	defer recovered("allocd_record_history")
 	rc = -1
-	l, err := get()
+	l, err := getDrained()
 	if err != nil {
 		return fail(err)
 	}
@@ -300,7 +283,7 @@ func allocd_record_history(enabled C.int, maxEntries C.longlong, stackDepth C.in
 func allocd_dump_snapshot(path *C.char) (rc C.int) {
 	defer recovered("allocd_dump_snapshot")
 	rc = -1
-	l, err := get()
+	l, err := getDrained()
 	if err != nil {
 		return fail(err)
 	}

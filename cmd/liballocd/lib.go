@@ -4,8 +4,9 @@
 //	go build -buildmode=c-shared -o liballocd.so ./cmd/liballocd
 //
 // The exported C functions (exports.go) are thin: each recovers panics,
-// reports errors through allocd_last_error, and calls into this file, which
-// holds the library's state: one allocator per device index, created on
+// reports errors through allocd_last_error, applies the frees that
+// allocd_torch_free queued in C (freequeue.c, queue.go), and calls into this
+// file, which holds the library's state: one allocator per device index, created on
 // first use; the count of bad frees; the metrics server (server.go).
 //
 // Environment (read once, at initialisation):

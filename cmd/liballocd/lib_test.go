@@ -19,6 +19,9 @@ import (
 )
 
 // abi is liballocd.so's C API: exactly these allocd_* symbols are exported.
+//
+// allocd_torch_malloc, allocd_torch_free and allocd_last_error are C
+// (freequeue.c); the others are Go exports (exports.go).
 var abi = []string{
 	"allocd_init", "allocd_last_error",
 	"allocd_torch_malloc", "allocd_torch_free", "allocd_torch_record_stream",
@@ -90,7 +93,10 @@ func TestMain(m *testing.M) {
 
 // TestExportedSymbols checks liballocd.so's dynamic symbol table: the ABI's
 // functions, all of them, and nothing else but the Go toolchain's own; in
-// particular none of the cudart shim's C functions (allocd_malloc, ...).
+// particular none of the cudart shim's C functions (allocd_malloc, ...),
+// and none of the free queue's internals (freequeue.c's globals, the hidden
+// Go functions it calls: liballocd_go_malloc, liballocd_go_free, ...). The
+// ABI functions written in C (cFunctions) are functions too.
 func TestExportedSymbols(t *testing.T) {
 	f, err := elf.Open(buildLib(t))
 	if err != nil {
@@ -110,6 +116,11 @@ func TestExportedSymbols(t *testing.T) {
 		switch {
 		case slices.Contains(abi, s.Name):
 			ours = append(ours, s.Name)
+			if elf.ST_TYPE(s.Info) != elf.STT_FUNC {
+				t.Errorf("%s is exported as %v, not a function", s.Name, elf.ST_TYPE(s.Info))
+			}
+		case strings.HasPrefix(s.Name, "liballocd_"):
+			t.Errorf("liballocd.so exports the internal %s", s.Name)
 		case goToolchainSymbol(s.Name):
 		default:
 			t.Errorf("liballocd.so exports %s, which is neither the ABI's nor the Go toolchain's", s.Name)
@@ -209,7 +220,9 @@ func TestDriver(t *testing.T) {
 }
 
 // scrape checks the driver's metrics server while the driver waits: one
-// live 3 MiB allocation on device 1, a wrong-device free counted on 0.
+// live 3 MiB allocation on device 1, a wrong-device free counted on 0. The
+// driver freed a 1 MiB block of device 1 and an unknown pointer just before:
+// queued frees, which the server applies before it reads.
 func scrape(t *testing.T, addr string) {
 	t.Helper()
 	get := func(path string) string {
@@ -231,6 +244,7 @@ func scrape(t *testing.T, addr string) {
 		`allocd_bad_frees_total{gpu="0",reason="double_free"} 1`,
 		`allocd_bad_frees_total{gpu="0",reason="unknown_pointer"} 1`,
 		`allocd_bad_frees_total{gpu="1",reason="wrong_device"} 0`,
+		`allocd_bad_frees_total{gpu="1",reason="unknown_pointer"} 1`, // queued just before the scrape
 		`allocd_allocated_bytes{UUID=`,
 		`allocd_peak_allocated_bytes{UUID=`,
 	} {
@@ -283,6 +297,62 @@ func TestParseSimCapacity(t *testing.T) {
 		s, err := parseSim(settings{device: "sim", simCapacity: c.in})
 		if (err == nil) != c.ok || (c.ok && s.capacity != c.want) {
 			t.Errorf("ALLOCD_SIM_CAPACITY=%q: capacity %d, err %v; want %d, ok %v", c.in, s.capacity, err, c.want, c.ok)
+		}
+	}
+}
+
+// TestBench builds testdata/bench.c and runs it briefly on the simulated
+// device: a smoke test of the benchmark (its numbers are not checked), which
+// also checks that every pair's free has been applied by the end.
+func TestBench(t *testing.T) {
+	lib := buildLib(t)
+	bench := filepath.Join(t.TempDir(), "bench")
+	if b, err := exec.Command("gcc", "-Wall", "-Wextra", "-Werror", "-O2", "-pthread", "-o", bench, "testdata/bench.c", "-ldl").CombinedOutput(); err != nil {
+		t.Fatalf("gcc bench.c: %v\n%s", err, b)
+	}
+	cmd := exec.Command(bench, lib, "2000")
+	cmd.Env = append(os.Environ(), "ALLOCD_DEVICE=sim", "ALLOCD_CONF=", "ALLOCD_SIM_CAPACITY=", "ALLOCD_SIM_MANUAL_EVENTS=")
+	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "ALLOCD_METRICS_LISTEN=") })
+	out, err := cmd.CombinedOutput()
+	t.Logf("bench:\n%s", out)
+	if err != nil || !strings.HasSuffix(string(out), "OK\n") {
+		t.Fatalf("bench: %v", err)
+	}
+}
+
+// TestFreeQueue runs testdata/queue.c, which checks the free queue through
+// the C API: frees queued and then the stats read (exact at once); more
+// frees in a row than the queue holds; bad frees through the queue (counted,
+// logged, the freeing thread's last error); a malloc that reuses a block
+// freed just before and a record_stream on it; 8 threads freeing 2400
+// blocks at once and then a malloc that fits only if all of them have been
+// applied; and fork while two threads malloc and free, the children queuing
+// frees (the queue's lock is not inherited held).
+func TestFreeQueue(t *testing.T) {
+	lib := buildLib(t)
+	prog := filepath.Join(t.TempDir(), "queue")
+	if b, err := exec.Command("gcc", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-o", prog, "testdata/queue.c", "-ldl").CombinedOutput(); err != nil {
+		t.Fatalf("gcc queue.c: %v\n%s", err, b)
+	}
+	cmd := exec.Command(prog, lib)
+	cmd.Env = append(os.Environ(), "ALLOCD_DEVICE=sim", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=1",
+		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=warn")
+	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "ALLOCD_METRICS_LISTEN=") })
+	var stdout, stderr strings.Builder
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	timer := time.AfterFunc(60*time.Second, func() { _ = cmd.Process.Kill() })
+	defer timer.Stop()
+	err := cmd.Wait()
+	t.Logf("queue stdout:\n%s", stdout.String())
+	if err != nil || !strings.HasSuffix(stdout.String(), "DONE\n") {
+		t.Fatalf("queue: %v\nstderr:\n%s", err, stderr.String())
+	}
+	for _, want := range []string{`"reason":"unknown_pointer"`, `"reason":"double_free"`, `"ptr":"0xbad0080"`, `"ptr":"0xbad0103"`} {
+		if !strings.Contains(stderr.String(), want) {
+			t.Errorf("stderr lacks %s", want)
 		}
 	}
 }

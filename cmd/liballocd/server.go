@@ -48,6 +48,7 @@ func startMetrics(l *lib, addr string) (*metricsServer, error) {
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { text(w, "ok\n") })
 	mux.HandleFunc("GET /debug/summary", func(w http.ResponseWriter, _ *http.Request) {
 		var b strings.Builder
+		l.drain(false)
 		idx, as := l.all()
 		for j, a := range as {
 			if j > 0 {
@@ -59,6 +60,7 @@ func startMetrics(l *lib, addr string) (*metricsServer, error) {
 	})
 	mux.HandleFunc("GET /debug/stats", func(w http.ResponseWriter, _ *http.Request) {
 		out := map[string]map[string]int64{}
+		l.drain(false)
 		idx, _ := l.all()
 		for _, i := range idx {
 			out[strconv.Itoa(i)] = l.flatStats(i)
@@ -69,6 +71,7 @@ func startMetrics(l *lib, addr string) (*metricsServer, error) {
 	mux.HandleFunc("GET /debug/snapshot", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/octet-stream")
 		w.Header().Set("Content-Disposition", `attachment; filename="allocd_snapshot.pickle"`)
+		l.drain(false)
 		if err := l.writeSnapshot(w); err != nil {
 			l.log.Warn("writing a snapshot", zap.Error(err))
 		}
@@ -110,6 +113,7 @@ func (d *devicesCollector) Describe(chan<- *prometheus.Desc) {}
 
 // Collect implements prometheus.Collector.
 func (d *devicesCollector) Collect(ch chan<- prometheus.Metric) {
+	d.l.drain(false) // the frees queued so far count
 	idx, as := d.l.all()
 	d.mu.Lock()
 	if d.n != len(as) {

@@ -233,6 +233,13 @@ int main(int argc, char **argv) {
 	// The simulated device never loads a CUDA runtime.
 	CHECK(cudart_mappings() == 0, "libcudart is mapped on the simulated device");
 
+	// Queued frees the scrape must see applied (the metrics server drains
+	// the free queue): a 1 MiB block of device 1 and an unknown pointer.
+	void *x = tmalloc(MiB, 1, 0);
+	CHECK(x != NULL, "%s", err());
+	tfree(x, MiB, 1, 0);
+	tfree((void *)(uintptr_t)0xbeef000, 512, 1, 0);
+
 	printf("METRICS %s\n", addr);
 	fflush(stdout);
 	char line[16];
@@ -240,6 +247,7 @@ int main(int argc, char **argv) {
 	tfree(after, MiB, 0, 0);
 	tfree(r, 3 * MiB, 1, 0);
 	CHECK(allocated(0) == 0 && allocated(1) == 0, "live blocks left");
+	CHECK(stat(1, "num_bad_frees") == 1, "device 1's num_bad_frees %lld", stat(1, "num_bad_frees"));
 	printf("DONE\n");
 	return 0;
 }
