@@ -122,6 +122,9 @@ type expandable struct {
 	// reserved figure so far.
 	reclaim bool
 	mark    uint64
+	// largePage is the large pool's page when reclaim is on: the small
+	// pool's 2 MiB page unless a test asks for PyTorch's 20 MiB.
+	largePage uint64
 }
 
 // WithPyTorchExpandable makes expandable segments grow exactly as
@@ -163,9 +166,18 @@ func newExpandable(dev cudart.Device, cfg Config) (*expandable, error) {
 	return &expandable{vm: vm, gran: gran, reclaim: true}, nil
 }
 
-// pageSize is the mapping unit of a pool's expandable segments.
-func pageSize(p *pool) uint64 {
-	if p.small {
+// pageSize is the mapping unit of a pool's expandable segments: 2 MiB in
+// the small pool; in the large pool PyTorch's 20 MiB without reclaim, and
+// with reclaim the small pool's 2 MiB, so that any free hole of a large
+// segment gives back all but at most 4 MiB of itself (see "Beyond
+// PyTorch").
+func (e *expandable) pageSize(p *pool) uint64 {
+	switch {
+	case p.small:
+		return smallBuffer
+	case e.reclaim && e.largePage != 0:
+		return e.largePage
+	case e.reclaim:
 		return smallBuffer
 	}
 	return largeBuffer
@@ -251,7 +263,7 @@ func (a *Allocator) allocExpandable(p *pool, stream cudart.Stream, rounded, allo
 		return nil, err
 	}
 	if a.exp.reclaim {
-		if excess := a.growthExcess(c, rounded); excess > largeBuffer {
+		if excess := a.growthExcess(c, rounded); excess > 0 {
 			if err := a.reclaimPages(excess); err != nil {
 				return nil, err
 			}
@@ -314,7 +326,7 @@ func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.B
 // reserveExpandable reserves a new range for the stream and pool and
 // returns its single unmapped block.
 func (a *Allocator) reserveExpandable(p *pool, stream uint64) (*blocks.Block, error) {
-	page := pageSize(p)
+	page := a.exp.pageSize(p)
 	size := (a.total + a.total/8 + page - 1) / page * page
 	ptr, err := a.exp.vm.Reserve(size)
 	if err != nil {

@@ -53,6 +53,11 @@ func newExp(t testing.TB, capacity uint64, conf string, opts ...Option) (*Alloca
 	return newExpOn(t, sim, sim, conf, opts...), sim
 }
 
+// pageOf20MiB gives the large pool PyTorch's 20 MiB page even with
+// reclaim on, for the tests whose arithmetic counts whole 20 MiB pages;
+// the default with reclaim is 2 MiB (TestExpandableSmallPagesReclaim).
+var pageOf20MiB Option = func(o *options) { o.expLargePage = largeBuffer }
+
 // expect compares the allocator's reserved bytes, device mappings and
 // unmappings, and the device's memory with the wanted values.
 func expect(t *testing.T, a *Allocator, sim *cudart.Sim, reserved uint64, maps, unmaps int64) {
@@ -109,7 +114,7 @@ func itoa(n uint64) string {
 // that does not fit maps pages at the segment's end, frees merge across
 // page boundaries, and EmptyCache unmaps every free page.
 func TestExpandableGrowsInPlace(t *testing.T) {
-	a, sim := newExp(t, giB, "")
+	a, sim := newExp(t, giB, "", pageOf20MiB)
 	p1 := mustMalloc(t, a, 5*miB, 0)
 	expect(t, a, sim, 20*miB, 1, 0)
 	p2 := mustMalloc(t, a, 5*miB, 0)
@@ -165,7 +170,7 @@ func TestExpandableGrowsInPlace(t *testing.T) {
 // TestExpandableSmallPool: the small pool maps 2 MiB pages, and a block
 // may straddle two of them.
 func TestExpandableSmallPool(t *testing.T) {
-	a, sim := newExp(t, giB, "")
+	a, sim := newExp(t, giB, "", pageOf20MiB)
 	q1 := mustMalloc(t, a, 4*kiB, 0)
 	expect(t, a, sim, 2*miB, 1, 0)
 	q2 := mustMalloc(t, a, miB, 0)
@@ -218,7 +223,7 @@ func TestExpandableFit(t *testing.T) {
 // TestExpandableSplit: expandable blocks split whenever 512 bytes remain,
 // in the large pool too and even past max_split_size, as in PyTorch.
 func TestExpandableSplit(t *testing.T) {
-	a, sim := newExp(t, giB, "max_split_size_mb:40")
+	a, sim := newExp(t, giB, "max_split_size_mb:40", pageOf20MiB)
 	p := mustMalloc(t, a, 50*miB, 0) // three pages; 10 MiB split off
 	q := mustMalloc(t, a, 9*miB+512, 0)
 	if q != p+cudart.Ptr(50*miB) {
@@ -288,7 +293,7 @@ func TestExpandableReclaim(t *testing.T) {
 // reported as two mapped ranges, and history records the mappings.
 func TestExpandableSnapshotAndHistory(t *testing.T) {
 	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
-	a := newExpOn(t, sim, sim, "", WithHistory(100))
+	a := newExpOn(t, sim, sim, "", WithHistory(100), pageOf20MiB)
 	p := mustMalloc(t, a, 5*miB, 0)  // page 0
 	x := mustMalloc(t, a, 40*miB, 0) // [5, 45): pages 1 and 2
 	q := mustMalloc(t, a, 5*miB, 0)  // [45, 50)
@@ -336,7 +341,7 @@ func TestExpandableOOM(t *testing.T) {
 		retries int64
 	}{{"pytorch", []Option{WithPyTorchExpandable()}, 1}, {"allocd", nil, 0}} {
 		t.Run(tc.name, func(t *testing.T) {
-			a, sim := newExp(t, 100*miB, "", tc.opts...)
+			a, sim := newExp(t, 100*miB, "", append(tc.opts, pageOf20MiB)...)
 			side, _ := sim.StreamCreate()
 			mustFree(t, a, mustMalloc(t, a, 50*miB, 0)) // 60 MiB cached on stream 0
 			b := mustMalloc(t, a, 50*miB, side)         // needs 60 MiB; 40 MiB left
@@ -424,7 +429,7 @@ func (f *faultyVMM) Release(h cudart.Handle) error {
 func TestExpandableDeviceFaults(t *testing.T) {
 	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
 	f := &faultyVMM{Sim: sim}
-	a := newExpOn(t, sim, f, "")
+	a := newExpOn(t, sim, f, "", pageOf20MiB)
 	p := mustMalloc(t, a, 5*miB, 0)
 	f.mapAt = 2 // the second of the two pages 40 MiB more needs
 	expectUnchanged(t, a, errFault, func() error { _, err := a.Malloc(40*miB, 0); return err })
@@ -490,7 +495,7 @@ func TestExpandableRecordStream(t *testing.T) {
 // TestExpandableStreams: each stream gets its own range; blocks never
 // cross streams.
 func TestExpandableStreams(t *testing.T) {
-	a, sim := newExp(t, giB, "")
+	a, sim := newExp(t, giB, "", pageOf20MiB)
 	s1, _ := sim.StreamCreate()
 	p := mustMalloc(t, a, 5*miB, 0)
 	q := mustMalloc(t, a, 5*miB, s1)
