@@ -710,3 +710,65 @@ func TestExpandableCheckFindsCorruption(t *testing.T) {
 	mustCheck(t, a)
 	mustFree(t, a, p)
 }
+
+// TestExpandableSmallPagesReclaim: with reclaim on, the large pool maps 2
+// MiB pages, so a hole that is not a multiple of 20 MiB gives back its
+// whole 2 MiB pages before the segment grows past the high-water mark.
+func TestExpandableSmallPagesReclaim(t *testing.T) {
+	a, sim := newExp(t, giB, "")
+	p := mustMalloc(t, a, 5*miB, 0)  // pages 0-2
+	x := mustMalloc(t, a, 13*miB, 0) // [5, 18): pages 2-8
+	q := mustMalloc(t, a, 5*miB, 0)  // [18, 23): pages 9-11
+	expect(t, a, sim, 24*miB, 3, 0)
+	mustFree(t, a, x)
+	// 14 MiB more would pass the mark (24 MiB): the hole's whole pages
+	// 3-8 (12 MiB) are unmapped first.
+	y := mustMalloc(t, a, 14*miB, 0)
+	expect(t, a, sim, 26*miB, 4, 1)
+	mustFree(t, a, p)
+	mustFree(t, a, q)
+	mustFree(t, a, y)
+}
+
+// TestExpandableCrossStreamPages: a stream that must grow takes the whole
+// free pages of another stream's range, but never those of a block another
+// stream may still use (its RecordStream event pending): those stay mapped
+// until the event completes.
+func TestExpandableCrossStreamPages(t *testing.T) {
+	a, sim := newExp(t, giB, "")
+	side, _ := sim.StreamCreate()
+	s1, _ := sim.StreamCreate()
+	s2, _ := sim.StreamCreate()
+	x := mustMalloc(t, a, 40*miB, 0)
+	if err := a.RecordStream(x, side); err != nil {
+		t.Fatal(err)
+	}
+	mustFree(t, a, x) // pending on side
+	y := mustMalloc(t, a, 40*miB, s1)
+	// x's pages are not handed to s1: reserved grows past the mark.
+	expect(t, a, sim, 80*miB, 2, 0)
+	if got := a.Snapshot(); !mapped(got.Segments, x, 40*miB) {
+		t.Errorf("a block with a pending event lost its pages: %+v", got)
+	}
+	sim.CompleteStream(side)
+	z := mustMalloc(t, a, 40*miB, s2) // retires x's event, then takes its pages
+	expect(t, a, sim, 80*miB, 3, 1)
+	if got := a.Snapshot(); mapped(got.Segments, x, 1) {
+		t.Errorf("stream 0's free block at %#x is still mapped after s2 took its pages", x)
+	}
+	mustFree(t, a, y)
+	mustFree(t, a, z)
+}
+
+// mapped reports whether the snapshot lists a block of at least size bytes
+// at ptr (snapshots list mapped blocks only).
+func mapped(segs []trace.Segment, ptr cudart.Ptr, size uint64) bool {
+	for _, s := range segs {
+		for _, b := range s.Blocks {
+			if b.Address == uint64(ptr) && b.Size >= size {
+				return true
+			}
+		}
+	}
+	return false
+}
