@@ -133,6 +133,14 @@ type expandable struct {
 	// largePage is the large pool's page when reclaim is on: the small
 	// pool's 2 MiB page unless a test asks for PyTorch's 20 MiB.
 	largePage uint64
+	// spare holds the handles of pages that reclaim unmapped for the
+	// mapping under way (keep set, pages of keepSize bytes): mapPages maps
+	// them again instead of creating new ones, and allocExpandable
+	// releases what is left before it returns, so spare is empty between
+	// calls.
+	spare    []cudart.Handle
+	keep     bool
+	keepSize uint64
 }
 
 // WithPyTorchExpandable makes expandable segments grow exactly as
@@ -272,7 +280,11 @@ func (a *Allocator) allocExpandable(p *pool, stream cudart.Stream, rounded, allo
 	}
 	if a.exp.reclaim {
 		if excess := a.growthExcess(c, rounded); excess > 0 {
-			if err := a.reclaimPages(excess); err != nil {
+			defer a.dropSpare()
+			a.exp.keep, a.exp.keepSize = true, a.exp.pageSize(p)
+			err := a.reclaimPages(excess)
+			a.exp.keep = false
+			if err != nil {
 				return nil, err
 			}
 			// Unmapping moved blocks around: look again.
@@ -409,6 +421,11 @@ func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 		}
 	}
 	for i := begin; i < end; i++ {
+		if n := len(a.exp.spare); n > 0 && page == a.exp.keepSize {
+			hs = append(hs, a.exp.spare[n-1])
+			a.exp.spare = a.exp.spare[:n-1]
+			continue
+		}
 		h, err := vm.Create(page)
 		if err != nil {
 			undo(0)
@@ -467,10 +484,22 @@ func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
 		}
 	}
 	for i := begin; i < end; i++ {
-		a.releaseHandle(es.handles[i])
+		if a.exp.keep && page == a.exp.keepSize {
+			a.exp.spare = append(a.exp.spare, es.handles[i])
+		} else {
+			a.releaseHandle(es.handles[i])
+		}
 		es.handles[i], es.mapped[i] = 0, false
 	}
 	return nil
+}
+
+// dropSpare releases the handles reclaim kept that the mapping did not use.
+func (a *Allocator) dropSpare() {
+	for _, h := range a.exp.spare {
+		a.releaseHandle(h)
+	}
+	a.exp.spare = a.exp.spare[:0]
 }
 
 // unmapBlock is unmap_block: unmap the whole pages inside the free block
@@ -737,6 +766,9 @@ func (a *Allocator) checkExpandable() []error {
 			errs = append(errs, fmt.Errorf("%d expandable segments without expandable_segments:True", n))
 		}
 		return errs
+	}
+	if len(a.exp.spare) > 0 {
+		errs = append(errs, fmt.Errorf("%d unmapped page handles kept outside a mapping", len(a.exp.spare)))
 	}
 	if n != len(a.exp.segs) {
 		errs = append(errs, fmt.Errorf("%d expandable segments in the segment list, %d registered", n, len(a.exp.segs)))

@@ -731,7 +731,8 @@ func TestExpandableSmallPagesReclaim(t *testing.T) {
 }
 
 // TestExpandableCrossStreamPages: a stream that must grow takes the whole
-// free pages of another stream's range, but never those of a block another
+// free pages of another stream's range (the same physical pages, unmapped
+// there and mapped into its own range), but never those of a block another
 // stream may still use (its RecordStream event pending): those stay mapped
 // until the event completes.
 func TestExpandableCrossStreamPages(t *testing.T) {
@@ -751,8 +752,12 @@ func TestExpandableCrossStreamPages(t *testing.T) {
 		t.Errorf("a block with a pending event lost its pages: %+v", got)
 	}
 	sim.CompleteStream(side)
+	creates := sim.VMMCounters().Creates
 	z := mustMalloc(t, a, 40*miB, s2) // retires x's event, then takes its pages
 	expect(t, a, sim, 80*miB, 3, 1)
+	if c := sim.VMMCounters(); c.Creates != creates || c.LiveHandles != 40 {
+		t.Errorf("%d pages created, %d live, for pages moved between streams; want 0 created, 40 live", c.Creates-creates, c.LiveHandles)
+	}
 	if got := a.Snapshot(); mapped(got.Segments, x, 1) {
 		t.Errorf("stream 0's free block at %#x is still mapped after s2 took its pages", x)
 	}
