@@ -410,6 +410,7 @@ func (a *Allocator) mapBlock(p *pool, b *blocks.Block, size uint64) (bool, error
 func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 	vm, page := a.exp.vm, es.seg.PageSize
 	hs := a.exp.handles[:0]
+	var moved int64
 	undo := func(mapped int) {
 		for k := range mapped {
 			if err := vm.Unmap(cudart.Ptr(es.addr(begin+uint64(k))), page); err != nil {
@@ -424,6 +425,7 @@ func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 		if n := len(a.exp.spare); n > 0 && page == a.exp.keepSize {
 			hs = append(hs, a.exp.spare[n-1])
 			a.exp.spare = a.exp.spare[:n-1]
+			moved++
 			continue
 		}
 		h, err := vm.Create(page)
@@ -455,6 +457,7 @@ func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 	for k, h := range hs {
 		es.handles[begin+uint64(k)], es.mapped[begin+uint64(k)] = h, true
 	}
+	a.stats.NumPagesMoved += moved
 	a.exp.handles = hs[:0]
 	return true, nil
 }

@@ -758,6 +758,9 @@ func TestExpandableCrossStreamPages(t *testing.T) {
 	if c := sim.VMMCounters(); c.Creates != creates || c.LiveHandles != 40 {
 		t.Errorf("%d pages created, %d live, for pages moved between streams; want 0 created, 40 live", c.Creates-creates, c.LiveHandles)
 	}
+	if n := a.Stats().NumPagesMoved; n != 20 {
+		t.Errorf("%d pages moved, want 20", n)
+	}
 	if got := a.Snapshot(); mapped(got.Segments, x, 1) {
 		t.Errorf("stream 0's free block at %#x is still mapped after s2 took its pages", x)
 	}

@@ -132,6 +132,12 @@ type Stats struct {
 	NumDeviceFree  int64
 	// NumEmptyCache counts EmptyCache calls.
 	NumEmptyCache int64
+	// NumPagesMoved counts expandable-segment pages that reclaim unmapped
+	// from a free block and mapped again for a request, in the growing
+	// stream's range: the same physical page, moved (allocd only; not a
+	// PyTorch key). Their unmappings and mappings also count in
+	// NumDeviceFree and NumDeviceAlloc.
+	NumPagesMoved int64
 	// MaxSplitSize is the max_split_size in effect (bytes); -1 when unset,
 	// as PyTorch reports it.
 	MaxSplitSize int64
