@@ -21,6 +21,12 @@ type ReplayRow struct {
 	AllocRetries       int64   `json:"alloc_retries"`
 	OOMs               int64   `json:"ooms"`
 	NsPerOp            float64 `json:"ns_per_op"`
+	// Reclaims, PagesMoved and PagesMovedAcrossStreams count expandable
+	// segments' reclaims (allocator.Stats.NumReclaims and the pages they
+	// moved); left out when 0.
+	Reclaims                int64 `json:"reclaims,omitempty"`
+	PagesMoved              int64 `json:"pages_moved,omitempty"`
+	PagesMovedAcrossStreams int64 `json:"pages_moved_across_streams,omitempty"`
 }
 
 // RowOf returns r as a row, with Trace and Conf empty.
@@ -35,6 +41,10 @@ func RowOf(r ReplayResult) ReplayRow {
 		AllocRetries:       r.AllocRetries,
 		OOMs:               r.OOMs,
 		NsPerOp:            r.NsPerOp(),
+
+		Reclaims:                r.Reclaims,
+		PagesMoved:              r.PagesMoved,
+		PagesMovedAcrossStreams: r.PagesMovedAcrossStreams,
 	}
 }
 
