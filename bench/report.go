@@ -27,6 +27,9 @@ type ReplayRow struct {
 	Reclaims                int64 `json:"reclaims,omitempty"`
 	PagesMoved              int64 `json:"pages_moved,omitempty"`
 	PagesMovedAcrossStreams int64 `json:"pages_moved_across_streams,omitempty"`
+	// PyTorchExpandable is set when expandable segments ran with
+	// allocator.WithPyTorchExpandable (allocd replay --pytorch-expandable).
+	PyTorchExpandable bool `json:"pytorch_expandable,omitempty"`
 }
 
 // RowOf returns r as a row, with Trace and Conf empty.
@@ -130,7 +133,11 @@ func WriteReplayTable(w io.Writer, rows []ReplayRow) error {
 		if r.PeakAllocatedBytes > 0 {
 			ratio = float64(r.PeakReservedBytes) / float64(r.PeakAllocatedBytes)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t%s\t\n", r.Trace, ConfLabel(r.Conf), r.Ops,
+		label := ConfLabel(r.Conf)
+		if r.PyTorchExpandable {
+			label += " (as PyTorch)"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t%s\t\n", r.Trace, label, r.Ops,
 			mibString(r.PeakAllocatedBytes), mibString(r.PeakReservedBytes), ratio, r.DeviceMallocs, r.AllocRetries, r.OOMs, r.NsPerOp, mark)
 	}
 	return tw.Flush()
