@@ -780,3 +780,73 @@ func mapped(segs []trace.Segment, ptr cudart.Ptr, size uint64) bool {
 	}
 	return false
 }
+
+// TestExpandableReclaimSlack: a mapping may pass the high-water mark
+// without a reclaim while reserved memory stays within 1/32 of the
+// largest allocated figure; past that, reclaim unmaps another stream's
+// free pages, waiting for that stream only, and counts what it moved.
+func TestExpandableReclaimSlack(t *testing.T) {
+	a, sim := newExp(t, 4*giB, "")
+	s1, _ := sim.StreamCreate()
+	y := mustMalloc(t, a, 320*miB, 0)
+	mustFree(t, a, mustMalloc(t, a, 8*miB, 0)) // 8 MiB free at the end of stream 0's range
+	expect(t, a, sim, 328*miB, 2, 0)
+	// Allocated would reach 330 MiB: reserved may reach 340 MiB.
+	p := mustMalloc(t, a, 10*miB, s1)
+	expect(t, a, sim, 338*miB, 3, 0)
+	if n := a.Stats().NumReclaims; n != 0 {
+		t.Errorf("%d reclaims within the slack, want 0", n)
+	}
+	mustFree(t, a, y)
+	before := sim.Counters()
+	// 378 MiB would pass both the mark (338) and the slack (340): the
+	// only free block, y's 320 MiB merged with the 8 MiB after it, covers
+	// the 38 MiB excess and the 2 MiB headroom (1/128 of the mark); 20 of
+	// its pages move to s1, the rest are released.
+	q := mustMalloc(t, a, 40*miB, s1)
+	expect(t, a, sim, 50*miB, 4, 1)
+	after := sim.Counters()
+	if d, s := after.DeviceSyncs-before.DeviceSyncs, after.StreamSyncs-before.StreamSyncs; d != 0 || s != 1 {
+		t.Errorf("reclaim synchronised the device %d times and streams %d times, want 0 and 1 (stream 0 only)", d, s)
+	}
+	st := a.Stats()
+	if st.NumReclaims != 1 || st.NumPagesMoved != 20 || st.NumPagesMovedAcrossStreams != 20 {
+		t.Errorf("reclaims %d, pages moved %d (across streams %d), want 1, 20, 20", st.NumReclaims, st.NumPagesMoved, st.NumPagesMovedAcrossStreams)
+	}
+	f := st.Flat()
+	if f["num_reclaims"] != 1 || f["num_pages_moved"] != 20 || f["num_pages_moved_across_streams"] != 20 {
+		t.Errorf("Flat: num_reclaims %d, num_pages_moved %d, num_pages_moved_across_streams %d", f["num_reclaims"], f["num_pages_moved"], f["num_pages_moved_across_streams"])
+	}
+	mustFree(t, a, p)
+	mustFree(t, a, q)
+}
+
+// TestExpandableReclaimHeadroom: a reclaim unmaps 1/128 of the high-water
+// mark more than the excess when a free block allows, so it takes the
+// 110 MiB hole rather than the 100 MiB one that covers only the excess.
+func TestExpandableReclaimHeadroom(t *testing.T) {
+	a, sim := newExp(t, 4*giB, "")
+	s1, _ := sim.StreamCreate()
+	h100 := mustMalloc(t, a, 100*miB, 0)
+	sep1 := mustMalloc(t, a, 2*miB, 0)
+	h110 := mustMalloc(t, a, 110*miB, 0)
+	sep2 := mustMalloc(t, a, 2*miB, 0)
+	big := mustMalloc(t, a, 300*miB, 0)
+	sep3 := mustMalloc(t, a, 2*miB, 0)
+	mustFree(t, a, h100)
+	mustFree(t, a, h110)
+	expect(t, a, sim, 516*miB, 6, 0)
+	// Allocated peaked at 516 MiB, so reserved may reach 532 MiB: 114 MiB
+	// more passes that by 98 MiB, which the 100 MiB hole covers, but not
+	// with the 4 MiB headroom (1/128 of the 516 MiB mark).
+	p := mustMalloc(t, a, 114*miB, s1)
+	expect(t, a, sim, 520*miB, 7, 1)
+	snap := a.Snapshot()
+	if !mapped(snap.Segments, h100, 100*miB) || mapped(snap.Segments, h110, 1) {
+		t.Errorf("reclaim took the wrong hole: 100 MiB hole mapped %v (want true), 110 MiB hole mapped %v (want false)",
+			mapped(snap.Segments, h100, 100*miB), mapped(snap.Segments, h110, 1))
+	}
+	for _, x := range []cudart.Ptr{sep1, sep2, big, sep3, p} {
+		mustFree(t, a, x)
+	}
+}
