@@ -642,8 +642,9 @@ func TestExpandableConcurrent(t *testing.T) {
 	}
 }
 
-// FuzzOpsExpandable is FuzzOps with expandable_segments:True; the first
-// byte picks one of a few configurations.
+// FuzzOpsExpandable is FuzzOps with expandable_segments:True on four
+// streams and a backed Sim (live allocations' contents checked after every
+// step); the first byte picks one of a few configurations.
 func FuzzOpsExpandable(f *testing.F) {
 	f.Add([]byte{0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0})
 	f.Add([]byte("\x01\x00\x10\x00\x00\x00\x00\x00\x00\x00\x05\x01\x00\x00\x00\x01\x00\x00\x00\x03\x00\x00\x00\x00\x00\x00\x00\x00\x06\x00\x00\x00\x00\x00\x00\x00\x00"))
@@ -671,7 +672,10 @@ func FuzzOpsExpandable(f *testing.F) {
 		if len(data) > 9*2000 {
 			data = data[:9*2000]
 		}
-		d := newOpDriver(t, 256*miB, conf)
+		// Four streams and a backed Sim: reclaim moves pages between the
+		// streams' ranges, and every live allocation's contents are checked
+		// after each step, besides Check.
+		d := newOpDriverOn(t, 256*miB, conf, 4, true)
 		for len(data) >= 9 {
 			d.step(data[0], binary.LittleEndian.Uint64(data[1:9]))
 			data = data[9:]
