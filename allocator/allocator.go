@@ -190,6 +190,7 @@ type options struct {
 	history           HistoryOptions
 	cfg               *Config // WithConfig: used by Open instead of ALLOCD_CONF
 	pytorchExpandable bool    // WithPyTorchExpandable
+	expLargePage      uint64  // pageOf20MiB (tests)
 }
 
 // WithLogger sets the logger for segment growth and release, OOMs and
@@ -309,6 +310,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	a.be = native{a}
 	if exp != nil {
 		exp.reclaim = !o.pytorchExpandable
+		exp.largePage = o.expLargePage
 		exp.a = a
 		a.src = exp
 	}

@@ -9,9 +9,9 @@ package allocator
 // range of virtual addresses per (stream, pool), large enough to map the
 // whole device (1⅛ × its total memory, rounded to pages, as PyTorch sizes
 // it), and maps physical pages into it on demand: 2 MiB pages in the small
-// pool, 20 MiB pages in the large one. The range is one blocks.Segment with
-// Expandable set; its blocks tile the whole reservation, and the blocks over
-// unmapped pages carry Unmapped. An unmapped block is free but never in a
+// pool, 20 MiB pages in the large one (2 MiB with allocd's reclaim, below).
+// The range is one blocks.Segment with Expandable set; its blocks tile the
+// whole reservation, and the blocks over unmapped pages carry Unmapped. An unmapped block is free but never in a
 // free index, starts and ends on page boundaries, and merges only with
 // unmapped neighbours; a mapped block never merges with an unmapped one.
 // The segment's Mapped bytes are what it holds from the device.
@@ -41,15 +41,32 @@ package allocator
 // stays mapped while the segment grows at its end: on the gpt2_train trace
 // a 785 MiB request grows the segment past a 393 MiB hole and PyTorch's
 // expandable peak (7886 MiB) ends above its default one (7708 MiB). allocd
-// moves the physical memory instead: when a mapping would raise reserved
-// memory more than one large page (20 MiB) above its high-water mark, the
-// whole free pages of other free blocks are unmapped first (the smallest
-// block that covers the excess, else the largest first), then the request
-// is mapped. The high-water mark is the largest reserved figure so far (not
-// reset by ResetPeakStats). The 20 MiB margin keeps a steady-state loop
-// from unmapping and remapping every iteration; on the shared traces it
-// costs 0 to 8 unmaps (one device synchronisation each) over a whole run
-// and lowers every peak to PyTorch's expandable figure or below.
+// moves the physical memory instead (docs/fragmentation.md has the
+// measurements):
+//
+//   - A mapping may raise reserved memory above its high-water mark (mark,
+//     the largest reserved figure so far) only while reserved stays within
+//     1/32 of allocMark, the largest allocated figure seen at a mapping.
+//     Past both, the whole pages of other free blocks are unmapped first
+//     (the smallest block that covers the target, else the largest first),
+//     then the request is mapped. The target is the excess plus a headroom
+//     of 1/128 of the mark, so that the next few mappings of a workload
+//     whose requests grow a little every step (a decoder's key-value
+//     cache) fit without another reclaim. Neither mark is reset by
+//     ResetPeakStats.
+//   - The candidates are the free blocks of every stream's pools, so a
+//     stream that must grow takes the pages another stream freed:
+//     unmapped from that stream's range, mapped into its own (the same
+//     physical pages, Stats.NumPagesMoved); live blocks never move. A
+//     block that another stream may still use (RecordStream) is not in any
+//     free index until its events complete, so its pages are never handed
+//     over before then.
+//   - Before unmapping, a reclaim waits for the streams that own the
+//     chosen blocks (syncStreams), not for the whole device.
+//   - With reclaim on, the large pool maps 2 MiB pages (the small pool's)
+//     instead of PyTorch's 20 MiB, so a free hole gives back all of itself
+//     but the partial pages at either end.
+//
 // WithPyTorchExpandable turns it off, and replays then reproduce PyTorch's
 // expandable_segments:True peaks exactly.
 //
@@ -119,9 +136,24 @@ type expandable struct {
 	chain   []*blocks.Block
 	handles []cudart.Handle
 	// reclaim is on unless WithPyTorchExpandable; mark is the largest
-	// reserved figure so far.
-	reclaim bool
-	mark    uint64
+	// reserved figure so far; allocMark the largest allocated figure seen
+	// at a mapping, the request included (neither is reset by
+	// ResetPeakStats).
+	reclaim   bool
+	mark      uint64
+	allocMark uint64
+	// largePage is the large pool's page when reclaim is on: the small
+	// pool's 2 MiB page unless a test asks for PyTorch's 20 MiB.
+	largePage uint64
+	// spare holds the handles of pages that reclaim unmapped for the
+	// mapping under way (keep set, pages of keepSize bytes): mapPages maps
+	// them again instead of creating new ones, and allocExpandable
+	// releases what is left before it returns, so spare is empty between
+	// calls.
+	spare    []cudart.Handle
+	spareOf  []uint64 // the stream whose range each spare page left
+	keep     bool
+	keepSize uint64
 }
 
 // WithPyTorchExpandable makes expandable segments grow exactly as
@@ -163,9 +195,18 @@ func newExpandable(dev cudart.Device, cfg Config) (*expandable, error) {
 	return &expandable{vm: vm, gran: gran, reclaim: true}, nil
 }
 
-// pageSize is the mapping unit of a pool's expandable segments.
-func pageSize(p *pool) uint64 {
-	if p.small {
+// pageSize is the mapping unit of a pool's expandable segments: 2 MiB in
+// the small pool; in the large pool PyTorch's 20 MiB without reclaim, and
+// with reclaim the small pool's 2 MiB, so that any free hole of a large
+// segment gives back all but at most 4 MiB of itself (see "Beyond
+// PyTorch").
+func (e *expandable) pageSize(p *pool) uint64 {
+	switch {
+	case p.small:
+		return smallBuffer
+	case e.reclaim && e.largePage != 0:
+		return e.largePage
+	case e.reclaim:
 		return smallBuffer
 	}
 	return largeBuffer
@@ -251,8 +292,14 @@ func (a *Allocator) allocExpandable(p *pool, stream cudart.Stream, rounded, allo
 		return nil, err
 	}
 	if a.exp.reclaim {
-		if excess := a.growthExcess(c, rounded); excess > largeBuffer {
-			if err := a.reclaimPages(excess); err != nil {
+		sums, _ := a.hotSums()
+		a.exp.allocMark = max(a.exp.allocMark, uint64(sums[3][PoolAll])+rounded)
+		if excess := a.growthExcess(c, rounded); excess > 0 {
+			defer a.dropSpare()
+			a.exp.keep, a.exp.keepSize = true, a.exp.pageSize(p)
+			err := a.reclaimPages(excess)
+			a.exp.keep = false
+			if err != nil {
 				return nil, err
 			}
 			// Unmapping moved blocks around: look again.
@@ -314,7 +361,7 @@ func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.B
 // reserveExpandable reserves a new range for the stream and pool and
 // returns its single unmapped block.
 func (a *Allocator) reserveExpandable(p *pool, stream uint64) (*blocks.Block, error) {
-	page := pageSize(p)
+	page := a.exp.pageSize(p)
 	size := (a.total + a.total/8 + page - 1) / page * page
 	ptr, err := a.exp.vm.Reserve(size)
 	if err != nil {
@@ -378,6 +425,7 @@ func (a *Allocator) mapBlock(p *pool, b *blocks.Block, size uint64) (bool, error
 func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 	vm, page := a.exp.vm, es.seg.PageSize
 	hs := a.exp.handles[:0]
+	var moved, across int64
 	undo := func(mapped int) {
 		for k := range mapped {
 			if err := vm.Unmap(cudart.Ptr(es.addr(begin+uint64(k))), page); err != nil {
@@ -389,6 +437,15 @@ func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 		}
 	}
 	for i := begin; i < end; i++ {
+		if n := len(a.exp.spare); n > 0 && page == a.exp.keepSize {
+			hs = append(hs, a.exp.spare[n-1])
+			if a.exp.spareOf[n-1] != es.seg.Stream {
+				across++
+			}
+			a.exp.spare, a.exp.spareOf = a.exp.spare[:n-1], a.exp.spareOf[:n-1]
+			moved++
+			continue
+		}
 		h, err := vm.Create(page)
 		if err != nil {
 			undo(0)
@@ -418,6 +475,8 @@ func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 	for k, h := range hs {
 		es.handles[begin+uint64(k)], es.mapped[begin+uint64(k)] = h, true
 	}
+	a.stats.NumPagesMoved += moved
+	a.stats.NumPagesMovedAcrossStreams += across
 	a.exp.handles = hs[:0]
 	return true, nil
 }
@@ -447,10 +506,23 @@ func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
 		}
 	}
 	for i := begin; i < end; i++ {
-		a.releaseHandle(es.handles[i])
+		if a.exp.keep && page == a.exp.keepSize {
+			a.exp.spare = append(a.exp.spare, es.handles[i])
+			a.exp.spareOf = append(a.exp.spareOf, es.seg.Stream)
+		} else {
+			a.releaseHandle(es.handles[i])
+		}
 		es.handles[i], es.mapped[i] = 0, false
 	}
 	return nil
+}
+
+// dropSpare releases the handles reclaim kept that the mapping did not use.
+func (a *Allocator) dropSpare() {
+	for _, h := range a.exp.spare {
+		a.releaseHandle(h)
+	}
+	a.exp.spare, a.exp.spareOf = a.exp.spare[:0], a.exp.spareOf[:0]
 }
 
 // unmapBlock is unmap_block: unmap the whole pages inside the free block
@@ -526,15 +598,35 @@ func (a *Allocator) growthExcess(c *blocks.Block, size uint64) uint64 {
 		rem -= min(rem, x.Size)
 	}
 	a.exp.chain = chain
-	if a.reserved+need <= a.exp.mark {
+	limit := max(a.exp.mark, a.exp.allocMark+a.reclaimSlack())
+	if a.reserved+need <= limit {
 		return 0
 	}
-	return a.reserved + need - a.exp.mark
+	return a.reserved + need - limit
 }
 
+// reclaimSlack is how far reserved memory may rise above the largest
+// allocated figure seen at a mapping (allocMark) before a mapping past
+// the high-water mark reclaims.
+func (a *Allocator) reclaimSlack() uint64 {
+	return a.exp.allocMark / reclaimSlackDiv / smallBuffer * smallBuffer
+}
+
+// The reclaim policy's two fractions (docs/fragmentation.md has the
+// measurements that chose them): reserved memory may pass the high-water
+// mark without a reclaim while it stays within 1/32 of the largest
+// allocated figure, and a reclaim unmaps 1/128 of the mark more than it
+// must.
+const (
+	reclaimSlackDiv    = 32
+	reclaimHeadroomDiv = 128
+)
+
 // reclaimPages unmaps the whole pages of free blocks outside a.exp.chain
-// until want bytes are unmapped or none are left: the smallest block whose
-// pages cover want, else the largest blocks first.
+// so that at least want bytes, and if the free blocks allow reclaimHeadroom
+// more, are unmapped: the smallest block whose pages cover that target,
+// else the largest blocks first. Before the first unmap it waits for the
+// streams that own the chosen blocks' segments (see syncStreams).
 func (a *Allocator) reclaimPages(want uint64) error {
 	list := a.exp.scratch[:0]
 	for _, small := range [2]bool{false, true} {
@@ -548,28 +640,69 @@ func (a *Allocator) reclaimPages(want uint64) error {
 		}
 	}
 	a.exp.scratch = list[:0]
+	if len(list) == 0 {
+		return nil
+	}
+	target := want + a.reclaimHeadroom()
 	sort.SliceStable(list, func(i, j int) bool { return wholePages(list[i]) > wholePages(list[j]) })
 	for i := len(list) - 1; i >= 0; i-- {
-		if wholePages(list[i]) >= want {
-			list = list[i : i+1] // the smallest that covers want
+		if wholePages(list[i]) >= target {
+			list = list[i : i+1] // the smallest that covers the target
 			break
 		}
 	}
 	var got uint64
-	for _, b := range list {
-		if got >= want {
+	for i, b := range list {
+		if got >= target {
+			list = list[:i]
 			break
 		}
-		if got == 0 {
-			if err := a.dev.Synchronize(); err != nil {
-				return fmt.Errorf("allocator: synchronising the device before unmapping: %w", err)
-			}
-		}
-		before := a.reserved
+		got += wholePages(b)
+	}
+	if err := a.syncStreams(list); err != nil {
+		return err
+	}
+	a.stats.NumReclaims++
+	for _, b := range list {
 		if _, err := a.unmapBlock(b); err != nil {
 			return err
 		}
-		got += before - a.reserved
+	}
+	return nil
+}
+
+// reclaimHeadroom is how much more than the excess a reclaim unmaps when
+// free blocks allow: 1/128 of the high-water mark, in whole 2 MiB pages.
+// Peak reserved memory hardly depends on it (a reclaim never maps), but
+// without it a workload whose requests grow a little every step (a decoder's
+// key-value cache) reclaims, and so synchronises, on nearly every step:
+// with it the following mappings fit under the mark until the headroom is
+// used up.
+func (a *Allocator) reclaimHeadroom() uint64 {
+	return a.exp.mark / reclaimHeadroomDiv / smallBuffer * smallBuffer
+}
+
+// syncStreams waits for the work queued on each stream that owns the
+// segment of a block in list, once per stream, before those blocks' pages
+// are unmapped: unlike cudaFree, unmapping does not wait for queued work
+// that may still read or write the pages. Waiting for the owning streams
+// is enough, as in PyTorch's ExpandableSegment::unmapHandles: a free block
+// in a free index was last used either on its own stream (work that
+// stream synchronisation waits for) or on other streams through
+// RecordStream, and then it entered the free index only after the events
+// recorded on those streams completed. Other streams keep running.
+func (a *Allocator) syncStreams(list []*blocks.Block) error {
+	var done [8]uint64
+	synced := done[:0]
+	for _, b := range list {
+		s := b.Segment.Stream
+		if slices.Contains(synced, s) {
+			continue
+		}
+		if err := a.dev.StreamSynchronize(cudart.Stream(s)); err != nil {
+			return fmt.Errorf("allocator: synchronising stream %#x before unmapping: %w", s, err)
+		}
+		synced = append(synced, s)
 	}
 	return nil
 }
@@ -717,6 +850,9 @@ func (a *Allocator) checkExpandable() []error {
 			errs = append(errs, fmt.Errorf("%d expandable segments without expandable_segments:True", n))
 		}
 		return errs
+	}
+	if len(a.exp.spare) > 0 {
+		errs = append(errs, fmt.Errorf("%d unmapped page handles kept outside a mapping", len(a.exp.spare)))
 	}
 	if n != len(a.exp.segs) {
 		errs = append(errs, fmt.Errorf("%d expandable segments in the segment list, %d registered", n, len(a.exp.segs)))

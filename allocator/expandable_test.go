@@ -53,6 +53,11 @@ func newExp(t testing.TB, capacity uint64, conf string, opts ...Option) (*Alloca
 	return newExpOn(t, sim, sim, conf, opts...), sim
 }
 
+// pageOf20MiB gives the large pool PyTorch's 20 MiB page even with
+// reclaim on, for the tests whose arithmetic counts whole 20 MiB pages;
+// the default with reclaim is 2 MiB (TestExpandableSmallPagesReclaim).
+var pageOf20MiB Option = func(o *options) { o.expLargePage = largeBuffer }
+
 // expect compares the allocator's reserved bytes, device mappings and
 // unmappings, and the device's memory with the wanted values.
 func expect(t *testing.T, a *Allocator, sim *cudart.Sim, reserved uint64, maps, unmaps int64) {
@@ -109,7 +114,7 @@ func itoa(n uint64) string {
 // that does not fit maps pages at the segment's end, frees merge across
 // page boundaries, and EmptyCache unmaps every free page.
 func TestExpandableGrowsInPlace(t *testing.T) {
-	a, sim := newExp(t, giB, "")
+	a, sim := newExp(t, giB, "", pageOf20MiB)
 	p1 := mustMalloc(t, a, 5*miB, 0)
 	expect(t, a, sim, 20*miB, 1, 0)
 	p2 := mustMalloc(t, a, 5*miB, 0)
@@ -165,7 +170,7 @@ func TestExpandableGrowsInPlace(t *testing.T) {
 // TestExpandableSmallPool: the small pool maps 2 MiB pages, and a block
 // may straddle two of them.
 func TestExpandableSmallPool(t *testing.T) {
-	a, sim := newExp(t, giB, "")
+	a, sim := newExp(t, giB, "", pageOf20MiB)
 	q1 := mustMalloc(t, a, 4*kiB, 0)
 	expect(t, a, sim, 2*miB, 1, 0)
 	q2 := mustMalloc(t, a, miB, 0)
@@ -218,7 +223,7 @@ func TestExpandableFit(t *testing.T) {
 // TestExpandableSplit: expandable blocks split whenever 512 bytes remain,
 // in the large pool too and even past max_split_size, as in PyTorch.
 func TestExpandableSplit(t *testing.T) {
-	a, sim := newExp(t, giB, "max_split_size_mb:40")
+	a, sim := newExp(t, giB, "max_split_size_mb:40", pageOf20MiB)
 	p := mustMalloc(t, a, 50*miB, 0) // three pages; 10 MiB split off
 	q := mustMalloc(t, a, 9*miB+512, 0)
 	if q != p+cudart.Ptr(50*miB) {
@@ -288,7 +293,7 @@ func TestExpandableReclaim(t *testing.T) {
 // reported as two mapped ranges, and history records the mappings.
 func TestExpandableSnapshotAndHistory(t *testing.T) {
 	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
-	a := newExpOn(t, sim, sim, "", WithHistory(100))
+	a := newExpOn(t, sim, sim, "", WithHistory(100), pageOf20MiB)
 	p := mustMalloc(t, a, 5*miB, 0)  // page 0
 	x := mustMalloc(t, a, 40*miB, 0) // [5, 45): pages 1 and 2
 	q := mustMalloc(t, a, 5*miB, 0)  // [45, 50)
@@ -336,7 +341,7 @@ func TestExpandableOOM(t *testing.T) {
 		retries int64
 	}{{"pytorch", []Option{WithPyTorchExpandable()}, 1}, {"allocd", nil, 0}} {
 		t.Run(tc.name, func(t *testing.T) {
-			a, sim := newExp(t, 100*miB, "", tc.opts...)
+			a, sim := newExp(t, 100*miB, "", append(tc.opts, pageOf20MiB)...)
 			side, _ := sim.StreamCreate()
 			mustFree(t, a, mustMalloc(t, a, 50*miB, 0)) // 60 MiB cached on stream 0
 			b := mustMalloc(t, a, 50*miB, side)         // needs 60 MiB; 40 MiB left
@@ -424,7 +429,7 @@ func (f *faultyVMM) Release(h cudart.Handle) error {
 func TestExpandableDeviceFaults(t *testing.T) {
 	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
 	f := &faultyVMM{Sim: sim}
-	a := newExpOn(t, sim, f, "")
+	a := newExpOn(t, sim, f, "", pageOf20MiB)
 	p := mustMalloc(t, a, 5*miB, 0)
 	f.mapAt = 2 // the second of the two pages 40 MiB more needs
 	expectUnchanged(t, a, errFault, func() error { _, err := a.Malloc(40*miB, 0); return err })
@@ -490,7 +495,7 @@ func TestExpandableRecordStream(t *testing.T) {
 // TestExpandableStreams: each stream gets its own range; blocks never
 // cross streams.
 func TestExpandableStreams(t *testing.T) {
-	a, sim := newExp(t, giB, "")
+	a, sim := newExp(t, giB, "", pageOf20MiB)
 	s1, _ := sim.StreamCreate()
 	p := mustMalloc(t, a, 5*miB, 0)
 	q := mustMalloc(t, a, 5*miB, s1)
@@ -637,8 +642,9 @@ func TestExpandableConcurrent(t *testing.T) {
 	}
 }
 
-// FuzzOpsExpandable is FuzzOps with expandable_segments:True; the first
-// byte picks one of a few configurations.
+// FuzzOpsExpandable is FuzzOps with expandable_segments:True on four
+// streams and a backed Sim (live allocations' contents checked after every
+// step); the first byte picks one of a few configurations.
 func FuzzOpsExpandable(f *testing.F) {
 	f.Add([]byte{0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0})
 	f.Add([]byte("\x01\x00\x10\x00\x00\x00\x00\x00\x00\x00\x05\x01\x00\x00\x00\x01\x00\x00\x00\x03\x00\x00\x00\x00\x00\x00\x00\x00\x06\x00\x00\x00\x00\x00\x00\x00\x00"))
@@ -666,7 +672,10 @@ func FuzzOpsExpandable(f *testing.F) {
 		if len(data) > 9*2000 {
 			data = data[:9*2000]
 		}
-		d := newOpDriver(t, 256*miB, conf)
+		// Four streams and a backed Sim: reclaim moves pages between the
+		// streams' ranges, and every live allocation's contents are checked
+		// after each step, besides Check.
+		d := newOpDriverOn(t, 256*miB, conf, 4, true)
 		for len(data) >= 9 {
 			d.step(data[0], binary.LittleEndian.Uint64(data[1:9]))
 			data = data[9:]
@@ -704,4 +713,144 @@ func TestExpandableCheckFindsCorruption(t *testing.T) {
 	}
 	mustCheck(t, a)
 	mustFree(t, a, p)
+}
+
+// TestExpandableSmallPagesReclaim: with reclaim on, the large pool maps 2
+// MiB pages, so a hole that is not a multiple of 20 MiB gives back its
+// whole 2 MiB pages before the segment grows past the high-water mark.
+func TestExpandableSmallPagesReclaim(t *testing.T) {
+	a, sim := newExp(t, giB, "")
+	p := mustMalloc(t, a, 5*miB, 0)  // pages 0-2
+	x := mustMalloc(t, a, 13*miB, 0) // [5, 18): pages 2-8
+	q := mustMalloc(t, a, 5*miB, 0)  // [18, 23): pages 9-11
+	expect(t, a, sim, 24*miB, 3, 0)
+	mustFree(t, a, x)
+	// 14 MiB more would pass the mark (24 MiB): the hole's whole pages
+	// 3-8 (12 MiB) are unmapped first.
+	y := mustMalloc(t, a, 14*miB, 0)
+	expect(t, a, sim, 26*miB, 4, 1)
+	mustFree(t, a, p)
+	mustFree(t, a, q)
+	mustFree(t, a, y)
+}
+
+// TestExpandableCrossStreamPages: a stream that must grow takes the whole
+// free pages of another stream's range (the same physical pages, unmapped
+// there and mapped into its own range), but never those of a block another
+// stream may still use (its RecordStream event pending): those stay mapped
+// until the event completes.
+func TestExpandableCrossStreamPages(t *testing.T) {
+	a, sim := newExp(t, giB, "")
+	side, _ := sim.StreamCreate()
+	s1, _ := sim.StreamCreate()
+	s2, _ := sim.StreamCreate()
+	x := mustMalloc(t, a, 40*miB, 0)
+	if err := a.RecordStream(x, side); err != nil {
+		t.Fatal(err)
+	}
+	mustFree(t, a, x) // pending on side
+	y := mustMalloc(t, a, 40*miB, s1)
+	// x's pages are not handed to s1: reserved grows past the mark.
+	expect(t, a, sim, 80*miB, 2, 0)
+	if got := a.Snapshot(); !mapped(got.Segments, x, 40*miB) {
+		t.Errorf("a block with a pending event lost its pages: %+v", got)
+	}
+	sim.CompleteStream(side)
+	creates := sim.VMMCounters().Creates
+	z := mustMalloc(t, a, 40*miB, s2) // retires x's event, then takes its pages
+	expect(t, a, sim, 80*miB, 3, 1)
+	if c := sim.VMMCounters(); c.Creates != creates || c.LiveHandles != 40 {
+		t.Errorf("%d pages created, %d live, for pages moved between streams; want 0 created, 40 live", c.Creates-creates, c.LiveHandles)
+	}
+	if n := a.Stats().NumPagesMoved; n != 20 {
+		t.Errorf("%d pages moved, want 20", n)
+	}
+	if got := a.Snapshot(); mapped(got.Segments, x, 1) {
+		t.Errorf("stream 0's free block at %#x is still mapped after s2 took its pages", x)
+	}
+	mustFree(t, a, y)
+	mustFree(t, a, z)
+}
+
+// mapped reports whether the snapshot lists a block of at least size bytes
+// at ptr (snapshots list mapped blocks only).
+func mapped(segs []trace.Segment, ptr cudart.Ptr, size uint64) bool {
+	for _, s := range segs {
+		for _, b := range s.Blocks {
+			if b.Address == uint64(ptr) && b.Size >= size {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// TestExpandableReclaimSlack: a mapping may pass the high-water mark
+// without a reclaim while reserved memory stays within 1/32 of the
+// largest allocated figure; past that, reclaim unmaps another stream's
+// free pages, waiting for that stream only, and counts what it moved.
+func TestExpandableReclaimSlack(t *testing.T) {
+	a, sim := newExp(t, 4*giB, "")
+	s1, _ := sim.StreamCreate()
+	y := mustMalloc(t, a, 320*miB, 0)
+	mustFree(t, a, mustMalloc(t, a, 8*miB, 0)) // 8 MiB free at the end of stream 0's range
+	expect(t, a, sim, 328*miB, 2, 0)
+	// Allocated would reach 330 MiB: reserved may reach 340 MiB.
+	p := mustMalloc(t, a, 10*miB, s1)
+	expect(t, a, sim, 338*miB, 3, 0)
+	if n := a.Stats().NumReclaims; n != 0 {
+		t.Errorf("%d reclaims within the slack, want 0", n)
+	}
+	mustFree(t, a, y)
+	before := sim.Counters()
+	// 378 MiB would pass both the mark (338) and the slack (340): the
+	// only free block, y's 320 MiB merged with the 8 MiB after it, covers
+	// the 38 MiB excess and the 2 MiB headroom (1/128 of the mark); 20 of
+	// its pages move to s1, the rest are released.
+	q := mustMalloc(t, a, 40*miB, s1)
+	expect(t, a, sim, 50*miB, 4, 1)
+	after := sim.Counters()
+	if d, s := after.DeviceSyncs-before.DeviceSyncs, after.StreamSyncs-before.StreamSyncs; d != 0 || s != 1 {
+		t.Errorf("reclaim synchronised the device %d times and streams %d times, want 0 and 1 (stream 0 only)", d, s)
+	}
+	st := a.Stats()
+	if st.NumReclaims != 1 || st.NumPagesMoved != 20 || st.NumPagesMovedAcrossStreams != 20 {
+		t.Errorf("reclaims %d, pages moved %d (across streams %d), want 1, 20, 20", st.NumReclaims, st.NumPagesMoved, st.NumPagesMovedAcrossStreams)
+	}
+	f := st.Flat()
+	if f["num_reclaims"] != 1 || f["num_pages_moved"] != 20 || f["num_pages_moved_across_streams"] != 20 {
+		t.Errorf("Flat: num_reclaims %d, num_pages_moved %d, num_pages_moved_across_streams %d", f["num_reclaims"], f["num_pages_moved"], f["num_pages_moved_across_streams"])
+	}
+	mustFree(t, a, p)
+	mustFree(t, a, q)
+}
+
+// TestExpandableReclaimHeadroom: a reclaim unmaps 1/128 of the high-water
+// mark more than the excess when a free block allows, so it takes the
+// 110 MiB hole rather than the 100 MiB one that covers only the excess.
+func TestExpandableReclaimHeadroom(t *testing.T) {
+	a, sim := newExp(t, 4*giB, "")
+	s1, _ := sim.StreamCreate()
+	h100 := mustMalloc(t, a, 100*miB, 0)
+	sep1 := mustMalloc(t, a, 2*miB, 0)
+	h110 := mustMalloc(t, a, 110*miB, 0)
+	sep2 := mustMalloc(t, a, 2*miB, 0)
+	big := mustMalloc(t, a, 300*miB, 0)
+	sep3 := mustMalloc(t, a, 2*miB, 0)
+	mustFree(t, a, h100)
+	mustFree(t, a, h110)
+	expect(t, a, sim, 516*miB, 6, 0)
+	// Allocated peaked at 516 MiB, so reserved may reach 532 MiB: 114 MiB
+	// more passes that by 98 MiB, which the 100 MiB hole covers, but not
+	// with the 4 MiB headroom (1/128 of the 516 MiB mark).
+	p := mustMalloc(t, a, 114*miB, s1)
+	expect(t, a, sim, 520*miB, 7, 1)
+	snap := a.Snapshot()
+	if !mapped(snap.Segments, h100, 100*miB) || mapped(snap.Segments, h110, 1) {
+		t.Errorf("reclaim took the wrong hole: 100 MiB hole mapped %v (want true), 110 MiB hole mapped %v (want false)",
+			mapped(snap.Segments, h100, 100*miB), mapped(snap.Segments, h110, 1))
+	}
+	for _, x := range []cudart.Ptr{sep1, sep2, big, sep3, p} {
+		mustFree(t, a, x)
+	}
 }

@@ -132,6 +132,20 @@ type Stats struct {
 	NumDeviceFree  int64
 	// NumEmptyCache counts EmptyCache calls.
 	NumEmptyCache int64
+	// NumPagesMoved counts expandable-segment pages that reclaim unmapped
+	// from a free block and mapped again for a request, in the growing
+	// stream's range: the same physical page, moved (allocd only; not a
+	// PyTorch key). Their unmappings and mappings also count in
+	// NumDeviceFree and NumDeviceAlloc.
+	NumPagesMoved int64
+	// NumPagesMovedAcrossStreams counts the pages of NumPagesMoved that
+	// left one stream's range for another stream's (allocd only).
+	NumPagesMovedAcrossStreams int64
+	// NumReclaims counts expandable-segment reclaims: mappings that would
+	// have raised reserved memory above its high-water mark and unmapped
+	// free pages first. Each waits once for the streams that own those
+	// pages (allocd only; not a PyTorch key).
+	NumReclaims int64
 	// MaxSplitSize is the max_split_size in effect (bytes); -1 when unset,
 	// as PyTorch reports it.
 	MaxSplitSize int64
@@ -148,7 +162,9 @@ type Stats struct {
 
 // Flat returns the statistics under PyTorch's flat keys, as
 // torch.cuda.memory_stats() names them: "allocated_bytes.all.current",
-// "segment.large_pool.peak", "num_ooms", …
+// "segment.large_pool.peak", "num_ooms", …; allocd's own expandable
+// reclaim counters follow the same style: "num_reclaims",
+// "num_pages_moved", "num_pages_moved_across_streams".
 func (s *Stats) Flat() map[string]int64 {
 	m := make(map[string]int64, 128)
 	for _, st := range s.namedArrays() {
@@ -164,6 +180,9 @@ func (s *Stats) Flat() map[string]int64 {
 	m["num_device_alloc"] = s.NumDeviceAlloc
 	m["num_device_free"] = s.NumDeviceFree
 	m["max_split_size"] = s.MaxSplitSize
+	m["num_reclaims"] = s.NumReclaims
+	m["num_pages_moved"] = s.NumPagesMoved
+	m["num_pages_moved_across_streams"] = s.NumPagesMovedAcrossStreams
 	return m
 }
 

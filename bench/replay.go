@@ -41,6 +41,11 @@ type ReplayResult struct {
 	// UnmatchedFrees counts frees in the trace of addresses it never
 	// allocated (recording began after the allocation).
 	UnmatchedFrees int
+	// Reclaims, PagesMoved and PagesMovedAcrossStreams are the
+	// allocator's expandable-segment reclaim counters (Stats.NumReclaims,
+	// NumPagesMoved, NumPagesMovedAcrossStreams); 0 without expandable
+	// segments.
+	Reclaims, PagesMoved, PagesMovedAcrossStreams int64
 	// Elapsed is the time spent in the replay loop.
 	Elapsed time.Duration
 	// DeviceMallocTime is the part of Elapsed spent in device mallocs
@@ -130,6 +135,9 @@ func Replay(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayRe
 	res.DeviceFrees = st.NumDeviceFree
 	res.AllocRetries = st.NumAllocRetries
 	res.OOMs = st.NumOOMs
+	res.Reclaims = st.NumReclaims
+	res.PagesMoved = st.NumPagesMoved
+	res.PagesMovedAcrossStreams = st.NumPagesMovedAcrossStreams
 	return res, err
 }
 

@@ -23,20 +23,32 @@ type ReplayRow struct {
 	NsPerOp            float64 `json:"ns_per_op"`
 	// DeviceMallocNsPerOp is the share of NsPerOp spent in device mallocs.
 	DeviceMallocNsPerOp float64 `json:"device_malloc_ns_per_op"`
+	// Reclaims, PagesMoved and PagesMovedAcrossStreams count expandable
+	// segments' reclaims (allocator.Stats.NumReclaims and the pages they
+	// moved); left out when 0.
+	Reclaims                int64 `json:"reclaims,omitempty"`
+	PagesMoved              int64 `json:"pages_moved,omitempty"`
+	PagesMovedAcrossStreams int64 `json:"pages_moved_across_streams,omitempty"`
+	// PyTorchExpandable is set when expandable segments ran with
+	// allocator.WithPyTorchExpandable (allocd replay --pytorch-expandable).
+	PyTorchExpandable bool `json:"pytorch_expandable,omitempty"`
 }
 
 // RowOf returns r as a row, with Trace and Conf empty.
 func RowOf(r ReplayResult) ReplayRow {
 	row := ReplayRow{
-		Ops:                r.Ops,
-		PeakAllocatedBytes: r.PeakAllocated,
-		PeakReservedBytes:  r.PeakReserved,
-		PeakRequestedBytes: r.PeakRequested,
-		DeviceMallocs:      r.DeviceMallocs,
-		DeviceFrees:        r.DeviceFrees,
-		AllocRetries:       r.AllocRetries,
-		OOMs:               r.OOMs,
-		NsPerOp:            r.NsPerOp(),
+		Ops:                     r.Ops,
+		PeakAllocatedBytes:      r.PeakAllocated,
+		PeakReservedBytes:       r.PeakReserved,
+		PeakRequestedBytes:      r.PeakRequested,
+		DeviceMallocs:           r.DeviceMallocs,
+		DeviceFrees:             r.DeviceFrees,
+		AllocRetries:            r.AllocRetries,
+		OOMs:                    r.OOMs,
+		NsPerOp:                 r.NsPerOp(),
+		Reclaims:                r.Reclaims,
+		PagesMoved:              r.PagesMoved,
+		PagesMovedAcrossStreams: r.PagesMovedAcrossStreams,
 	}
 	if r.Ops > 0 {
 		row.DeviceMallocNsPerOp = float64(r.DeviceMallocTime.Nanoseconds()) / float64(r.Ops)
@@ -126,7 +138,11 @@ func WriteReplayTable(w io.Writer, rows []ReplayRow) error {
 		if r.PeakAllocatedBytes > 0 {
 			ratio = float64(r.PeakReservedBytes) / float64(r.PeakAllocatedBytes)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t%s\t\n", r.Trace, ConfLabel(r.Conf), r.Ops,
+		label := ConfLabel(r.Conf)
+		if r.PyTorchExpandable {
+			label += " (as PyTorch)"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t%s\t\n", r.Trace, label, r.Ops,
 			mibString(r.PeakAllocatedBytes), mibString(r.PeakReservedBytes), ratio, r.DeviceMallocs, r.AllocRetries, r.OOMs, r.NsPerOp, mark)
 	}
 	return tw.Flush()

@@ -114,13 +114,14 @@ func (t *Target) replayDevice(tr *Trace) (cudart.Device, error) {
 // its row (Trace and Conf left for the caller). prepare, when set, is
 // called with the allocator before the replay, to attach observers to
 // opt. An allocator closed with live blocks is not an error: a trace may
-// end with memory in use.
-func (t *Target) Replay(tr *Trace, cfg allocator.Config, opt ReplayOptions, prepare func(*allocator.Allocator, *ReplayOptions)) (ReplayRow, error) {
+// end with memory in use. aopts are passed to allocator.New (for example
+// allocator.WithPyTorchExpandable).
+func (t *Target) Replay(tr *Trace, cfg allocator.Config, opt ReplayOptions, prepare func(*allocator.Allocator, *ReplayOptions), aopts ...allocator.Option) (ReplayRow, error) {
 	dev, err := t.replayDevice(tr)
 	if err != nil {
 		return ReplayRow{}, err
 	}
-	a, err := allocator.New(dev, cfg)
+	a, err := allocator.New(dev, cfg, aopts...)
 	if err != nil {
 		return ReplayRow{}, err
 	}
@@ -140,8 +141,8 @@ func (t *Target) Replay(tr *Trace, cfg allocator.Config, opt ReplayOptions, prep
 // SnapshotAtPeak returns the snapshot at the moment of tr's peak reserved
 // memory with cfg (SnapshotAtPeak), its history bounded by
 // historyEntries. It needs a simulated target, whose replays are
-// deterministic.
-func (t *Target) SnapshotAtPeak(tr *Trace, cfg allocator.Config, historyEntries int) (*trace.Snapshot, error) {
+// deterministic. aopts are passed to allocator.New, as in Replay.
+func (t *Target) SnapshotAtPeak(tr *Trace, cfg allocator.Config, historyEntries int, aopts ...allocator.Option) (*trace.Snapshot, error) {
 	if !t.Sim() {
 		return nil, errors.New("a snapshot at peak needs the simulated device, whose replays are deterministic")
 	}
@@ -150,7 +151,7 @@ func (t *Target) SnapshotAtPeak(tr *Trace, cfg allocator.Config, historyEntries 
 		if err != nil {
 			return nil, err
 		}
-		var opts []allocator.Option
+		opts := append([]allocator.Option(nil), aopts...)
 		if history {
 			opts = append(opts, allocator.WithHistory(historyEntries))
 		}

@@ -157,6 +157,12 @@ var metrics = []MetricInfo{
 		"", func(s *allocator.Stats) int64 { return s.NumEmptyCache }),
 	plainMetric("escalations_total", "counter", "Cached mallocs and frees that took every stream's lock to settle a peak statistic: the hot path's contention between streams.",
 		"", func(s *allocator.Stats) int64 { return s.NumEscalations }),
+	plainMetric("expandable_reclaims_total", "counter", "Expandable-segment reclaims: mappings that unmapped free pages first to keep reserved memory near its high-water mark; each waits for the streams owning those pages.",
+		"", func(s *allocator.Stats) int64 { return s.NumReclaims }),
+	plainMetric("expandable_pages_moved_total", "counter", "Physical pages that reclaim unmapped from a free block and mapped again for a request.",
+		"", func(s *allocator.Stats) int64 { return s.NumPagesMoved }),
+	plainMetric("expandable_pages_moved_across_streams_total", "counter", "Pages moved by reclaim from one stream's range to another stream's.",
+		"", func(s *allocator.Stats) int64 { return s.NumPagesMovedAcrossStreams }),
 
 	{Name: Namespace + "_device_free_bytes", Type: "gauge", Help: "Free device memory as the device reports it (cudaMemGetInfo), all processes counted.",
 		Labels: deviceLabels, PyTorch: "torch.cuda.mem_get_info()[0]", kind: kindDeviceFree},

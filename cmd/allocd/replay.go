@@ -26,6 +26,9 @@ type replayFlags struct {
 	svg         string
 	snapshotOut string
 	progress    bool // set when stderr is a terminal
+	// pytorchExpandable: allocator.WithPyTorchExpandable for every
+	// configuration.
+	pytorchExpandable bool
 }
 
 func newReplayCmd() *cobra.Command {
@@ -50,7 +53,14 @@ every configuration in one chart. --snapshot-out FILE writes the allocator's
 snapshot (segments, blocks and the history that led there) at the moment of
 peak reserved memory, with the first configuration, as a pickle that PyTorch's
 memory viewer (torch.cuda._memory_viz, pytorch.org/memory_viz) reads. With
-several traces, the trace's name is added to each file name.`,
+several traces, the trace's name is added to each file name.
+
+--pytorch-expandable makes expandable segments (expandable_segments:True)
+grow exactly as PyTorch's do: free pages are unmapped only on out of memory
+and by empty_cache, in 20 MiB large-pool pages, never reclaimed to keep
+reserved memory near its high-water mark as allocd does by default. Peaks
+then match PyTorch's expandable_segments:True figures. It has no effect on
+configurations without expandable segments.`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !cmd.Flags().Changed("conf") {
@@ -67,6 +77,7 @@ several traces, the trace's name is added to each file name.`,
 	fl.StringVar(&f.device, "device", "auto", "auto, sim, cuda or cuda:N")
 	fl.StringVar(&f.svg, "svg", "", "write a chart of allocated/reserved/requested bytes over the trace to this SVG file")
 	fl.StringVar(&f.snapshotOut, "snapshot-out", "", "write the snapshot at peak reserved memory to this pickle file (simulated device only)")
+	fl.BoolVar(&f.pytorchExpandable, "pytorch-expandable", false, "expandable segments behave exactly as PyTorch's: no reclaim, 20 MiB large pages")
 	return cmd
 }
 
@@ -109,6 +120,10 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 	if !f.json {
 		fmt.Fprintf(stderr, "allocd: replaying on the %s\n", target.Desc)
 	}
+	var aopts []allocator.Option
+	if f.pytorchExpandable {
+		aopts = append(aopts, allocator.WithPyTorchExpandable())
+	}
 	var rows []bench.ReplayRow
 	for _, file := range files {
 		t0 := time.Now()
@@ -139,12 +154,13 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 					opt.Observe = sampler.Observe
 				}
 			}
-			row, err := target.Replay(tr, cfg, opt, prepare)
+			row, err := target.Replay(tr, cfg, opt, prepare, aopts...)
 			finish()
 			if err != nil {
 				return fmt.Errorf("replaying %s with %q: %w", file, f.confs[i], err)
 			}
 			row.Trace, row.Conf = tr.Name, f.confs[i]
+			row.PyTorchExpandable = f.pytorchExpandable && cfg.ExpandableSegments
 			rows = append(rows, row)
 			if f.json {
 				if err := json.NewEncoder(stdout).Encode(row); err != nil {
@@ -165,7 +181,7 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 			}
 		}
 		if f.snapshotOut != "" {
-			snap, err := target.SnapshotAtPeak(tr, cfgs[0], historyLimit)
+			snap, err := target.SnapshotAtPeak(tr, cfgs[0], historyLimit, aopts...)
 			if err != nil {
 				return fmt.Errorf("--snapshot-out: %w", err)
 			}

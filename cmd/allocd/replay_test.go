@@ -230,3 +230,36 @@ func TestNoProgressBarWhenPiped(t *testing.T) {
 		t.Errorf("progress output on a non-terminal stderr: %q", errOut)
 	}
 }
+
+// TestReplayPyTorchExpandable: with --pytorch-expandable, an expandable
+// replay of vit_b16_train reproduces PyTorch's expandable_segments:True
+// peaks byte for byte (testdata/traces/README.md); without it, allocd's
+// reclaim reserves less, and its rows count the reclaims.
+func TestReplayPyTorchExpandable(t *testing.T) {
+	const vit = "../../testdata/traces/vit_b16_train.pickle.gz"
+	row := func(args ...string) map[string]any {
+		t.Helper()
+		out, _, err := runCLI(t, append([]string{"replay", "--device", "sim", "--json", "--conf", "expandable_segments:True"}, append(args, vit)...)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m map[string]any
+		if err := json.Unmarshal([]byte(out), &m); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	exact, ours := row("--pytorch-expandable"), row()
+	if a, r := exact["peak_allocated_bytes"].(float64), exact["peak_reserved_bytes"].(float64); a != 3544567808 || r != 3659530240 {
+		t.Errorf("--pytorch-expandable: peak allocated %.0f, reserved %.0f; PyTorch's: 3544567808, 3659530240", a, r)
+	}
+	if exact["pytorch_expandable"] != true || exact["reclaims"] != nil {
+		t.Errorf("--pytorch-expandable row: pytorch_expandable %v, reclaims %v; want true, none", exact["pytorch_expandable"], exact["reclaims"])
+	}
+	if r := ours["peak_reserved_bytes"].(float64); r >= 3659530240 {
+		t.Errorf("allocd's reclaim: peak reserved %.0f, not below PyTorch's 3659530240", r)
+	}
+	if ours["pytorch_expandable"] != nil || ours["reclaims"] == nil {
+		t.Errorf("default row: pytorch_expandable %v, reclaims %v; want none, some", ours["pytorch_expandable"], ours["reclaims"])
+	}
+}
