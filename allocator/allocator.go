@@ -69,6 +69,7 @@
 package allocator
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
@@ -310,7 +311,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	a.be = native{a}
 	if exp != nil {
 		exp.reclaim = !o.pytorchExpandable
-		exp.largePage = o.expLargePage
+		exp.largePage = cmp.Or(o.expLargePage, cfg.ExpandablePageSize, DefaultExpandablePage)
 		exp.a = a
 		a.src = exp
 	}

@@ -5,9 +5,13 @@ import (
 	"fmt"
 	"math"
 	"math/bits"
+	"slices"
 	"strconv"
 	"strings"
 )
+
+// acceptedPage says what expandable_page_mb takes.
+const acceptedPage = "expected 2, 4, 10 or 20 (MiB)"
 
 // Backend selects how the allocator obtains memory.
 type Backend string
@@ -57,7 +61,25 @@ type Config struct {
 	// ReleaseLockOnDeviceMalloc lets other goroutines use the cache while
 	// one waits for the device's malloc (release_lock_on_cudamalloc).
 	ReleaseLockOnDeviceMalloc bool
+	// ExpandablePageSize is the large pool's page with expandable segments
+	// (expandable_page_mb, allocd only): the unit in which its ranges grow
+	// and in which reclaim unmaps and moves free memory. 0 means the
+	// default (DefaultExpandablePage); otherwise 2, 4, 10 or 20 MiB. Smaller
+	// pages leave less free memory mapped; each page costs a physical
+	// allocation, a mapping and an access call on the device when the range
+	// grows. The small pool's page is always 2 MiB, and
+	// WithPyTorchExpandable uses PyTorch's 20 MiB.
+	ExpandablePageSize uint64
 }
+
+// DefaultExpandablePage is the large pool's expandable page when
+// ExpandablePageSize is 0.
+const DefaultExpandablePage = 2 << 20
+
+// expandablePages lists the accepted expandable_page_mb values, in MiB:
+// multiples of the 2 MiB mapping granularity that divide PyTorch's 20 MiB
+// page.
+var expandablePages = []uint64{2, 4, 10, 20}
 
 // DefaultConfig returns PyTorch's defaults.
 func DefaultConfig() Config {
@@ -99,7 +121,7 @@ var ConfigKeys = []string{
 	"backend", "max_split_size_mb", "max_non_split_rounding_mb",
 	"garbage_collection_threshold", "roundup_power2_divisions",
 	"expandable_segments", "per_process_memory_fraction",
-	"release_lock_on_cudamalloc",
+	"release_lock_on_cudamalloc", "expandable_page_mb",
 }
 
 // ParseConfig parses a configuration string in PYTORCH_CUDA_ALLOC_CONF's
@@ -358,6 +380,16 @@ func (c *Config) set(key string, val []string) error {
 		} else {
 			c.ReleaseLockOnDeviceMalloc = b
 		}
+	case "expandable_page_mb":
+		v, err := single()
+		if err != nil {
+			return err
+		}
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil || !slices.Contains(expandablePages, n) {
+			return &ConfigError{Key: key, Value: v, Accepted: acceptedPage}
+		}
+		c.ExpandablePageSize = n << 20
 	case "roundup_power2_divisions":
 		return c.setRoundup(key, val)
 	default:
@@ -500,6 +532,9 @@ func (c Config) Validate() error {
 	if f := c.PerProcessMemoryFraction; !(normalOrZero(f) && f >= 0 && f <= 1) {
 		return &ConfigError{Key: "per_process_memory_fraction", Value: fmt.Sprint(f), Accepted: acceptedFraction}
 	}
+	if p := c.ExpandablePageSize; p != 0 && (p%(1<<20) != 0 || !slices.Contains(expandablePages, p>>20)) {
+		return &ConfigError{Key: "expandable_page_mb", Value: strconv.FormatUint(p, 10) + " bytes", Accepted: acceptedPage}
+	}
 	for _, d := range c.RoundupPower2Divisions {
 		if d != 0 && (!isPow2(d) || d > maxRoundupDivisions) {
 			return &ConfigError{Key: "roundup_power2_divisions", Value: fmt.Sprint(d), Accepted: fmt.Sprintf("divisions must be powers of two from 1 to %d, or 0", maxRoundupDivisions)}
@@ -540,6 +575,9 @@ func (c Config) String() string {
 	}
 	if c.ReleaseLockOnDeviceMalloc {
 		parts = append(parts, "release_lock_on_cudamalloc:True")
+	}
+	if c.ExpandablePageSize != 0 {
+		parts = append(parts, fmt.Sprintf("expandable_page_mb:%d", c.ExpandablePageSize>>20))
 	}
 	return strings.Join(parts, ",")
 }

@@ -44,6 +44,12 @@ func TestParseConfigRejects(t *testing.T) {
 		{rp + ":3", rp, "expected a power of two from 1 to 1073741824"},
 		{rp + ":0", rp, "expected a power of two"},
 		{rp + ":2147483648", rp, "expected a power of two from 1 to 1073741824"},
+		// expandable_page_mb.
+		{"expandable_page_mb:3", "expandable_page_mb", "expected 2, 4, 10 or 20"},
+		{"expandable_page_mb:0", "expandable_page_mb", "expected 2, 4, 10 or 20"},
+		{"expandable_page_mb:40", "expandable_page_mb", "expected 2, 4, 10 or 20"},
+		{"expandable_page_mb:-2", "expandable_page_mb", "expected 2, 4, 10 or 20"},
+		{"expandable_page_mb:2MiB", "expandable_page_mb", "expected 2, 4, 10 or 20"},
 		// Float keys.
 		{"garbage_collection_threshold:NaN", "garbage_collection_threshold", "strictly between 0 and 1"},
 		{"garbage_collection_threshold:nan", "garbage_collection_threshold", "not NaN, Inf or subnormal"},
@@ -205,5 +211,32 @@ func TestParseConfigLeavesPinnedKeys(t *testing.T) {
 		if _, err := ParseConfig(bad); !errors.Is(err, ErrConfig) {
 			t.Errorf("ParseConfig(%q) = %v, want an ErrConfig", bad, err)
 		}
+	}
+}
+
+// TestExpandablePageKey: expandable_page_mb sets ExpandablePageSize, round
+// trips through String, and sets the large pool's page of a new
+// allocator's expandable segments.
+func TestExpandablePageKey(t *testing.T) {
+	for _, mb := range []uint64{2, 4, 10, 20} {
+		conf := "expandable_segments:True,expandable_page_mb:" + strconv.FormatUint(mb, 10)
+		c, err := ParseConfig(conf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.ExpandablePageSize != mb<<20 || c.String() != conf {
+			t.Errorf("%s: page %d, String %q", conf, c.ExpandablePageSize, c.String())
+		}
+		a, _ := newTestAllocator(t, 4*giB, conf)
+		if got := a.exp.pageSize(&a.shards[0].large); got != mb<<20 {
+			t.Errorf("%s: large-pool page %d", conf, got)
+		}
+	}
+	a, _ := newTestAllocator(t, 4*giB, "expandable_segments:True")
+	if got := a.exp.pageSize(&a.shards[0].large); got != DefaultExpandablePage {
+		t.Errorf("default large-pool page %d, want %d", got, DefaultExpandablePage)
+	}
+	if err := (Config{Backend: BackendNative, MaxSplitSize: math.MaxUint64, MaxNonSplitRounding: 20 << 20, ExpandablePageSize: 3 << 20}).Validate(); err == nil {
+		t.Error("Validate accepted a 3 MiB page")
 	}
 }

@@ -142,8 +142,8 @@ type expandable struct {
 	reclaim   bool
 	mark      uint64
 	allocMark uint64
-	// largePage is the large pool's page when reclaim is on: the small
-	// pool's 2 MiB page unless a test asks for PyTorch's 20 MiB.
+	// largePage is the large pool's page when reclaim is on
+	// (Config.ExpandablePageSize).
 	largePage uint64
 	// spare holds the handles of pages that reclaim unmapped for the
 	// mapping under way (keep set, pages of keepSize bytes): mapPages maps
@@ -197,17 +197,15 @@ func newExpandable(dev cudart.Device, cfg Config) (*expandable, error) {
 
 // pageSize is the mapping unit of a pool's expandable segments: 2 MiB in
 // the small pool; in the large pool PyTorch's 20 MiB without reclaim, and
-// with reclaim the small pool's 2 MiB, so that any free hole of a large
-// segment gives back all but at most 4 MiB of itself (see "Beyond
-// PyTorch").
+// with reclaim Config.ExpandablePageSize (by default 2 MiB, so that any
+// free hole of a large segment gives back all but at most 4 MiB of
+// itself; see "Beyond PyTorch").
 func (e *expandable) pageSize(p *pool) uint64 {
 	switch {
 	case p.small:
 		return smallBuffer
-	case e.reclaim && e.largePage != 0:
-		return e.largePage
 	case e.reclaim:
-		return smallBuffer
+		return e.largePage
 	}
 	return largeBuffer
 }

@@ -83,6 +83,9 @@ type MixedResult struct {
 	Elapsed time.Duration
 	// PeakAllocated and PeakReserved are the allocator's peaks over the run.
 	PeakAllocated, PeakReserved int64
+	// Escalations is the allocator's NumEscalations over every pass: hot
+	// calls that took every stream's lock to settle a peak.
+	Escalations int64
 }
 
 // NsPerOp is wall time per step over all goroutines.
@@ -153,6 +156,7 @@ func mixedPasses(a *allocator.Allocator, threads, steps, passes int) (MixedResul
 		Threads: threads, Ops: threads * steps, Elapsed: elapsed,
 		PeakAllocated: st.AllocatedBytes[allocator.PoolAll].Peak,
 		PeakReserved:  st.ReservedBytes[allocator.PoolAll].Peak,
+		Escalations:   st.NumEscalations,
 	}, nil
 }
 

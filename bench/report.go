@@ -64,11 +64,12 @@ type MixedRow struct {
 	MopsPerSec         float64 `json:"mops_per_s"`
 	PeakAllocatedBytes int64   `json:"peak_allocated_bytes"`
 	PeakReservedBytes  int64   `json:"peak_reserved_bytes"`
+	Escalations        int64   `json:"escalations"`
 }
 
 // MixedRowOf returns m as a row.
 func MixedRowOf(m MixedResult) MixedRow {
-	return MixedRow{m.Threads, m.Ops, m.NsPerOp(), m.MopsPerSec(), m.PeakAllocated, m.PeakReserved}
+	return MixedRow{m.Threads, m.Ops, m.NsPerOp(), m.MopsPerSec(), m.PeakAllocated, m.PeakReserved, m.Escalations}
 }
 
 // Report is every result of one `allocd bench` run, in the JSON shape of
