@@ -417,7 +417,9 @@ func (a *Allocator) mapBlock(p *pool, b *blocks.Block, size uint64) (bool, error
 	return true, nil
 }
 
-// mapPages creates a handle per page and maps pages [begin, end) of es.
+// mapPages creates a handle per page (or takes one reclaim kept) and maps
+// pages [begin, end) of es: in one call when the device is a
+// cudart.RangeMapper, else page by page.
 // On out of memory it releases what it made and returns (false, nil); on
 // another failure it undoes what it did and returns the error.
 func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
@@ -455,15 +457,28 @@ func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 		}
 		hs = append(hs, h)
 	}
-	for k, h := range hs {
-		addr := es.addr(begin + uint64(k))
-		if err := vm.Map(cudart.Ptr(addr), page, h); err != nil {
-			undo(k)
+	if rm, ok := vm.(cudart.RangeMapper); ok {
+		// One call maps the pages side by side and grants access to them
+		// all, as PyTorch does; it leaves nothing mapped on error.
+		if err := rm.MapRange(cudart.Ptr(es.addr(begin)), page, hs); err != nil {
+			undo(0)
 			if errors.Is(err, cudart.ErrOutOfMemory) {
 				a.lastDeviceErr = err
 				return false, nil
 			}
-			return false, fmt.Errorf("allocator: mapping a %d-byte page at %#x: %w", page, addr, err)
+			return false, fmt.Errorf("allocator: mapping %d pages of %d bytes at %#x: %w", len(hs), page, es.addr(begin), err)
+		}
+	} else {
+		for k, h := range hs {
+			addr := es.addr(begin + uint64(k))
+			if err := vm.Map(cudart.Ptr(addr), page, h); err != nil {
+				undo(k)
+				if errors.Is(err, cudart.ErrOutOfMemory) {
+					a.lastDeviceErr = err
+					return false, nil
+				}
+				return false, fmt.Errorf("allocator: mapping a %d-byte page at %#x: %w", page, addr, err)
+			}
 		}
 	}
 	for uint64(len(es.mapped)) < end {

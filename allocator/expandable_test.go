@@ -410,6 +410,24 @@ func (f *faultyVMM) Map(p cudart.Ptr, size uint64, h cudart.Handle) error {
 	return f.Sim.Map(p, size, h)
 }
 
+// MapRange fails as Map does, page by page, leaving nothing mapped.
+func (f *faultyVMM) MapRange(p cudart.Ptr, page uint64, hs []cudart.Handle) error {
+	for i, h := range hs {
+		if err := f.Map(p+cudart.Ptr(uint64(i)*page), page, h); err != nil {
+			if i > 0 {
+				_ = f.Sim.Unmap(p, uint64(i)*page)
+			}
+			return err
+		}
+	}
+	return nil
+}
+
+// pageByPage hides the Sim's MapRange, so that mapPages maps page by page.
+type pageByPage struct{ *faultyVMM }
+
+func (pageByPage) MapRange() {} // not cudart.RangeMapper's method
+
 func (f *faultyVMM) Unmap(p cudart.Ptr, size uint64) error {
 	if countdown(&f.unmapAt) {
 		return errFault
@@ -427,9 +445,23 @@ func (f *faultyVMM) Release(h cudart.Handle) error {
 // TestExpandableDeviceFaults: a failed map or unmap is returned wrapped and
 // undone; a failed release is retried at Close.
 func TestExpandableDeviceFaults(t *testing.T) {
-	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
-	f := &faultyVMM{Sim: sim}
-	a := newExpOn(t, sim, f, "", pageOf20MiB)
+	t.Run("range", func(t *testing.T) {
+		sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
+		f := &faultyVMM{Sim: sim}
+		testExpandableDeviceFaults(t, sim, f, f)
+	})
+	t.Run("page by page", func(t *testing.T) {
+		sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
+		f := &faultyVMM{Sim: sim}
+		testExpandableDeviceFaults(t, sim, f, pageByPage{f})
+	})
+}
+
+func testExpandableDeviceFaults(t *testing.T, sim *cudart.Sim, f *faultyVMM, dev cudart.Device) {
+	if _, ok := dev.(cudart.RangeMapper); ok != (dev == cudart.Device(f)) {
+		t.Fatalf("the device is a RangeMapper: %v", ok)
+	}
+	a := newExpOn(t, sim, dev, "", pageOf20MiB)
 	p := mustMalloc(t, a, 5*miB, 0)
 	f.mapAt = 2 // the second of the two pages 40 MiB more needs
 	expectUnchanged(t, a, errFault, func() error { _, err := a.Malloc(40*miB, 0); return err })
@@ -853,4 +885,17 @@ func TestExpandableReclaimHeadroom(t *testing.T) {
 	for _, x := range []cudart.Ptr{sep1, sep2, big, sep3, p} {
 		mustFree(t, a, x)
 	}
+}
+
+// TestExpandableMapsARangeAtOnce: a growth of many pages maps them with one
+// grant of access (cudart.RangeMapper), as PyTorch does.
+func TestExpandableMapsARangeAtOnce(t *testing.T) {
+	a, sim := newExp(t, giB, "expandable_page_mb:2")
+	before := sim.VMMCounters()
+	p := mustMalloc(t, a, 40*miB, 0)
+	c := sim.VMMCounters()
+	if maps, access := c.Maps-before.Maps, c.AccessCalls-before.AccessCalls; maps != 20 || access != 1 {
+		t.Errorf("a 40 MiB growth in 2 MiB pages made %d mappings and %d access grants, want 20 and 1", maps, access)
+	}
+	mustFree(t, a, p)
 }

@@ -97,6 +97,8 @@ package cudart
 #cgo nocallback allocd_vmm_release
 #cgo nocallback allocd_vmm_map
 #cgo nocallback allocd_vmm_unmap
+#cgo noescape allocd_vmm_map_range
+#cgo nocallback allocd_vmm_map_range
 #include <stdlib.h>
 #include "shim.h"
 */
@@ -398,6 +400,11 @@ func shimVMMRelease(dev int, h Handle) *CUDAError {
 
 func shimVMMMap(dev int, p Ptr, size uint64, h Handle) *CUDAError {
 	return convStatus(C.allocd_vmm_map(C.int(dev), C.ulonglong(p), C.size_t(size), C.ulonglong(h)))
+}
+
+func shimVMMMapRange(dev int, p Ptr, page uint64, hs []Handle) *CUDAError {
+	return convStatus(C.allocd_vmm_map_range(C.int(dev), C.ulonglong(p), C.size_t(page),
+		(*C.ulonglong)(unsafe.Pointer(&hs[0])), C.int(len(hs))))
 }
 
 func shimVMMUnmap(dev int, p Ptr, size uint64) *CUDAError {

@@ -798,6 +798,23 @@ func (c *CUDA) Map(p Ptr, size uint64, h Handle) error {
 	return nil
 }
 
+// MapRange maps hs[i] at p + i*page for every i and then grants this
+// device read/write access to the whole range with one cuMemSetAccess
+// (RangeMapper). page must be a positive multiple of Granularity, else
+// ErrInvalidValue; on error nothing stays mapped.
+func (c *CUDA) MapRange(p Ptr, page uint64, hs []Handle) error {
+	if len(hs) == 0 {
+		return nil
+	}
+	if err := c.vmmSize("map", page); err != nil {
+		return err
+	}
+	if e := shimVMMMapRange(c.state.index, p, page, hs); e != nil {
+		return c.fail(fmt.Sprintf("map %d handles at %#x, %d bytes each", len(hs), uint64(p), page), e)
+	}
+	return nil
+}
+
 // Unmap unmaps size bytes at p (cuMemUnmap). size must be a positive
 // multiple of Granularity, else ErrInvalidValue.
 func (c *CUDA) Unmap(p Ptr, size uint64) error {

@@ -60,3 +60,4 @@ func shimVMMCreate(int, uint64) (Handle, *CUDAError)            { return 0, nocg
 func shimVMMRelease(int, Handle) *CUDAError                     { return nocgo() }
 func shimVMMMap(int, Ptr, uint64, Handle) *CUDAError            { return nocgo() }
 func shimVMMUnmap(int, Ptr, uint64) *CUDAError                  { return nocgo() }
+func shimVMMMapRange(int, Ptr, uint64, []Handle) *CUDAError     { return nocgo() }

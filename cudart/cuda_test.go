@@ -987,6 +987,25 @@ func TestVirtualMemory(t *testing.T) {
 	}{
 		{"Unmap low", func() error { return c.Unmap(r, 2*g) }},
 		{"Unmap high", func() error { return c.Unmap(r+Ptr(2*g), 2*g) }},
+		// The same two handles again, with one call and one access grant.
+		{"MapRange", func() error { return c.MapRange(r, 2*g, []Handle{h1, h2}) }},
+		{"memset over the range", func() error {
+			if err := c.MemsetAsync(r, 0x33, 4*g, DefaultStream); err != nil {
+				return err
+			}
+			if err := c.Synchronize(); err != nil {
+				return err
+			}
+			b := make([]byte, 2)
+			if err := c.MemcpyDtoH(b, r+Ptr(2*g)-1); err != nil {
+				return err
+			}
+			if b[0] != 0x33 || b[1] != 0x33 {
+				return fmt.Errorf("bytes across the pages = % x, want 33 33", b)
+			}
+			return nil
+		}},
+		{"Unmap the range", func() error { return c.Unmap(r, 4*g) }},
 		{"Release h1", func() error { return c.Release(h1) }},
 		{"Release h2", func() error { return c.Release(h2) }},
 		{"ReleaseRange", func() error { return c.ReleaseRange(r, 4*g) }},

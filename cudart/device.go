@@ -129,6 +129,16 @@ type VirtualMemory interface {
 	Unmap(p Ptr, size uint64) error
 }
 
+// RangeMapper is a VirtualMemory that maps several pages side by side in
+// one call: MapRange maps hs[i] at p + i*page (each handle holds page
+// bytes) and grants the device read/write access to the whole range at
+// once, as PyTorch's expandable segments do, instead of once per page. On
+// error nothing stays mapped. Expandable segments use it when the device
+// has it.
+type RangeMapper interface {
+	MapRange(p Ptr, page uint64, hs []Handle) error
+}
+
 // Sentinel errors. Backends wrap them; test with errors.Is.
 var (
 	// ErrOutOfMemory: the device could not satisfy an allocation.

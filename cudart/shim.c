@@ -788,6 +788,41 @@ allocd_status allocd_vmm_map(int dev, unsigned long long ptr, size_t size, unsig
 	return ok_status();
 }
 
+// allocd_vmm_map_range maps handles[i] at ptr + i*page for each i < n and
+// then grants the device read/write access to the whole range in one call,
+// as PyTorch's expandable segments do: one device switch and one access
+// update for n pages instead of n of each. On failure every mapping it
+// made is undone.
+allocd_status allocd_vmm_map_range(int dev, unsigned long long ptr, size_t page, const unsigned long long *handles, int n) {
+	CUdevice d = 0;
+	CUmemAccessDesc access;
+	DRIVER_DEVICE(dev);
+	DRV(drv.DeviceGet(&d, dev), "cuDeviceGet");
+	for (int i = 0; i < n; i++) {
+		CUresult e = drv.MemMap(ptr + (unsigned long long)i * page, page, 0, handles[i], 0);
+		if (e != CUDA_SUCCESS) {
+			allocd_status s = drv_fail(e, "cuMemMap");
+			for (int j = 0; j < i; j++) {
+				(void)drv.MemUnmap(ptr + (unsigned long long)j * page, page);
+			}
+			return s;
+		}
+	}
+	memset(&access, 0, sizeof access);
+	access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	access.location.id = d;
+	access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	CUresult e = drv.MemSetAccess(ptr, (size_t)n * page, &access, 1);
+	if (e != CUDA_SUCCESS) {
+		allocd_status s = drv_fail(e, "cuMemSetAccess");
+		for (int j = 0; j < n; j++) {
+			(void)drv.MemUnmap(ptr + (unsigned long long)j * page, page);
+		}
+		return s;
+	}
+	return ok_status();
+}
+
 allocd_status allocd_vmm_unmap(int dev, unsigned long long ptr, size_t size) {
 	DRIVER_DEVICE(dev);
 	DRV(drv.MemUnmap(ptr, size), "cuMemUnmap");

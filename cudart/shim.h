@@ -97,6 +97,7 @@ allocd_status allocd_vmm_address_free(int dev, unsigned long long ptr, size_t si
 allocd_status allocd_vmm_create(int dev, size_t size, unsigned long long *handle);
 allocd_status allocd_vmm_release(int dev, unsigned long long handle);
 allocd_status allocd_vmm_map(int dev, unsigned long long ptr, size_t size, unsigned long long handle);
+allocd_status allocd_vmm_map_range(int dev, unsigned long long ptr, size_t page, const unsigned long long *handles, int n);
 allocd_status allocd_vmm_unmap(int dev, unsigned long long ptr, size_t size);
 
 // ABI assumptions: the sizes, offsets and enum values shim.c was written

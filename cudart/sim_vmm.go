@@ -36,6 +36,9 @@ type SimVMMCounters struct {
 	Creates, FailedCreates  int64
 	Releases                int64
 	Maps, Unmaps            int64
+	// AccessCalls counts grants of access (cuMemSetAccess): one per Map,
+	// one per MapRange whatever its number of pages.
+	AccessCalls int64
 	// Live values at the time of the call.
 	LiveReservations, LiveHandles, LiveMappings int64
 	// ReservedBytes is the address space reserved; MappedBytes the bytes
@@ -226,6 +229,39 @@ func (s *Sim) Map(p Ptr, size uint64, h Handle) error {
 	if err := s.vmmCheck("map", size); err != nil {
 		return err
 	}
+	if err := s.mapLocked(p, size, h); err != nil {
+		return err
+	}
+	s.vmm.counters.AccessCalls++
+	return nil
+}
+
+// MapRange implements cudart.RangeMapper: it maps hs[i] at p + i*page,
+// checking each as Map does, and grants access once. On error it unmaps
+// what it mapped.
+func (s *Sim) MapRange(p Ptr, page uint64, hs []Handle) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(hs) == 0 {
+		return nil
+	}
+	if err := s.vmmCheck("map", page); err != nil {
+		return err
+	}
+	for i, h := range hs {
+		if err := s.mapLocked(p+Ptr(uint64(i)*page), page, h); err != nil {
+			for j := range i {
+				s.unmapOne(p + Ptr(uint64(j)*page))
+			}
+			return err
+		}
+	}
+	s.vmm.counters.AccessCalls++
+	return nil
+}
+
+// mapLocked is Map's checks and mapping, s.mu held.
+func (s *Sim) mapLocked(p Ptr, size uint64, h Handle) error {
 	v := &s.vmm
 	sh, ok := v.handles[h]
 	switch {
@@ -255,6 +291,19 @@ func (s *Sim) Map(p Ptr, size uint64, h Handle) error {
 	v.mapped += size
 	v.counters.Maps++
 	return nil
+}
+
+// unmapOne removes the mapping that starts at p (s.mu held; it must exist).
+func (s *Sim) unmapOne(p Ptr) {
+	v := &s.vmm
+	m := v.mappings[p]
+	for x := m.addr; uint64(x-m.addr) < m.size; x += Ptr(simGranularity) {
+		delete(v.granules, x)
+	}
+	delete(v.mappings, m.addr)
+	v.handles[m.handle].mapped = 0
+	v.mapped -= m.size
+	v.counters.Maps--
 }
 
 // Unmap implements VirtualMemory: [p, p+size) must cover one or more whole

@@ -105,7 +105,7 @@ func TestSimVMMLifecycle(t *testing.T) {
 		}
 	}
 	c := s.VMMCounters()
-	want := SimVMMCounters{Reserves: 2, ReleaseRanges: 2, Creates: 2, Releases: 2, Maps: 2, Unmaps: 1}
+	want := SimVMMCounters{Reserves: 2, ReleaseRanges: 2, Creates: 2, Releases: 2, Maps: 2, Unmaps: 1, AccessCalls: 2}
 	if c != want {
 		t.Errorf("counters %+v, want %+v", c, want)
 	}
@@ -286,5 +286,52 @@ func TestSimVMMBacked(t *testing.T) {
 	wantErr(t, "memset of unmapped memory", s.MemsetAsync(r, 0, 16, DefaultStream), ErrInvalidValue)
 	if err := s.MemcpyDtoH(got[:4], r+Ptr(2*vmmMiB)); err != nil || string(got[:4]) != "zzfg" {
 		t.Errorf("the second mapping after unmapping the first: %q, %v", got[:4], err)
+	}
+}
+
+// TestSimMapRange: MapRange maps each handle at its page with one access
+// grant, and a bad handle in the middle leaves nothing mapped.
+func TestSimMapRange(t *testing.T) {
+	s := newVMMSim(t, 100*vmmMiB, true)
+	var rm RangeMapper = s
+	const page = 2 * vmmMiB
+	r, err := s.Reserve(8 * page)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var hs []Handle
+	for range 3 {
+		h, err := s.Create(page)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs = append(hs, h)
+	}
+	bad := append(append([]Handle(nil), hs[:2]...), Handle(0xdead))
+	wantErr(t, "MapRange with a handle that is not live", rm.MapRange(r, page, bad), ErrInvalidValue, "not live")
+	if c := s.VMMCounters(); c.LiveMappings != 0 || c.Maps != 0 || c.AccessCalls != 0 || c.MappedBytes != 0 {
+		t.Fatalf("after a failed MapRange: %+v", c)
+	}
+	if err := rm.MapRange(r, page, hs); err != nil {
+		t.Fatal(err)
+	}
+	if c := s.VMMCounters(); c.LiveMappings != 3 || c.Maps != 3 || c.AccessCalls != 1 || c.MappedBytes != 3*page {
+		t.Fatalf("after MapRange of 3 pages: %+v", c)
+	}
+	// The pages are mapped side by side: one copy spans them.
+	data := bytes.Repeat([]byte{7}, int(3*page))
+	if err := s.MemcpyHtoD(r, data); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Unmap(r, 3*page); err != nil {
+		t.Fatal(err)
+	}
+	for _, h := range hs {
+		if err := s.Release(h); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.ReleaseRange(r, 8*page); err != nil {
+		t.Fatal(err)
 	}
 }
