@@ -2,6 +2,7 @@ package bench
 
 import (
 	"fmt"
+	"runtime"
 	"sync"
 	"time"
 
@@ -28,6 +29,7 @@ func Pair(a *allocator.Allocator, size uint64, n int) (time.Duration, error) {
 	if err := pairOnce(a, size); err != nil {
 		return 0, err
 	}
+	runtime.GC()
 	t0 := time.Now()
 	for range n {
 		if err := pairOnce(a, size); err != nil {
@@ -131,6 +133,7 @@ func mixedPasses(a *allocator.Allocator, threads, steps, passes int) (MixedResul
 	window := MixedWindow / threads
 	var elapsed time.Duration
 	for range passes {
+		runtime.GC() // no collection of earlier garbage inside the timed pass
 		errs := make([]error, threads)
 		var wg sync.WaitGroup
 		var start sync.WaitGroup
