@@ -3,6 +3,7 @@ package allocator
 import (
 	"errors"
 	"math"
+	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -238,5 +239,19 @@ func TestExpandablePageKey(t *testing.T) {
 	}
 	if err := (Config{Backend: BackendNative, MaxSplitSize: math.MaxUint64, MaxNonSplitRounding: 20 << 20, ExpandablePageSize: 3 << 20}).Validate(); err == nil {
 		t.Error("Validate accepted a 3 MiB page")
+	}
+}
+
+// TestConfigKeysDocumented: every key ParseConfig accepts has a row in
+// docs/configuration.md.
+func TestConfigKeysDocumented(t *testing.T) {
+	doc, err := os.ReadFile("../docs/configuration.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range ConfigKeys {
+		if !strings.Contains(string(doc), "| `"+k+"` |") {
+			t.Errorf("docs/configuration.md has no row for %q", k)
+		}
 	}
 }
