@@ -234,6 +234,7 @@ type Allocator struct {
 	// unlockWorld shares out the caps again.
 	capsDirty bool
 	favored   *shard // the shard whose change marked the caps dirty
+	res       *reservoir
 	dev       cudart.Device
 	info      cudart.Info
 	cfg       Config
@@ -305,6 +306,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		total: total,
 		exp:   exp,
 	}
+	a.res = new(reservoir)
 	a.dir.Store(&directory{})
 	a.addShard(cudart.DefaultStream).mu.Unlock()
 	a.src = mallocSource{a}
@@ -464,7 +466,7 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
 	if got >= maxSplit {
 		over = 1
 	}
-	if !sh.fits(p.stat, 1, int64(got), int64(size), splitCount, splitBytes, over) {
+	if !a.fitsOrBorrow(sh, p.stat, 1, int64(got), int64(size), splitCount, splitBytes, over) {
 		if !a.escalate(sh) {
 			return 0
 		}
@@ -687,7 +689,7 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 		if left != nil || right != nil {
 			count, bytes = count+1, bytes+int64(b.Size)+merged
 		}
-		if !sh.fits(pl.stat, 0, 0, 0, count, bytes, 0) {
+		if !a.fitsOrBorrow(sh, pl.stat, 0, 0, 0, count, bytes, 0) {
 			if !a.escalate(sh) {
 				return false
 			}
@@ -697,12 +699,14 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 			sh.active.del(ptr)
 			a.release(pl, b)
 			a.park(sh, pl, b, count, bytes)
+			a.repay(sh, pl.stat)
 			return true
 		}
 	}
 	sh.active.del(ptr)
 	a.release(pl, b)
 	a.freeBlock(pl, b)
+	a.repay(sh, pl.stat)
 	return true
 }
 
@@ -1025,6 +1029,7 @@ func (a *Allocator) Close() error {
 		sh.active = newPtrMap(0)
 	}
 	a.segments, a.spareEvents, a.queues = nil, nil, nil
+	a.res = new(reservoir)
 	a.dir.Store(&directory{})
 	a.reserved, a.pending = 0, 0
 	a.closed = true

@@ -122,7 +122,7 @@ func (a *Allocator) takeParked(sh *shard, size, rounded uint64) cudart.Ptr {
 	if rounded >= maxSplit {
 		over = 1
 	}
-	if !sh.fits(p.stat, 1, int64(rounded), int64(size), splitCount, splitBytes, over) {
+	if !a.fitsOrBorrow(sh, p.stat, 1, int64(rounded), int64(size), splitCount, splitBytes, over) {
 		return 0
 	}
 	sh.parked = nil

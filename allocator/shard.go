@@ -31,7 +31,10 @@ package allocator
 // counter, each shard holds, for each hot statistic and pool, a cap:
 // the caps add up to no more than the peak, and a hot path whose increase
 // stays within its cap cannot make a new peak. One that would pass its
-// cap escalates: it takes the allocator's mutex without waiting (world
+// cap first borrows from the reservoir (the slack no shard holds, taken
+// with atomics; a shard whose frees leave it far more cap than it uses
+// gives the excess back). Only when the reservoir is short does it
+// escalate: it takes the allocator's mutex without waiting (world
 // mode when another holds it) and every other shard's lock, waiting for
 // each (escalate says why that cannot deadlock), and with every shard held
 // it makes
@@ -45,6 +48,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
@@ -88,9 +92,123 @@ type shard struct {
 	stats  hotStats
 	// caps bound each hot statistic's Current (per hotStats.arrays order,
 	// then OversizeAllocations) while the hot path runs.
-	caps     [numHot][numPools]int64
-	capOver  int64
+	caps    [numHot][numPools]int64
+	capOver int64
+	// share is what shareCaps last gave each cap above its value; repay
+	// keeps that much.
+	share [numHot][numPools]int64
+	// lend: other shards are in use, so repay gives excess caps back (with
+	// one shard in use, what it gave back it would only borrow again).
+	lend     bool
 	_padding [64]byte // keep shards on their own cache lines
+}
+
+// reservoir is slack that no shard holds as cap: a hot path whose change
+// would pass its caps takes what it needs from here with atomic
+// operations, without the other shards' locks, and one whose caps stand far
+// above its values gives the excess back. Only holders of a shard lock
+// touch it (shareCaps and Check hold them all), so with the caps it keeps
+// the invariant the caps alone kept before: caps plus reservoir add up to
+// no more than the peak.
+type reservoir struct {
+	_    [64]byte // its own cache lines, away from the allocator's fields
+	r    [numHot][numPools]atomic.Int64
+	over atomic.Int64
+	_    [64]byte
+}
+
+// take moves up to n (at least need) from r to the caller, or nothing when
+// r holds less than need; it returns what it moved.
+func take(r *atomic.Int64, need int64) int64 {
+	for {
+		v := r.Load()
+		if v < need {
+			return 0
+		}
+		t := need + (v-need)/4 // a little more, so that the next change need not come back at once
+		if r.CompareAndSwap(v, v-t) {
+			return t
+		}
+	}
+}
+
+// borrow raises sh's caps from the reservoir so that a change of its hot
+// statistics (as fits takes them) stays within them, and reports whether
+// it could; when it cannot, it changes nothing. sh's lock is held.
+func (a *Allocator) borrow(sh *shard, p Pool, count, size, req, splitCount, splitBytes, over int64) bool {
+	st, c, res := &sh.stats, &sh.caps, a.res
+	deltas := [numHot]int64{count, count, splitCount, size, size, splitBytes, req}
+	arrays := st.arrays()
+	type loan struct {
+		k, q int
+		n    int64
+	}
+	var loans [2 * numHot]loan
+	n := 0
+	giveBack := func() {
+		for _, l := range loans[:n] {
+			c[l.k][l.q] -= l.n
+			res.r[l.k][l.q].Add(l.n)
+		}
+	}
+	for k, d := range deltas {
+		if d <= 0 {
+			continue
+		}
+		for _, q := range [2]Pool{PoolAll, p} {
+			need := arrays[k][q].Current + d - c[k][q]
+			if need <= 0 {
+				continue
+			}
+			t := take(&res.r[k][q], need)
+			if t == 0 {
+				giveBack()
+				return false
+			}
+			c[k][q] += t
+			loans[n] = loan{k, int(q), t}
+			n++
+		}
+	}
+	if over > 0 {
+		if need := st.OversizeAllocations.Current + over - sh.capOver; need > 0 {
+			t := take(&res.over, need)
+			if t == 0 {
+				giveBack()
+				return false
+			}
+			sh.capOver += t
+		}
+	}
+	return true
+}
+
+// fitsOrBorrow is fits, borrowing from the reservoir when the caps are
+// short.
+func (a *Allocator) fitsOrBorrow(sh *shard, p Pool, count, size, req, splitCount, splitBytes, over int64) bool {
+	return sh.fits(p, count, size, req, splitCount, splitBytes, over) ||
+		a.borrow(sh, p, count, size, req, splitCount, splitBytes, over)
+}
+
+// repay gives back to the reservoir the part of sh's caps on pool p's
+// statistics (and all pools') that stands more than twice its share above
+// their values, keeping one share: slack that a shard's frees left it
+// would otherwise wait for the next escalation, while other shards
+// escalate for want of it. sh's lock is held.
+func (a *Allocator) repay(sh *shard, p Pool) {
+	if !sh.lend {
+		return
+	}
+	h := sh.stats.arrays()
+	for k := range numHot {
+		for _, q := range [2]Pool{PoolAll, p} {
+			keep := sh.share[k][q]
+			if x := sh.caps[k][q] - h[k][q].Current - keep; x > keep {
+				sh.caps[k][q] -= x
+				a.res.r[k][q].Add(x)
+			}
+		}
+	}
 }
 
 func newShard(s cudart.Stream) *shard {
@@ -435,12 +553,14 @@ func (a *Allocator) settle() {
 	a.capsDirty = true
 }
 
-// shareCaps shares out each statistic's slack (peak − sum) as caps above
-// the shards' current values (world mode, after settle): half of it to
-// the shard whose change made the caps be shared out (it is likely to
-// grow again: a replay, one goroutine's burst), the other half equally
-// to the shards in use (with an active block); an idle shard gets none
-// until it asks.
+// shareCaps shares out each statistic's slack (peak − sum) again (world
+// mode, after settle). With several shards in use (with an active block),
+// half of it goes into the reservoir, from which any shard may borrow, and
+// half becomes caps above the shards' current values: of that half, half
+// to the shard whose change made the caps be shared out (it is likely to
+// grow again: a replay, one goroutine's burst), the other half equally to
+// the shards in use; an idle shard gets none until it borrows or asks.
+// With one shard in use, all of it goes to that shard.
 func (a *Allocator) shareCaps() {
 	a.capsDirty = false
 	favored := a.favored
@@ -456,29 +576,44 @@ func (a *Allocator) shareCaps() {
 	}
 	sums, over := a.hotSums()
 	g := a.stats.hotArrays()
-	var slack [numHot][numPools]int64
+	var slack, given [numHot][numPools]int64
 	for k := range numHot {
 		for p := range numPools {
 			slack[k][p] = g[k][p].Peak - sums[k][p]
 		}
 	}
 	overSlack := a.stats.OversizeAllocations.Peak - over
+	var overGiven int64
 	for _, sh := range a.shards {
 		var part, whole int64 = 0, 1 // this shard's share: part/whole of the slack
 		switch {
+		case n == 1 && sh == favored:
+			part = 1
 		case sh == favored:
-			part, whole = n+1, 2*n
+			part, whole = n+1, 4*n
 		case sh.stats.Active[PoolAll].Current > 0:
-			part, whole = 1, 2*n
+			part, whole = 1, 4*n
 		}
+		sh.lend = n > 1
 		h := sh.stats.arrays()
 		for k := range numHot {
 			for p := range numPools {
-				sh.caps[k][p] = h[k][p].Current + slack[k][p]/whole*part
+				x := slack[k][p] / whole * part
+				sh.caps[k][p] = h[k][p].Current + x
+				sh.share[k][p] = x
+				given[k][p] += x
 			}
 		}
-		sh.capOver = sh.stats.OversizeAllocations.Current + overSlack/whole*part
+		x := overSlack / whole * part
+		sh.capOver = sh.stats.OversizeAllocations.Current + x
+		overGiven += x
 	}
+	for k := range numHot {
+		for p := range numPools {
+			a.res.r[k][p].Store(slack[k][p] - given[k][p])
+		}
+	}
+	a.res.over.Store(overSlack - overGiven)
 }
 
 // folded returns the statistics with every shard's hot counts added in
@@ -583,8 +718,12 @@ func (a *Allocator) checkShards() []error {
 					errs = append(errs, fmt.Errorf("%s.%v of stream %#x: current %d above its cap %d", hotNames[k], Pool(p), uint64(sh.stream), cur, sh.caps[k][p]))
 				}
 			}
-			if caps > g[k][p].Peak-g[k][p].Current {
-				errs = append(errs, fmt.Errorf("%s.%v: caps add up to %d, above the peak %d", hotNames[k], Pool(p), caps, g[k][p].Peak))
+			r := a.res.r[k][p].Load()
+			if r < 0 {
+				errs = append(errs, fmt.Errorf("%s.%v: reservoir %d below zero", hotNames[k], Pool(p), r))
+			}
+			if caps+r > g[k][p].Peak-g[k][p].Current {
+				errs = append(errs, fmt.Errorf("%s.%v: caps add up to %d and the reservoir holds %d, above the peak %d", hotNames[k], Pool(p), caps, r, g[k][p].Peak))
 			}
 		}
 	}
@@ -595,8 +734,8 @@ func (a *Allocator) checkShards() []error {
 			errs = append(errs, fmt.Errorf("oversize_allocations of stream %#x: current %d above its cap %d", uint64(sh.stream), cur, sh.capOver))
 		}
 	}
-	if o := a.stats.OversizeAllocations; capOver > o.Peak-o.Current {
-		errs = append(errs, fmt.Errorf("oversize_allocations: caps add up to %d, above the peak %d", capOver, o.Peak))
+	if o, r := a.stats.OversizeAllocations, a.res.over.Load(); r < 0 || capOver+r > o.Peak-o.Current {
+		errs = append(errs, fmt.Errorf("oversize_allocations: caps add up to %d and the reservoir holds %d, above the peak %d", capOver, r, o.Peak))
 	}
 	return errs
 }

@@ -241,3 +241,45 @@ func TestPeaksExactAcrossShards(t *testing.T) {
 		}
 	}
 }
+
+// TestReservoirSparesEscalations: slack that one stream's frees leave goes
+// back to the reservoir, and another stream grows into it by borrowing,
+// without taking every shard's lock, while the peaks stay exact.
+func TestReservoirSparesEscalations(t *testing.T) {
+	a, sim := newTestAllocator(t, 4*giB, "")
+	s1, _ := sim.StreamCreate()
+	s2, _ := sim.StreamCreate()
+	var ps []cudart.Ptr
+	const size = 1<<20 + 512 // large pool: all of s2's requests fit in one segment
+	for range 20 { // the peaks: 21 blocks, 29 MiB
+		ps = append(ps, mustMalloc(t, a, size, s1))
+	}
+	// Room on s2 for what follows (its own segment), then both streams are in use.
+	warm := mustMalloc(t, a, 9<<20, s2)
+	mustFree(t, a, warm)
+	keep := mustMalloc(t, a, 512, s2)
+	for _, p := range ps {
+		mustFree(t, a, p)
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	before := a.Stats()
+	var qs []cudart.Ptr
+	for range 10 { // past s2's own caps, within what s1 gave back
+		qs = append(qs, mustMalloc(t, a, size, s2))
+	}
+	after := a.Stats()
+	if after.NumEscalations != before.NumEscalations {
+		t.Errorf("%d escalations for growth within the slack s1 left", after.NumEscalations-before.NumEscalations)
+	}
+	if after.AllocatedBytes[PoolAll].Peak != before.AllocatedBytes[PoolAll].Peak {
+		t.Errorf("peak moved from %d to %d below the old peak", before.AllocatedBytes[PoolAll].Peak, after.AllocatedBytes[PoolAll].Peak)
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range append(qs, keep) {
+		mustFree(t, a, q)
+	}
+}
