@@ -251,7 +251,7 @@ func TestReservoirSparesEscalations(t *testing.T) {
 	s2, _ := sim.StreamCreate()
 	var ps []cudart.Ptr
 	const size = 1<<20 + 512 // large pool: all of s2's requests fit in one segment
-	for range 20 { // the peaks: 21 blocks, 29 MiB
+	for range 20 {           // the peaks: 21 blocks, 29 MiB
 		ps = append(ps, mustMalloc(t, a, size, s1))
 	}
 	// Room on s2 for what follows (its own segment), then both streams are in use.
