@@ -8,6 +8,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/allocd/allocd/internal/confgrammar"
 )
 
 // acceptedPage says what expandable_page_mb takes.
@@ -131,85 +133,21 @@ var ConfigKeys = []string{
 // tokens are errors wrapping ErrConfig; nothing is ignored.
 func ParseConfig(s string) (Config, error) {
 	cfg := DefaultConfig()
-	toks, err := tokenize(s)
+	pairs, err := confgrammar.Split(s, ConfigKeys)
 	if err != nil {
-		return cfg, err
+		var se *confgrammar.Error
+		errors.As(err, &se)
+		return cfg, &ConfigError{Key: se.Key, Value: se.Value, Accepted: se.Problem}
 	}
-	seen := map[string]bool{}
-	for i := 0; i < len(toks); {
-		key := toks[i]
-		if isPunct(key) {
-			return DefaultConfig(), &ConfigError{Value: key, Accepted: "expected a key, one of " + strings.Join(ConfigKeys, ", ")}
-		}
-		if i+1 >= len(toks) || toks[i+1] != ":" {
-			return DefaultConfig(), &ConfigError{Key: key, Value: "", Accepted: "expected key:value"}
-		}
-		i += 2
-		if i >= len(toks) || toks[i] == "," {
-			return DefaultConfig(), &ConfigError{Key: key, Value: "", Accepted: "missing value"}
-		}
-		var val []string // one token, or a bracketed list's tokens
-		if toks[i] == "[" {
-			j := i + 1
-			for j < len(toks) && toks[j] != "]" {
-				j++
-			}
-			if j >= len(toks) {
-				return DefaultConfig(), &ConfigError{Key: key, Value: strings.Join(toks[i:], ""), Accepted: "unterminated list: missing ]"}
-			}
-			val = toks[i : j+1]
-			i = j + 1
-		} else {
-			val = toks[i : i+1]
-			i++
-		}
-		if i < len(toks) {
-			if toks[i] != "," {
-				return DefaultConfig(), &ConfigError{Key: key, Value: toks[i], Accepted: "expected , between key:value pairs"}
-			}
-			i++
-			if i == len(toks) {
-				return DefaultConfig(), &ConfigError{Value: s, Accepted: "trailing comma"}
-			}
-		}
-		if seen[key] {
-			return DefaultConfig(), &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "key given twice"}
-		}
-		seen[key] = true
-		if strings.HasPrefix(key, PinnedKeyPrefix) {
+	for _, kv := range pairs {
+		if strings.HasPrefix(kv.Key, PinnedKeyPrefix) {
 			continue // the pinned host allocator's key: package pinned checks it
 		}
-		if err := cfg.set(key, val); err != nil {
+		if err := cfg.set(kv.Key, kv.Val); err != nil {
 			return DefaultConfig(), err
 		}
 	}
 	return cfg, cfg.Validate()
-}
-
-func isPunct(t string) bool { return t == "," || t == ":" || t == "[" || t == "]" }
-
-func tokenize(s string) ([]string, error) {
-	var toks []string
-	var cur strings.Builder
-	flush := func() {
-		if cur.Len() > 0 {
-			toks = append(toks, cur.String())
-			cur.Reset()
-		}
-	}
-	for _, r := range s {
-		switch {
-		case r == ',' || r == ':' || r == '[' || r == ']':
-			flush()
-			toks = append(toks, string(r))
-		case r == ' ' || r == '\t' || r == '\n' || r == '\r':
-			flush()
-		default:
-			cur.WriteRune(r)
-		}
-	}
-	flush()
-	return toks, nil
 }
 
 func parseBool(key, v string) (bool, error) {
@@ -451,7 +389,7 @@ func (c *Config) setRoundup(key string, val []string) error {
 		if items[i] == "," {
 			return &ConfigError{Key: key, Value: whole, Accepted: "empty list entry: expected SIZE_MB:DIVISIONS between commas"}
 		}
-		if i+2 >= len(items) || items[i+1] != ":" || isPunct(items[i+2]) {
+		if i+2 >= len(items) || items[i+1] != ":" || confgrammar.IsPunct(items[i+2]) {
 			return &ConfigError{Key: key, Value: whole, Accepted: "expected list items SIZE_MB:DIVISIONS"}
 		}
 		k, v := items[i], items[i+2]

@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/allocd/allocd/internal/confgrammar"
 )
 
 // EnvConf is the environment variable ConfigFromEnv reads: the device
@@ -74,40 +76,14 @@ func (e *ConfigError) Unwrap() error { return ErrConfig }
 // given twice and stray tokens are errors wrapping ErrConfig.
 func ParseConfig(s string) (Config, error) {
 	cfg := DefaultConfig()
-	toks := tokenize(s)
-	seen := map[string]bool{}
-	for i := 0; i < len(toks); {
-		key := toks[i]
-		if isPunct(key) || i+1 >= len(toks) || toks[i+1] != ":" {
-			return DefaultConfig(), &ConfigError{Value: key, Accepted: "expected key:value"}
-		}
-		i += 2
-		if i >= len(toks) || toks[i] == "," {
-			return DefaultConfig(), &ConfigError{Key: key, Accepted: "missing value"}
-		}
-		var val []string
-		if toks[i] == "[" {
-			j := slices.Index(toks[i:], "]")
-			if j < 0 {
-				return DefaultConfig(), &ConfigError{Key: key, Value: strings.Join(toks[i:], ""), Accepted: "unterminated list: missing ]"}
-			}
-			val = toks[i : i+j+1]
-			i += j + 1
-		} else {
-			val = toks[i : i+1]
-			i++
-		}
-		if i < len(toks) {
-			if toks[i] != "," || i+1 == len(toks) {
-				return DefaultConfig(), &ConfigError{Key: key, Value: toks[i], Accepted: "expected , between key:value pairs and no trailing comma"}
-			}
-			i++
-		}
-		if seen[key] {
-			return DefaultConfig(), &ConfigError{Key: key, Value: strings.Join(val, ""), Accepted: "key given twice"}
-		}
-		seen[key] = true
-		if err := cfg.set(key, val); err != nil {
+	pairs, err := confgrammar.Split(s, configKeys)
+	if err != nil {
+		var se *confgrammar.Error
+		errors.As(err, &se)
+		return cfg, &ConfigError{Key: se.Key, Value: se.Value, Accepted: se.Problem}
+	}
+	for _, kv := range pairs {
+		if err := cfg.set(kv.Key, kv.Val); err != nil {
 			return DefaultConfig(), err
 		}
 	}
@@ -160,30 +136,4 @@ func (c *Config) set(key string, val []string) error {
 		}
 	}
 	return nil
-}
-
-func isPunct(t string) bool { return t == "," || t == ":" || t == "[" || t == "]" }
-
-func tokenize(s string) []string {
-	var toks []string
-	var cur strings.Builder
-	flush := func() {
-		if cur.Len() > 0 {
-			toks = append(toks, cur.String())
-			cur.Reset()
-		}
-	}
-	for _, r := range s {
-		switch r {
-		case ',', ':', '[', ']':
-			flush()
-			toks = append(toks, string(r))
-		case ' ', '\t', '\n', '\r':
-			flush()
-		default:
-			cur.WriteRune(r)
-		}
-	}
-	flush()
-	return toks
 }
