@@ -233,8 +233,8 @@ type Allocator struct {
 	// capsDirty: a hot statistic or a peak changed in world mode, so
 	// unlockWorld shares out the caps again.
 	capsDirty bool
-	favored   *shard // the shard whose change marked the caps dirty
-	res       *reservoir
+	favored   *shard     // the shard whose change marked the caps dirty
+	res       *reservoir // slack no shard holds as cap (shard.go)
 	dev       cudart.Device
 	info      cudart.Info
 	cfg       Config

@@ -117,8 +117,9 @@ type reservoir struct {
 	_    [64]byte
 }
 
-// take moves up to n (at least need) from r to the caller, or nothing when
-// r holds less than need; it returns what it moved.
+// take moves need from r to the caller, and a quarter of what r would
+// hold after that, so that the caller's next change need not come back at
+// once; or nothing when r holds less than need. It returns what it moved.
 func take(r *atomic.Int64, need int64) int64 {
 	for {
 		v := r.Load()
