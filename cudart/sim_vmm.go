@@ -251,7 +251,8 @@ func (s *Sim) MapRange(p Ptr, page uint64, hs []Handle) error {
 	for i, h := range hs {
 		if err := s.mapLocked(p+Ptr(uint64(i)*page), page, h); err != nil {
 			for j := range i {
-				s.unmapOne(p + Ptr(uint64(j)*page))
+				s.removeMapping(p + Ptr(uint64(j)*page))
+				s.vmm.counters.Maps-- // undone: not a mapping made
 			}
 			return err
 		}
@@ -293,8 +294,9 @@ func (s *Sim) mapLocked(p Ptr, size uint64, h Handle) error {
 	return nil
 }
 
-// unmapOne removes the mapping that starts at p (s.mu held; it must exist).
-func (s *Sim) unmapOne(p Ptr) {
+// removeMapping removes the mapping that starts at p and returns its size
+// (s.mu held; the mapping must exist). It counts nothing.
+func (s *Sim) removeMapping(p Ptr) uint64 {
 	v := &s.vmm
 	m := v.mappings[p]
 	for x := m.addr; uint64(x-m.addr) < m.size; x += Ptr(simGranularity) {
@@ -303,7 +305,7 @@ func (s *Sim) unmapOne(p Ptr) {
 	delete(v.mappings, m.addr)
 	v.handles[m.handle].mapped = 0
 	v.mapped -= m.size
-	v.counters.Maps--
+	return m.size
 }
 
 // Unmap implements VirtualMemory: [p, p+size) must cover one or more whole
@@ -326,14 +328,7 @@ func (s *Sim) Unmap(p Ptr, size uint64) error {
 		g += Ptr(m.size)
 	}
 	for g := p; uint64(g-p) < size; {
-		m := v.granules[g]
-		for x := m.addr; uint64(x-m.addr) < m.size; x += Ptr(simGranularity) {
-			delete(v.granules, x)
-		}
-		delete(v.mappings, m.addr)
-		v.handles[m.handle].mapped = 0
-		v.mapped -= m.size
-		g += Ptr(m.size)
+		g += Ptr(s.removeMapping(g))
 	}
 	v.counters.Unmaps++
 	return nil
