@@ -457,29 +457,13 @@ func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 		}
 		hs = append(hs, h)
 	}
-	if rm, ok := vm.(cudart.RangeMapper); ok {
-		// One call maps the pages side by side and grants access to them
-		// all, as PyTorch does; it leaves nothing mapped on error.
-		if err := rm.MapRange(cudart.Ptr(es.addr(begin)), page, hs); err != nil {
-			undo(0)
-			if errors.Is(err, cudart.ErrOutOfMemory) {
-				a.lastDeviceErr = err
-				return false, nil
-			}
-			return false, fmt.Errorf("allocator: mapping %d pages of %d bytes at %#x: %w", len(hs), page, es.addr(begin), err)
+	if k, err := mapHandles(vm, es.addr(begin), page, hs); err != nil {
+		undo(k)
+		if errors.Is(err, cudart.ErrOutOfMemory) {
+			a.lastDeviceErr = err
+			return false, nil
 		}
-	} else {
-		for k, h := range hs {
-			addr := es.addr(begin + uint64(k))
-			if err := vm.Map(cudart.Ptr(addr), page, h); err != nil {
-				undo(k)
-				if errors.Is(err, cudart.ErrOutOfMemory) {
-					a.lastDeviceErr = err
-					return false, nil
-				}
-				return false, fmt.Errorf("allocator: mapping a %d-byte page at %#x: %w", page, addr, err)
-			}
-		}
+		return false, fmt.Errorf("allocator: mapping %d pages of %d bytes at %#x: %w", len(hs), page, es.addr(begin), err)
 	}
 	for uint64(len(es.mapped)) < end {
 		es.mapped = append(es.mapped, false)
@@ -492,6 +476,22 @@ func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 	a.stats.NumPagesMovedAcrossStreams += across
 	a.exp.handles = hs[:0]
 	return true, nil
+}
+
+// mapHandles maps hs[i] at addr + i*page: in one call, which grants
+// access to them all as PyTorch does, when vm is a cudart.RangeMapper,
+// else page by page. On error it returns how many pages stay mapped (the
+// first ones; none after a range mapping, which undoes itself).
+func mapHandles(vm cudart.VirtualMemory, addr, page uint64, hs []cudart.Handle) (int, error) {
+	if rm, ok := vm.(cudart.RangeMapper); ok {
+		return 0, rm.MapRange(cudart.Ptr(addr), page, hs)
+	}
+	for k, h := range hs {
+		if err := vm.Map(cudart.Ptr(addr+uint64(k)*page), page, h); err != nil {
+			return k, err
+		}
+	}
+	return len(hs), nil
 }
 
 // releaseHandle releases a handle whose page is unmapped; one the device
