@@ -71,7 +71,8 @@ func rmmHeader(line []byte) (cols [len(rmmColumns)]int, ok bool) {
 // rmmReader holds the state of one log's conversion.
 type rmmReader struct {
 	cols    [len(rmmColumns)]int
-	ncols   int
+	ncols   int      // fields a line needs: the last known column's index + 1
+	fields  [][]byte // one line's fields, ncols long, reused line to line
 	line    int
 	off     int64
 	entries []Entry
@@ -110,6 +111,7 @@ func decodeRMM(in io.Reader, lim limits) (*Snapshot, error) {
 				for _, c := range r.cols {
 					r.ncols = max(r.ncols, c+1)
 				}
+				r.fields = make([][]byte, r.ncols)
 			} else if perr := r.parseLine(bytes.TrimSpace(body)); perr != nil {
 				return nil, perr
 			}
@@ -163,8 +165,8 @@ func (r *rmmReader) parseLine(line []byte) error {
 	if len(line) == 0 {
 		return nil
 	}
-	var fields [8][]byte
-	n := splitFields(line, fields[:])
+	fields := r.fields
+	n := splitFields(line, fields)
 	if n < r.ncols {
 		return r.errorf(ErrMalformed, "%d fields, want %d", n, r.ncols)
 	}

@@ -57,6 +57,9 @@ func TestRMMVariants(t *testing.T) {
 				{Action: ActionFreeRequested, Addr: 0x10, Size: 5, TimeUS: 1634567890200000},
 				{Action: ActionFreeCompleted, Addr: 0x10, Size: 5, TimeUS: 1634567890200000}}},
 		{"header only", "Thread,Time,Action,Pointer,Size,Stream\n", []Entry{}},
+		{"known columns after eight unknown ones",
+			"A,B,C,D,E,F,G,H,I,Action,Pointer,Size\n1,2,3,4,5,6,7,8,9,allocate,0x10,5\n",
+			[]Entry{{Action: ActionAlloc, Addr: 0x10, Size: 5}}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
