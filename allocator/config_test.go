@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/allocd/allocd/cudart"
 )
 
 // TestParseConfigRejects: every malformed string is a *ConfigError
@@ -254,4 +256,60 @@ func TestConfigKeysDocumented(t *testing.T) {
 			t.Errorf("docs/configuration.md has no row for %q", k)
 		}
 	}
+}
+
+// FuzzParseConfig feeds arbitrary strings to ParseConfig: it never
+// panics; a refusal is a *ConfigError wrapping ErrConfig and returns the
+// defaults; an accepted configuration renders (String) to a string that
+// parses back to it, and an allocator made with it serves a malloc and a
+// free (or, under a small per_process_memory_fraction, refuses the malloc
+// with an *OOMError) and passes Check.
+func FuzzParseConfig(f *testing.F) {
+	for _, s := range []string{
+		"", "expandable_segments:True", "max_split_size_mb:20,garbage_collection_threshold:0.6",
+		"roundup_power2_divisions:[1:2,64:4,>:8]", "roundup_power2_divisions:4",
+		"per_process_memory_fraction:0.5,release_lock_on_cudamalloc:True",
+		"expandable_segments:True,expandable_page_mb:20", "backend:cudaMallocAsync",
+		"pinned_roundup_power2_divisions:4,max_non_split_rounding_mb:64",
+		"max_split_size_mb:", "roundup_power2_divisions:[", ",,", "a:b:c", "max_split_size_mb:1e400",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		cfg, err := ParseConfig(s)
+		if err != nil {
+			var ce *ConfigError
+			if !errors.As(err, &ce) || !errors.Is(err, ErrConfig) {
+				t.Fatalf("ParseConfig(%q): %v is not a *ConfigError wrapping ErrConfig", s, err)
+			}
+			if cfg != DefaultConfig() {
+				t.Fatalf("ParseConfig(%q) refused but returned %+v, not the defaults", s, cfg)
+			}
+			return
+		}
+		back, err := ParseConfig(cfg.String())
+		if err != nil || back != cfg {
+			t.Fatalf("ParseConfig(%q) = %+v renders as %q, which parses to %+v, %v", s, cfg, cfg.String(), back, err)
+		}
+		sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, err := New(sim, cfg)
+		if err != nil {
+			t.Fatalf("New with ParseConfig(%q): %v", s, err)
+		}
+		defer a.Close()
+		p, err := a.Malloc(3<<20, 0)
+		var oom *OOMError
+		if err != nil && !(cfg.PerProcessMemoryFraction > 0 && errors.As(err, &oom)) {
+			t.Fatalf("config %q: malloc: %v", s, err) // only a small fraction may refuse it
+		}
+		if err := a.Free(p); err != nil {
+			t.Fatalf("config %q: free: %v", s, err)
+		}
+		if err := a.Check(); err != nil {
+			t.Fatalf("config %q: %v", s, err)
+		}
+	})
 }

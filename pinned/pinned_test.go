@@ -529,3 +529,38 @@ func TestConcurrentUse(t *testing.T) {
 	}
 	mustCheck(t, a)
 }
+
+// FuzzParseConfig feeds arbitrary strings to ParseConfig: it never
+// panics; a refusal is a *ConfigError wrapping ErrConfig and returns the
+// defaults; an accepted configuration makes an allocator that hands out
+// and takes back a buffer and passes Check.
+func FuzzParseConfig(f *testing.F) {
+	for _, s := range []string{
+		"", "pinned_roundup_power2_divisions:4", "pinned_use_cuda_host_register:False",
+		"pinned_use_background_threads:True", "expandable_segments:True,pinned_roundup_power2_divisions:64",
+		"pinned_roundup_power2_divisions:3", "pinned_x:1", "pinned_roundup_power2_divisions:[1:2]", ":,",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		cfg, err := ParseConfig(s)
+		if err != nil {
+			var ce *ConfigError
+			if !errors.As(err, &ce) || !errors.Is(err, ErrConfig) {
+				t.Fatalf("ParseConfig(%q): %v is not a *ConfigError wrapping ErrConfig", s, err)
+			}
+			if cfg != DefaultConfig() {
+				t.Fatalf("ParseConfig(%q) refused but returned %+v, not the defaults", s, cfg)
+			}
+			return
+		}
+		a := newAlloc(t, newSim(t, false), cfg)
+		buf, err := a.Alloc(5000)
+		if err != nil {
+			t.Fatalf("config %q: alloc: %v", s, err)
+		}
+		if err := a.Free(buf); err != nil {
+			t.Fatalf("config %q: free: %v", s, err)
+		}
+	})
+}
