@@ -47,7 +47,7 @@ package allocator
 //   - A mapping may raise reserved memory above its high-water mark (mark,
 //     the largest reserved figure so far) only while reserved stays within
 //     1/32 of allocMark, the largest allocated figure seen at a mapping.
-//     Past both, the whole pages of other free blocks are unmapped first
+//     Past both, the whole runs (below) of other free blocks are unmapped first
 //     (the smallest block that covers the target, else the largest first),
 //     then the request is mapped. The target is the excess plus a headroom
 //     of 1/128 of the mark, so that the next few mappings of a workload
@@ -65,18 +65,35 @@ package allocator
 //     chosen blocks (syncStreams), not for the whole device.
 //   - With reclaim on, the large pool maps 2 MiB pages (the small pool's)
 //     instead of PyTorch's 20 MiB, so a free hole gives back all of itself
-//     but the partial pages at either end.
+//     but the partial pages at either end (and the runs, below, that
+//     reach past it).
 //
 // WithPyTorchExpandable turns it off, and replays then reproduce PyTorch's
 // expandable_segments:True peaks exactly.
 //
-// Physical memory is one handle per page (Create, then Map); a failed
-// Create releases the handles made for the request and reports out of
-// memory, which takes the usual path: release cached memory, retry once,
-// then an OOMError. EmptyCache (and that release) unmaps every whole page
-// inside a free block, PyTorch's release_blocks/unmap_block: the free
-// block's page-aligned middle becomes unmapped and merges with unmapped
-// neighbours; the partial pages at either end stay mapped as free blocks.
+// # Runs
+//
+// On a GPU each handle costs a cuMemCreate and a cuMemMap of tens of
+// microseconds whatever its size, so one handle per 2 MiB page made
+// growth about ten times as costly as PyTorch's 20 MiB pages. Physical
+// memory therefore comes in runs: one handle backs a run of consecutive
+// pages, created, mapped, unmapped and moved whole. A growth of n pages
+// maps them in runs of ⌈n/4⌉ pages (runsPerGrowth), none longer than 32
+// MiB (maxRunBytes), after reusing the longest runs that reclaim kept and
+// that fit; runs of one length are mapped with one grant of access. So a
+// growth makes at most about four handles, however large, while the runs
+// of a block stay a quarter of its size: when the block is freed and its
+// hole partly reused, the runs that the new block only partly covers are
+// what stays mapped, a bounded share of the hole. Unmapping (reclaim,
+// EmptyCache) takes the whole runs inside a free block. The small pool
+// and PyTorch's mode map one page per handle, as PyTorch does.
+//
+// A failed Create releases the handles made for the request and reports
+// out of memory, which takes the usual path: release cached memory, retry
+// once, then an OOMError. EmptyCache (and that release) unmaps every whole
+// run inside a free block, PyTorch's release_blocks/unmap_block: their
+// span becomes unmapped and merges with unmapped neighbours; the rest of
+// the block at either end stays mapped as free blocks.
 // A range that is wholly unmapped is released. Before the first unmap of a
 // release the device is synchronised: unlike cudaFree, unmapping does not
 // wait for work still using the memory. Close unmaps and releases
@@ -133,8 +150,10 @@ type expandable struct {
 	// unmapped; Close retries them.
 	orphans []cudart.Handle
 	scratch []*blocks.Block
+	cands   []reclaimCand
 	chain   []*blocks.Block
-	handles []cudart.Handle
+	handles []cudart.Handle // mapPages' runs, reused
+	lens    []uint64        // their lengths in pages
 	// reclaim is on unless WithPyTorchExpandable; mark is the largest
 	// reserved figure so far; allocMark the largest allocated figure seen
 	// at a mapping, the request included (neither is reset by
@@ -145,15 +164,28 @@ type expandable struct {
 	// largePage is the large pool's page when reclaim is on
 	// (Config.ExpandablePageSize).
 	largePage uint64
-	// spare holds the handles of pages that reclaim unmapped for the
-	// mapping under way (keep set, pages of keepSize bytes): mapPages maps
-	// them again instead of creating new ones, and allocExpandable
-	// releases what is left before it returns, so spare is empty between
-	// calls.
-	spare    []cudart.Handle
-	spareOf  []uint64 // the stream whose range each spare page left
+	// spare holds the runs that reclaim unmapped for the mapping under
+	// way (keep set, pages of keepSize bytes): mapPages maps them again
+	// instead of creating new ones, and allocExpandable releases what is
+	// left before it returns, so spare is empty between calls.
+	spare    []spareRun
 	keep     bool
 	keepSize uint64
+}
+
+// reclaimCand is a free block that reclaim may unmap and the bytes of its
+// whole runs.
+type reclaimCand struct {
+	b     *blocks.Block
+	bytes uint64
+}
+
+// spareRun is a run's handle that reclaim unmapped, its length in pages
+// and the stream whose range it left.
+type spareRun struct {
+	h      cudart.Handle
+	pages  uint64
+	stream uint64
 }
 
 // WithPyTorchExpandable makes expandable segments grow exactly as
@@ -165,13 +197,40 @@ func WithPyTorchExpandable() Option {
 	return func(o *options) { o.pytorchExpandable = true }
 }
 
-// expSegment is one reserved range and the physical page behind each of
-// its mapped pages.
+// expSegment is one reserved range and the physical memory behind its
+// mapped pages. Physical memory comes in runs: one handle backs a run of
+// consecutive pages, mapped and unmapped whole (see "Runs" above).
 type expSegment struct {
 	seg *blocks.Segment
-	// handles[i] backs page i when mapped[i]; both grow on demand.
-	handles []cudart.Handle
+	// mapped[i] says whether page i is mapped. A run starting at page i
+	// has its length in pages in run[i] and its handle in handles[i];
+	// run and handles are 0 at the run's other pages and at unmapped
+	// ones. The three grow on demand.
 	mapped  []bool
+	run     []uint32
+	handles []cudart.Handle
+}
+
+// runHead returns the first page of the run holding mapped page i.
+func (es *expSegment) runHead(i uint64) uint64 {
+	for es.run[i] == 0 {
+		i--
+	}
+	return i
+}
+
+// wholeRuns narrows the pages [begin, end) of mapped pages to the runs
+// that lie wholly inside it, and returns their bounds (begin >= end when
+// there are none).
+func (es *expSegment) wholeRuns(begin, end uint64) (uint64, uint64) {
+	if begin < end && es.run[begin] == 0 { // inside a run that starts before begin
+		h := es.runHead(begin)
+		begin = h + uint64(es.run[h])
+	}
+	if end > begin && end < uint64(len(es.mapped)) && es.mapped[end] && es.run[end] == 0 {
+		end = es.runHead(end) // that run goes on past end
+	}
+	return begin, end
 }
 
 // newExpandable checks that dev can serve expandable segments: it must
@@ -209,6 +268,30 @@ func (e *expandable) pageSize(p *pool) uint64 {
 	}
 	return largeBuffer
 }
+
+// runPages is the length, in pages, of the new runs that map n pages of
+// seg (see "Runs"): one page in the small pool and without reclaim (PyTorch's
+// pages); in the large pool with reclaim, a quarter of n rounded up, at
+// most maxRunBytes.
+func (e *expandable) runPages(seg *blocks.Segment, n uint64) uint64 {
+	return max(1, min((n+runsPerGrowth-1)/runsPerGrowth, e.maxRunPages(seg)))
+}
+
+// maxRunPages is the longest run of seg, in pages.
+func (e *expandable) maxRunPages(seg *blocks.Segment) uint64 {
+	if seg.Small || !e.reclaim {
+		return 1
+	}
+	return max(1, maxRunBytes/seg.PageSize)
+}
+
+// The run policy's two limits (docs/fragmentation.md has the
+// measurements that chose them): a growth maps its new pages in about
+// runsPerGrowth runs, none longer than maxRunBytes.
+const (
+	runsPerGrowth = 4
+	maxRunBytes   = 32 << 20
+)
 
 // of returns the expSegment of seg.
 func (e *expandable) of(seg *blocks.Segment) *expSegment {
@@ -417,77 +500,113 @@ func (a *Allocator) mapBlock(p *pool, b *blocks.Block, size uint64) (bool, error
 	return true, nil
 }
 
-// mapPages creates a handle per page (or takes one reclaim kept) and maps
-// pages [begin, end) of es: in one call when the device is a
-// cudart.RangeMapper, else page by page.
+// mapPages maps pages [begin, end) of es in runs: first runs that reclaim
+// kept (a.exp.spare) that fit, then new runs of at most runPages pages,
+// each one handle (Create, then Map); runs of one length are mapped in one
+// call when the device is a cudart.RangeMapper, else run by run.
 // On out of memory it releases what it made and returns (false, nil); on
 // another failure it undoes what it did and returns the error.
 func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 	vm, page := a.exp.vm, es.seg.PageSize
-	hs := a.exp.handles[:0]
+	hs, lens := a.exp.handles[:0], a.exp.lens[:0]
 	var moved, across int64
-	undo := func(mapped int) {
+	mapped := 0 // runs mapped so far, in order
+	undo := func() {
+		at := es.addr(begin)
 		for k := range mapped {
-			if err := vm.Unmap(cudart.Ptr(es.addr(begin+uint64(k))), page); err != nil {
-				a.log.Error("undoing a mapping failed", zap.Uint64("addr", es.addr(begin+uint64(k))), zap.Error(err))
+			if err := vm.Unmap(cudart.Ptr(at), lens[k]*page); err != nil {
+				a.log.Error("undoing a mapping failed", zap.Uint64("addr", at), zap.Error(err))
 			}
+			at += lens[k] * page
 		}
 		for _, h := range hs {
 			a.releaseHandle(h)
 		}
 	}
-	for i := begin; i < end; i++ {
-		if n := len(a.exp.spare); n > 0 && page == a.exp.keepSize {
-			hs = append(hs, a.exp.spare[n-1])
-			if a.exp.spareOf[n-1] != es.seg.Stream {
-				across++
-			}
-			a.exp.spare, a.exp.spareOf = a.exp.spare[:n-1], a.exp.spareOf[:n-1]
-			moved++
-			continue
-		}
-		h, err := vm.Create(page)
-		if err != nil {
-			undo(0)
-			if errors.Is(err, cudart.ErrOutOfMemory) {
-				a.lastDeviceErr = err
-				return false, nil
-			}
-			return false, fmt.Errorf("allocator: creating a %d-byte page for expandable segment %#x: %w", page, es.seg.Ptr, err)
-		}
-		hs = append(hs, h)
-	}
-	if k, err := mapHandles(vm, es.addr(begin), page, hs); err != nil {
-		undo(k)
+	fail := func(err error, what string) (bool, error) {
+		undo()
 		if errors.Is(err, cudart.ErrOutOfMemory) {
 			a.lastDeviceErr = err
 			return false, nil
 		}
-		return false, fmt.Errorf("allocator: mapping %d pages of %d bytes at %#x: %w", len(hs), page, es.addr(begin), err)
+		return false, fmt.Errorf("allocator: %s for expandable segment %#x: %w", what, es.seg.Ptr, err)
+	}
+	rem := end - begin
+	for page == a.exp.keepSize && rem > 0 {
+		best := -1 // the longest kept run that fits
+		for i, sp := range a.exp.spare {
+			if sp.pages <= rem && (best < 0 || sp.pages > a.exp.spare[best].pages) {
+				best = i
+			}
+		}
+		if best < 0 {
+			break
+		}
+		sp := a.exp.spare[best]
+		a.exp.spare = slices.Delete(a.exp.spare, best, best+1)
+		hs, lens = append(hs, sp.h), append(lens, sp.pages)
+		rem -= sp.pages
+		moved += int64(sp.pages)
+		if sp.stream != es.seg.Stream {
+			across += int64(sp.pages)
+		}
+	}
+	for maxRun := a.exp.runPages(es.seg, rem); rem > 0; {
+		n := min(rem, maxRun)
+		h, err := vm.Create(n * page)
+		if err != nil {
+			return fail(err, fmt.Sprintf("creating a %d-byte run", n*page))
+		}
+		hs, lens = append(hs, h), append(lens, n)
+		rem -= n
+	}
+	at := es.addr(begin)
+	for k := 0; k < len(hs); {
+		j := k + 1
+		for j < len(hs) && lens[j] == lens[k] {
+			j++
+		}
+		done, err := mapHandles(vm, at, lens[k]*page, hs[k:j])
+		mapped += done
+		if err != nil {
+			return fail(err, fmt.Sprintf("mapping %d runs of %d bytes at %#x", j-k, lens[k]*page, at))
+		}
+		at += uint64(j-k) * lens[k] * page
+		k = j
 	}
 	for uint64(len(es.mapped)) < end {
 		es.mapped = append(es.mapped, false)
+		es.run = append(es.run, 0)
 		es.handles = append(es.handles, 0)
 	}
+	i := begin
 	for k, h := range hs {
-		es.handles[begin+uint64(k)], es.mapped[begin+uint64(k)] = h, true
+		es.handles[i], es.run[i] = h, uint32(lens[k])
+		for range lens[k] {
+			es.mapped[i] = true
+			i++
+		}
 	}
 	a.stats.NumPagesMoved += moved
 	a.stats.NumPagesMovedAcrossStreams += across
-	a.exp.handles = hs[:0]
+	a.exp.handles, a.exp.lens = hs[:0], lens[:0]
 	return true, nil
 }
 
-// mapHandles maps hs[i] at addr + i*page: in one call, which grants
-// access to them all as PyTorch does, when vm is a cudart.RangeMapper,
-// else page by page. On error it returns how many pages stay mapped (the
-// first ones; none after a range mapping, which undoes itself).
-func mapHandles(vm cudart.VirtualMemory, addr, page uint64, hs []cudart.Handle) (int, error) {
+// mapHandles maps hs[i], each a run of size bytes, at addr + i*size: in
+// one call, which grants access to them all as PyTorch does, when vm is a
+// cudart.RangeMapper, else one by one. It returns how many runs stay
+// mapped (the first ones; none after a failed range mapping, which undoes
+// itself).
+func mapHandles(vm cudart.VirtualMemory, addr, size uint64, hs []cudart.Handle) (int, error) {
 	if rm, ok := vm.(cudart.RangeMapper); ok {
-		return 0, rm.MapRange(cudart.Ptr(addr), page, hs)
+		if err := rm.MapRange(cudart.Ptr(addr), size, hs); err != nil {
+			return 0, err
+		}
+		return len(hs), nil
 	}
 	for k, h := range hs {
-		if err := vm.Map(cudart.Ptr(addr+uint64(k)*page), page, h); err != nil {
+		if err := vm.Map(cudart.Ptr(addr+uint64(k)*size), size, h); err != nil {
 			return k, err
 		}
 	}
@@ -503,54 +622,59 @@ func (a *Allocator) releaseHandle(h cudart.Handle) {
 	}
 }
 
-// unmapPages unmaps pages [begin, end) of es and releases their handles.
-// If an unmap fails, the pages already unmapped are mapped again and the
-// error is returned.
+// unmapPages unmaps the runs that make up pages [begin, end) of es
+// (whole runs: see wholeRuns) and releases their handles, or keeps them
+// for the mapping under way. If an unmap fails, the runs already unmapped
+// are mapped again and the error is returned.
 func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
 	vm, page := a.exp.vm, es.seg.PageSize
-	for i := begin; i < end; i++ {
-		if err := vm.Unmap(cudart.Ptr(es.addr(i)), page); err != nil {
-			for j := begin; j < i; j++ {
-				if rerr := vm.Map(cudart.Ptr(es.addr(j)), page, es.handles[j]); rerr != nil {
-					a.log.Error("mapping a page again after a failed unmap failed", zap.Uint64("addr", es.addr(j)), zap.Error(rerr))
+	for i := begin; i < end; i += uint64(es.run[i]) {
+		if err := vm.Unmap(cudart.Ptr(es.addr(i)), uint64(es.run[i])*page); err != nil {
+			for j := begin; j < i; j += uint64(es.run[j]) {
+				if rerr := vm.Map(cudart.Ptr(es.addr(j)), uint64(es.run[j])*page, es.handles[j]); rerr != nil {
+					a.log.Error("mapping a run again after a failed unmap failed", zap.Uint64("addr", es.addr(j)), zap.Error(rerr))
 				}
 			}
-			return fmt.Errorf("allocator: unmapping the %d-byte page at %#x: %w", page, es.addr(i), err)
+			return fmt.Errorf("allocator: unmapping the %d-byte run at %#x: %w", uint64(es.run[i])*page, es.addr(i), err)
 		}
 	}
-	for i := begin; i < end; i++ {
+	for i := begin; i < end; {
+		n := uint64(es.run[i])
 		if a.exp.keep && page == a.exp.keepSize {
-			a.exp.spare = append(a.exp.spare, es.handles[i])
-			a.exp.spareOf = append(a.exp.spareOf, es.seg.Stream)
+			a.exp.spare = append(a.exp.spare, spareRun{h: es.handles[i], pages: n, stream: es.seg.Stream})
 		} else {
 			a.releaseHandle(es.handles[i])
 		}
-		es.handles[i], es.mapped[i] = 0, false
+		es.handles[i], es.run[i] = 0, 0
+		for range n {
+			es.mapped[i] = false
+			i++
+		}
 	}
 	return nil
 }
 
-// dropSpare releases the handles reclaim kept that the mapping did not use.
+// dropSpare releases the runs reclaim kept that the mapping did not use.
 func (a *Allocator) dropSpare() {
-	for _, h := range a.exp.spare {
-		a.releaseHandle(h)
+	for _, sp := range a.exp.spare {
+		a.releaseHandle(sp.h)
 	}
-	a.exp.spare, a.exp.spareOf = a.exp.spare[:0], a.exp.spareOf[:0]
+	a.exp.spare = a.exp.spare[:0]
 }
 
-// unmapBlock is unmap_block: unmap the whole pages inside the free block
-// b. The page-aligned middle becomes an unmapped block, merged with its
-// unmapped neighbours and returned; partial pages at either end stay
-// mapped as free blocks. It returns nil when b covers no whole page.
+// unmapBlock is unmap_block: unmap the whole runs inside the free block
+// b. Their span becomes an unmapped block, merged with its unmapped
+// neighbours and returned; the rest of b at either end (partial pages,
+// and pages of runs that reach beyond b) stays mapped as free blocks. It
+// returns nil when b covers no whole run.
 func (a *Allocator) unmapBlock(b *blocks.Block) (*blocks.Block, error) {
 	seg := b.Segment
 	es := a.exp.of(seg)
-	page := seg.PageSize
-	begin := (b.Ptr - seg.Ptr + page - 1) / page
-	end := (b.Ptr - seg.Ptr + b.Size) / page
+	begin, end := es.runsInside(b)
 	if begin >= end {
 		return nil, nil
 	}
+	page := seg.PageSize
 	if err := a.unmapPages(es, begin, end); err != nil {
 		return nil, err
 	}
@@ -577,15 +701,25 @@ func (a *Allocator) unmapBlock(b *blocks.Block) (*blocks.Block, error) {
 	return b, nil
 }
 
-// wholePages returns the bytes of the whole pages inside the block.
-func wholePages(b *blocks.Block) uint64 {
-	seg := b.Segment
-	off := b.Ptr - seg.Ptr
-	begin, end := (off+seg.PageSize-1)/seg.PageSize, (off+b.Size)/seg.PageSize
+// runsInside returns the pages [begin, end) of the whole runs inside the
+// mapped block b (begin >= end when there are none).
+func (es *expSegment) runsInside(b *blocks.Block) (uint64, uint64) {
+	page, off := es.seg.PageSize, b.Ptr-es.seg.Ptr
+	begin, end := (off+page-1)/page, (off+b.Size)/page
+	if begin >= end {
+		return begin, end
+	}
+	return es.wholeRuns(begin, end)
+}
+
+// unmappable returns the bytes that unmapBlock would unmap from the mapped
+// block b: its whole runs.
+func (a *Allocator) unmappable(b *blocks.Block) uint64 {
+	begin, end := a.exp.of(b.Segment).runsInside(b)
 	if begin >= end {
 		return 0
 	}
-	return (end - begin) * seg.PageSize
+	return (end - begin) * b.Segment.PageSize
 }
 
 // growthExcess is how far serving size bytes from the candidate c would
@@ -635,43 +769,47 @@ const (
 	reclaimHeadroomDiv = 128
 )
 
-// reclaimPages unmaps the whole pages of free blocks outside a.exp.chain
+// reclaimPages unmaps the whole runs of free blocks outside a.exp.chain
 // so that at least want bytes, and if the free blocks allow reclaimHeadroom
 // more, are unmapped: the smallest block whose pages cover that target,
 // else the largest blocks first. Before the first unmap it waits for the
 // streams that own the chosen blocks' segments (see syncStreams).
 func (a *Allocator) reclaimPages(want uint64) error {
-	list := a.exp.scratch[:0]
+	cands := a.exp.cands[:0]
 	for _, small := range [2]bool{false, true} {
 		for _, p := range a.pools(small) {
 			p.free.Ascend(func(b *blocks.Block) bool {
-				if b.Segment.Expandable && wholePages(b) > 0 && !slices.Contains(a.exp.chain, b) {
-					list = append(list, b)
+				if b.Segment.Expandable && !slices.Contains(a.exp.chain, b) {
+					if n := a.unmappable(b); n > 0 {
+						cands = append(cands, reclaimCand{b, n})
+					}
 				}
 				return true
 			})
 		}
 	}
-	a.exp.scratch = list[:0]
-	if len(list) == 0 {
+	a.exp.cands = cands[:0]
+	if len(cands) == 0 {
 		return nil
 	}
 	target := want + a.reclaimHeadroom()
-	sort.SliceStable(list, func(i, j int) bool { return wholePages(list[i]) > wholePages(list[j]) })
-	for i := len(list) - 1; i >= 0; i-- {
-		if wholePages(list[i]) >= target {
-			list = list[i : i+1] // the smallest that covers the target
+	sort.SliceStable(cands, func(i, j int) bool { return cands[i].bytes > cands[j].bytes })
+	for i := len(cands) - 1; i >= 0; i-- {
+		if cands[i].bytes >= target {
+			cands = cands[i : i+1] // the smallest that covers the target
 			break
 		}
 	}
 	var got uint64
-	for i, b := range list {
+	list := a.exp.scratch[:0]
+	for _, c := range cands {
 		if got >= target {
-			list = list[:i]
 			break
 		}
-		got += wholePages(b)
+		list = append(list, c.b)
+		got += c.bytes
 	}
+	a.exp.scratch = list[:0]
 	if err := a.syncStreams(list); err != nil {
 		return err
 	}
@@ -721,7 +859,7 @@ func (a *Allocator) syncStreams(list []*blocks.Block) error {
 }
 
 // releaseExpandable is release_blocks for expandable segments: in each
-// pool (large, then small) unmap the whole pages of every free block, in
+// pool (large, then small) unmap the whole runs of every free block, in
 // the free index's order, and release ranges left wholly unmapped.
 func (a *Allocator) releaseExpandable() error {
 	synced := false
@@ -737,7 +875,7 @@ func (a *Allocator) releaseExpandable() error {
 		}
 		a.exp.scratch = list[:0]
 		for _, b := range list {
-			if wholePages(b) == 0 {
+			if a.unmappable(b) == 0 {
 				continue
 			}
 			if !synced {
@@ -798,20 +936,22 @@ func (a *Allocator) closeExpandable() []error {
 	}
 	for _, es := range a.exp.segs {
 		page := es.seg.PageSize
-		for i := 0; i < len(es.mapped); {
+		for i := uint64(0); i < uint64(len(es.mapped)); {
 			if !es.mapped[i] {
 				i++
 				continue
 			}
-			for ; i < len(es.mapped) && es.mapped[i]; i++ {
-				if err := vm.Unmap(cudart.Ptr(es.addr(uint64(i))), page); err != nil {
-					errs = append(errs, fmt.Errorf("allocator: unmapping the page at %#x: %w", es.addr(uint64(i)), err))
-					continue
+			for i < uint64(len(es.mapped)) && es.mapped[i] {
+				n := uint64(es.run[i])
+				if err := vm.Unmap(cudart.Ptr(es.addr(i)), n*page); err != nil {
+					errs = append(errs, fmt.Errorf("allocator: unmapping the %d-byte run at %#x: %w", n*page, es.addr(i), err))
+				} else if err := vm.Release(es.handles[i]); err != nil {
+					errs = append(errs, fmt.Errorf("allocator: releasing the run at %#x: %w", es.addr(i), err))
 				}
-				if err := vm.Release(es.handles[i]); err != nil {
-					errs = append(errs, fmt.Errorf("allocator: releasing the page at %#x: %w", es.addr(uint64(i)), err))
+				for range n {
+					es.mapped[i] = false
+					i++
 				}
-				es.mapped[i] = false
 			}
 			a.stats.NumDeviceFree++
 		}
@@ -846,6 +986,38 @@ func (a *Allocator) appendExpandableInfo(out []trace.Segment, s *blocks.Segment)
 		a.addBlock(si, b)
 	}
 	return out
+}
+
+// checkRuns checks that the mapped pages are tiled by runs of 1 to
+// maxRun pages, each with a handle, and that nothing else carries a run
+// length or a handle.
+func (es *expSegment) checkRuns(maxRun uint64) []error {
+	var errs []error
+	if len(es.run) != len(es.mapped) || len(es.handles) != len(es.mapped) {
+		return []error{fmt.Errorf("expandable segment %#x: %d pages, %d run lengths, %d handles", es.seg.Ptr, len(es.mapped), len(es.run), len(es.handles))}
+	}
+	for i := uint64(0); i < uint64(len(es.mapped)); {
+		n := uint64(es.run[i])
+		switch {
+		case !es.mapped[i]:
+			if n != 0 || es.handles[i] != 0 {
+				errs = append(errs, fmt.Errorf("expandable segment %#x: unmapped page %d has a run of %d pages, handle %#x", es.seg.Ptr, i, n, uint64(es.handles[i])))
+			}
+			i++
+			continue
+		case n == 0 || n > maxRun:
+			return append(errs, fmt.Errorf("expandable segment %#x: mapped page %d starts a run of %d pages (want 1 to %d after the previous run)", es.seg.Ptr, i, n, maxRun))
+		case es.handles[i] == 0:
+			errs = append(errs, fmt.Errorf("expandable segment %#x: the run at page %d has no handle", es.seg.Ptr, i))
+		}
+		for j := i + 1; j < i+n; j++ {
+			if j >= uint64(len(es.mapped)) || !es.mapped[j] || es.run[j] != 0 || es.handles[j] != 0 {
+				return append(errs, fmt.Errorf("expandable segment %#x: the %d-page run at page %d is broken at page %d", es.seg.Ptr, n, i, j))
+			}
+		}
+		i += n
+	}
+	return errs
 }
 
 // checkExpandable compares the expandable segments' pages with their
@@ -889,6 +1061,7 @@ func (a *Allocator) checkExpandable() []error {
 				pages++
 			}
 		}
+		errs = append(errs, es.checkRuns(a.exp.maxRunPages(s))...)
 		if pages*s.PageSize != s.Mapped {
 			errs = append(errs, fmt.Errorf("expandable segment %#x: %d pages mapped, %d bytes in mapped blocks", s.Ptr, pages, s.Mapped))
 		}

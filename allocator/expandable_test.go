@@ -716,18 +716,25 @@ func FuzzOpsExpandable(f *testing.F) {
 	})
 }
 
-// TestExpandableCheckFindsCorruption: Check compares pages, blocks and
-// statistics of expandable segments.
+// TestExpandableCheckFindsCorruption: Check compares pages, runs, blocks
+// and statistics of expandable segments.
 func TestExpandableCheckFindsCorruption(t *testing.T) {
 	a, _ := newExp(t, giB, "")
-	p := mustMalloc(t, a, 30*miB, 0)
+	p := mustMalloc(t, a, 30*miB, 0) // 15 pages: runs of 4, 4, 4 and 3 pages
 	es := a.exp.segs[0]
+	if es.run[0] != 4 || es.run[4] != 4 || es.run[12] != 3 {
+		t.Fatalf("runs %v, want 4 pages at 0, 4 and 8, 3 at 12", es.run)
+	}
 	for _, tc := range []struct {
 		name    string
 		corrupt func()
 		want    string
 	}{
 		{"page unmapped under a mapped block", func() { es.mapped[1] = false }, "page 1"},
+		{"run cut short", func() { es.run[0] = 3 }, "page 3 starts a run of 0 pages"},
+		{"run over its neighbour", func() { es.run[0] = 5 }, "broken at page 4"},
+		{"run past the limit", func() { es.run[0], es.run[4], es.run[8], es.run[12] = 40, 0, 0, 0 }, "run of 40 pages"},
+		{"run without a handle", func() { es.handles[4] = 0 }, "page 4 has no handle"},
 		{"segment list", func() { a.exp.segs = nil }, "0 registered"},
 		{"mapped bytes", func() { es.seg.Mapped += 20 * miB }, "mapped"},
 		{"reserved", func() { a.reserved += 20 * miB }, "reserved"},
@@ -735,9 +742,11 @@ func TestExpandableCheckFindsCorruption(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			saved, savedSegs, savedMapped, savedRes, savedStats := append([]bool(nil), es.mapped...), a.exp.segs, es.seg.Mapped, a.reserved, a.stats
+			savedRun, savedHandles := append([]uint32(nil), es.run...), append([]cudart.Handle(nil), es.handles...)
 			tc.corrupt()
 			err := a.Check()
 			es.mapped, a.exp.segs, es.seg.Mapped, a.reserved, a.stats = saved, savedSegs, savedMapped, savedRes, savedStats
+			es.run, es.handles = savedRun, savedHandles
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("Check = %v, want a report containing %q", err, tc.want)
 			}
@@ -791,8 +800,8 @@ func TestExpandableCrossStreamPages(t *testing.T) {
 	creates := sim.VMMCounters().Creates
 	z := mustMalloc(t, a, 40*miB, s2) // retires x's event, then takes its pages
 	expect(t, a, sim, 80*miB, 3, 1)
-	if c := sim.VMMCounters(); c.Creates != creates || c.LiveHandles != 40 {
-		t.Errorf("%d pages created, %d live, for pages moved between streams; want 0 created, 40 live", c.Creates-creates, c.LiveHandles)
+	if c := sim.VMMCounters(); c.Creates != creates || c.HandleBytes != 80*miB {
+		t.Errorf("%d runs created, %d bytes of them live, for pages moved between streams; want 0 created, %d bytes live", c.Creates-creates, c.HandleBytes, 80*miB)
 	}
 	if n := a.Stats().NumPagesMoved; n != 20 {
 		t.Errorf("%d pages moved, want 20", n)
@@ -837,8 +846,10 @@ func TestExpandableReclaimSlack(t *testing.T) {
 	before := sim.Counters()
 	// 378 MiB would pass both the mark (338) and the slack (340): the
 	// only free block, y's 320 MiB merged with the 8 MiB after it, covers
-	// the 38 MiB excess and the 2 MiB headroom (1/128 of the mark); 20 of
-	// its pages move to s1, the rest are released.
+	// the 38 MiB excess and the 2 MiB headroom (1/128 of the mark). Its
+	// runs are unmapped and the 20 pages s1 needs are taken from them,
+	// longest first: one of y's ten 16-page runs and the four one-page runs
+	// of the 8 MiB block move to s1; the rest are released.
 	q := mustMalloc(t, a, 40*miB, s1)
 	expect(t, a, sim, 50*miB, 4, 1)
 	after := sim.Counters()
@@ -887,15 +898,35 @@ func TestExpandableReclaimHeadroom(t *testing.T) {
 	}
 }
 
-// TestExpandableMapsARangeAtOnce: a growth of many pages maps them with one
-// grant of access (cudart.RangeMapper), as PyTorch does.
+// TestExpandableMapsARangeAtOnce: a growth of many pages maps them in about
+// four runs, one handle each and at most 32 MiB, with one grant of access
+// (cudart.RangeMapper) for the runs of one length, as PyTorch grants it for
+// a growth.
 func TestExpandableMapsARangeAtOnce(t *testing.T) {
 	a, sim := newExp(t, giB, "expandable_page_mb:2")
-	before := sim.VMMCounters()
-	p := mustMalloc(t, a, 40*miB, 0)
-	c := sim.VMMCounters()
-	if maps, access := c.Maps-before.Maps, c.AccessCalls-before.AccessCalls; maps != 20 || access != 1 {
-		t.Errorf("a 40 MiB growth in 2 MiB pages made %d mappings and %d access grants, want 20 and 1", maps, access)
+	for _, tc := range []struct {
+		size                  uint64
+		creates, maps, access int64
+	}{
+		{40 * miB, 4, 4, 1},    // four runs of five pages
+		{46 * miB, 4, 4, 2},    // three of six, one of five
+		{2 * miB, 1, 1, 1},     // one page
+		{6 * miB, 3, 3, 1},     // three runs of one page
+		{400 * miB, 13, 13, 2}, // twelve of 16 pages (the 32 MiB limit), one of eight
+	} {
+		before := sim.VMMCounters()
+		p := mustMalloc(t, a, tc.size, 0)
+		c := sim.VMMCounters()
+		if cr, maps, access := c.Creates-before.Creates, c.Maps-before.Maps, c.AccessCalls-before.AccessCalls; cr != tc.creates || maps != tc.maps || access != tc.access {
+			t.Errorf("a %d MiB growth in 2 MiB pages made %d handles, %d mappings and %d access grants, want %d, %d and %d",
+				tc.size/miB, cr, maps, access, tc.creates, tc.maps, tc.access)
+		}
+		if err := a.EmptyCache(); err != nil { // the next growth starts afresh
+			t.Fatal(err)
+		}
+		mustFree(t, a, p)
+		if err := a.EmptyCache(); err != nil {
+			t.Fatal(err)
+		}
 	}
-	mustFree(t, a, p)
 }

@@ -3,6 +3,7 @@ package bench
 import (
 	"errors"
 	"math"
+	"path/filepath"
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
@@ -23,6 +24,14 @@ var pytorchExpandable = map[string]float64{
 // replayExpandable replays a trace with expandable_segments:True on a fresh
 // 141 GiB Sim with manual events and checks the allocator's invariants.
 func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) ReplayResult {
+	t.Helper()
+	r, _ := replayExpandableVMM(t, ops, opts...)
+	return r
+}
+
+// replayExpandableVMM is replayExpandable that also returns the virtual
+// memory calls the Sim served before Close.
+func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option) (ReplayResult, cudart.SimVMMCounters) {
 	t.Helper()
 	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: true})
 	if err != nil {
@@ -46,6 +55,7 @@ func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) Re
 	if r.FailedAllocs != 0 {
 		t.Errorf("%d allocations failed", r.FailedAllocs)
 	}
+	vmm := sim.VMMCounters()
 	// The traces end with a few allocations never freed (the model).
 	if err := a.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {
 		t.Errorf("Close: %v", err)
@@ -56,7 +66,7 @@ func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) Re
 	if c := sim.VMMCounters(); c.LiveReservations != 0 || c.LiveHandles != 0 || c.LiveMappings != 0 {
 		t.Errorf("after Close the device holds %d reservations, %d handles, %d mappings", c.LiveReservations, c.LiveHandles, c.LiveMappings)
 	}
-	return r
+	return r, vmm
 }
 
 func mib(n int64) float64 { return math.Round(float64(n) / (1 << 20)) }
@@ -89,6 +99,37 @@ func TestReplayExpandable(t *testing.T) {
 			}
 			if got := mib(exact.PeakReserved); got != exp {
 				t.Errorf("with WithPyTorchExpandable, peak reserved %.0f MiB; PyTorch's expandable segments reserve %.0f", got, exp)
+			}
+		})
+	}
+}
+
+// TestExpandableGoal replays the shared traces and the project's own
+// (testdata/traces) with expandable_segments:True: peak reserved memory
+// stays within 5% of peak allocated on every one, and at or below what
+// PyTorch's expandable segments reserve (WithPyTorchExpandable, which
+// reproduces them). It logs the handles created and mapped, which on a GPU
+// are the cost of growth (a cuMemCreate and a cuMemMap each), beside
+// PyTorch's.
+func TestExpandableGoal(t *testing.T) {
+	own, _ := filepath.Glob("../testdata/traces/*.pickle.gz")
+	for _, path := range append(sharedTraceFiles(t), own...) {
+		name := traceName(path)
+		t.Run(name, func(t *testing.T) {
+			if testing.Short() {
+				t.Skip("ten replays")
+			}
+			ops, _ := loadOps(t, path)
+			ours, vmm := replayExpandableVMM(t, ops)
+			pt, ptVMM := replayExpandableVMM(t, ops, allocator.WithPyTorchExpandable())
+			ratio := float64(ours.PeakReserved) / float64(ours.PeakAllocated)
+			t.Logf("%-20s reserved/allocated %.3f (PyTorch %.3f); handles created %d, mapped %d, unmapped %d (PyTorch %d, %d, %d)",
+				name, ratio, float64(pt.PeakReserved)/float64(pt.PeakAllocated), vmm.Creates, vmm.Maps, vmm.Unmaps, ptVMM.Creates, ptVMM.Maps, ptVMM.Unmaps)
+			if ratio > 1.05 {
+				t.Errorf("peak reserved %d bytes is %.3f times peak allocated, above 1.05", ours.PeakReserved, ratio)
+			}
+			if ours.PeakReserved > pt.PeakReserved {
+				t.Errorf("peak reserved %d bytes, PyTorch's expandable segments %d", ours.PeakReserved, pt.PeakReserved)
 			}
 		})
 	}
