@@ -81,8 +81,8 @@ package allocator
 // maps them in runs of ⌈n/4⌉ pages (runsPerGrowth), none longer than 32
 // MiB (maxRunBytes), after reusing the longest runs that reclaim kept and
 // that fit; runs of one length are mapped with one grant of access. So a
-// growth makes at most about four handles, however large, while the runs
-// of a block stay a quarter of its size: when the block is freed and its
+// growth of up to 128 MiB makes at most four handles (a larger one, one
+// per 32 MiB), while the runs of a block stay at most a quarter of it: when the block is freed and its
 // hole partly reused, the runs that the new block only partly covers are
 // what stays mapped, a bounded share of the hole. Unmapping (reclaim,
 // EmptyCache) takes the whole runs inside a free block. The small pool
