@@ -82,9 +82,10 @@ package allocator
 // MiB (maxRunBytes), after reusing the longest runs that reclaim kept and
 // that fit; runs of one length are mapped with one grant of access. So a
 // growth of up to 128 MiB makes at most four handles (a larger one, one
-// per 32 MiB), while the runs of a block stay at most a quarter of it: when the block is freed and its
-// hole partly reused, the runs that the new block only partly covers are
-// what stays mapped, a bounded share of the hole. Unmapping (reclaim,
+// per 32 MiB), while the runs of a block stay at most a quarter of it:
+// when the block is freed and its hole partly reused, the runs that the
+// new block only partly covers are what stays mapped, a bounded share of
+// the hole. Unmapping (reclaim,
 // EmptyCache) takes the whole runs inside a free block. The small pool
 // and PyTorch's mode map one page per handle, as PyTorch does.
 //
