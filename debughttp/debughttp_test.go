@@ -548,3 +548,39 @@ func TestLockShare(t *testing.T) {
 		t.Errorf("snapshot 8.95 s later = %d, want 200", resp.StatusCode)
 	}
 }
+
+// FuzzRequest sends arbitrary paths and queries, by any method, straight
+// to the handler (no network): it never panics, answers with a status the
+// pages document (200, 400, 404, 405, 503) and, for a 200 JSON page,
+// writes valid JSON.
+func FuzzRequest(f *testing.F) {
+	for _, s := range []string{
+		"/debug/snapshot?gpu=1&format=pickle&entries=3", "/debug/stats", "/debug/summary?gpu=all",
+		"/debug/stats?gpu=0,1", "/debug/snapshot?entries=-1", "/debug/summary?%zz", "/debug/", "/metrics",
+		"/debug/snapshot?format=json&format=pickle", "/debug/stats?gpu=99999999999999999999",
+	} {
+		f.Add("GET", s)
+	}
+	f.Add("HEAD", "/debug/snapshot")
+	f.Add("POST", "/debug/stats")
+	h := must(f)(ForDevices(newDevices(f, 2, 100), Options{}))
+	f.Fuzz(func(t *testing.T, method, target string) {
+		if !strings.HasPrefix(target, "/") {
+			target = "/" + target
+		}
+		req, err := http.NewRequest(method, "http://127.0.0.1"+target, nil)
+		if err != nil {
+			return // not a request a client could send
+		}
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		switch rec.Code {
+		case 200, 400, 404, 405, 503:
+		default:
+			t.Fatalf("%s %s = %d %q", method, target, rec.Code, rec.Body.String())
+		}
+		if rec.Code == 200 && method == http.MethodGet && strings.HasPrefix(rec.Header().Get("Content-Type"), "application/json") && !json.Valid(rec.Body.Bytes()) {
+			t.Fatalf("%s %s wrote invalid JSON: %.200q", method, target, rec.Body.String())
+		}
+	})
+}
