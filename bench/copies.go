@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/internal/bytecount"
 	"github.com/allocd/allocd/pinned"
 )
 
@@ -310,7 +311,7 @@ func (r CopyReport) WriteText(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "size\tpageable H2D\tpinned H2D\tpageable D2H\tpinned D2H\t")
 	for _, c := range r.Copies {
-		fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%.2f\t%.2f\t\n", sizeLabel(c.Bytes), c.PageableH2D, c.PinnedH2D, c.PageableD2H, c.PinnedD2H)
+		fmt.Fprintf(tw, "%s\t%.2f\t%.2f\t%.2f\t%.2f\t\n", bytecount.Exact(int64(c.Bytes)), c.PageableH2D, c.PinnedH2D, c.PageableD2H, c.PinnedD2H)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -319,19 +320,7 @@ func (r CopyReport) WriteText(w io.Writer) error {
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "size\tcached Alloc+Free\tcudaHostAlloc+cudaFreeHost\tspeedup\t")
 	for _, a := range r.Alloc {
-		fmt.Fprintf(tw, "%s\t%.0f\t%.0f\t%.0f×\t\n", sizeLabel(a.Bytes), a.CachedNs, a.HostAllocFreeNs, a.Speedup)
+		fmt.Fprintf(tw, "%s\t%.0f\t%.0f\t%.0f×\t\n", bytecount.Exact(int64(a.Bytes)), a.CachedNs, a.HostAllocFreeNs, a.Speedup)
 	}
 	return tw.Flush()
-}
-
-func sizeLabel(n int) string {
-	switch {
-	case n >= 1<<30 && n%(1<<30) == 0:
-		return fmt.Sprintf("%d GiB", n>>30)
-	case n >= 1<<20 && n%(1<<20) == 0:
-		return fmt.Sprintf("%d MiB", n>>20)
-	case n >= 1<<10 && n%(1<<10) == 0:
-		return fmt.Sprintf("%d KiB", n>>10)
-	}
-	return fmt.Sprintf("%d B", n)
 }

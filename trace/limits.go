@@ -3,6 +3,8 @@ package trace
 import (
 	"errors"
 	"fmt"
+
+	"github.com/allocd/allocd/internal/bytecount"
 )
 
 // ReadOptions select what Read decodes beyond the essentials, and the limits
@@ -140,7 +142,7 @@ type sizeLimit struct {
 type errTooLarge struct{ max int64 }
 
 func (e errTooLarge) Error() string {
-	return fmt.Sprintf("the input is larger than ReadOptions.MaxBytes (%s)", bytesString(e.max))
+	return fmt.Sprintf("the input is larger than ReadOptions.MaxBytes (%s)", bytecount.Exact(e.max))
 }
 
 func (l *sizeLimit) Read(p []byte) (int, error) {
@@ -160,17 +162,4 @@ func (l *sizeLimit) Read(p []byte) (int, error) {
 	n, err := l.r.Read(p)
 	l.n -= int64(n)
 	return n, err
-}
-
-// bytesString formats a limit in the largest binary unit that divides it.
-func bytesString(n int64) string {
-	switch {
-	case n >= 1<<30 && n%(1<<30) == 0:
-		return fmt.Sprintf("%d GiB", n>>30)
-	case n >= 1<<20 && n%(1<<20) == 0:
-		return fmt.Sprintf("%d MiB", n>>20)
-	case n >= 1<<10 && n%(1<<10) == 0:
-		return fmt.Sprintf("%d KiB", n>>10)
-	}
-	return fmt.Sprintf("%d bytes", n)
 }

@@ -8,6 +8,8 @@ import (
 	"slices"
 	"strconv"
 	"unsafe"
+
+	"github.com/allocd/allocd/internal/bytecount"
 )
 
 // RAPIDS RMM's logging_resource_adaptor writes a CSV log,
@@ -97,7 +99,7 @@ func decodeRMM(in io.Reader, lim limits) (*Snapshot, error) {
 		line, err := br.ReadSlice('\n')
 		if err == bufio.ErrBufferFull {
 			r.line++
-			return nil, r.errorf(ErrTooLarge, "line longer than MaxRMMLine (%s)", bytesString(MaxRMMLine))
+			return nil, r.errorf(ErrTooLarge, "line longer than MaxRMMLine (%s)", bytecount.Exact(MaxRMMLine))
 		}
 		if err != nil && err != io.EOF {
 			return nil, err
@@ -199,7 +201,7 @@ func (r *rmmReader) parseLine(line []byte) error {
 
 func (r *rmmReader) add(e Entry, action []byte) error {
 	if int64(len(r.entries)+2)*rmmEntryCost > r.lim.maxMemory {
-		return r.errorf(ErrTooLarge, "the log needs more memory than ReadOptions.MaxMemory (%s)", bytesString(r.lim.maxMemory))
+		return r.errorf(ErrTooLarge, "the log needs more memory than ReadOptions.MaxMemory (%s)", bytecount.Exact(r.lim.maxMemory))
 	}
 	switch string(action) {
 	case "allocate":

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"math"
+
+	"github.com/allocd/allocd/internal/bytecount"
 )
 
 // decoder is the pickle stack machine. See the package documentation.
@@ -296,7 +298,7 @@ func (d *decoder) limitError() error {
 	if len(d.stack)+len(d.marks) > MaxStack {
 		return d.errAt(ErrTooLarge, "more than MaxStack (%d) values and MARKs on the pickle stack", MaxStack)
 	}
-	return d.errAt(ErrTooLarge, "the snapshot needs more memory than ReadOptions.MaxMemory (%s)", bytesString(d.lim.maxMemory))
+	return d.errAt(ErrTooLarge, "the snapshot needs more memory than ReadOptions.MaxMemory (%s)", bytecount.Exact(d.lim.maxMemory))
 }
 
 // skip consumes n bytes of input without keeping them: the window does not
@@ -426,7 +428,7 @@ func (d *decoder) str(size int, kind vkind) error {
 			return nil
 		}
 		if u > MaxString {
-			return d.errAt(ErrTooLarge, "a %d-byte string is longer than MaxString (%s)", u, bytesString(MaxString))
+			return d.errAt(ErrTooLarge, "a %d-byte string is longer than MaxString (%s)", u, bytecount.Exact(MaxString))
 		}
 	}
 	n := int(u)
