@@ -9,67 +9,16 @@
 // for a line on stdin, so that the test can scrape the metrics server; then
 // it prints "DONE" and exits 0.
 #define _GNU_SOURCE
-#include <dlfcn.h>
-#include <pthread.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define MiB (1ull << 20)
-#define GiB (1ull << 30)
-
-#define CHECK(cond, ...)                                               \
-	do {                                                               \
-		if (!(cond)) {                                                 \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-			fprintf(stderr, __VA_ARGS__);                              \
-			fputc('\n', stderr);                                       \
-			exit(1);                                                   \
-		}                                                              \
-	} while (0)
-
-typedef void *stream_t; // cudaStream_t
+#include "harness.h"
 
 static int (*init_)(const char *, const char *, const char *);
-static size_t (*last_error)(char *, size_t);
-static void *(*tmalloc)(size_t, int, stream_t);
-static void (*tfree)(void *, size_t, int, stream_t);
-static void (*record_stream)(void *, stream_t);
-static void (*empty_cache)(void);
 static void (*set_fraction)(double, int);
-static size_t (*stats_json)(int, char *, size_t);
 static size_t (*summary)(int, int, char *, size_t);
-static long long (*allocated)(int), (*reserved)(int), (*max_allocated)(int), (*max_reserved)(int);
 static int (*reset_peak)(int);
 static int (*record_history)(int, long long, int);
 static int (*dump_snapshot)(const char *);
 static size_t (*metrics_address)(char *, size_t);
-
-static void *lib;
-static void *sym(const char *name) {
-	void *p = dlsym(lib, name);
-	CHECK(p != NULL, "dlsym %s: %s", name, dlerror());
-	return p;
-}
-
-static char errbuf[4096];
-static const char *err(void) {
-	last_error(errbuf, sizeof errbuf);
-	return errbuf;
-}
-
-// stat reads one key of allocd_memory_stats_json.
-static long long stat(int dev, const char *key) {
-	char buf[1 << 16], pat[256];
-	size_t n = stats_json(dev, buf, sizeof buf);
-	CHECK(n < sizeof buf, "stats JSON of %zu bytes", n);
-	CHECK(buf[0] == '{' && buf[n - 1] == '}', "stats JSON %.40s...", buf);
-	snprintf(pat, sizeof pat, "\"%s\":", key);
-	char *p = strstr(buf, pat);
-	CHECK(p != NULL, "no key %s in the stats JSON", key);
-	return strtoll(p + strlen(pat), NULL, 10);
-}
+static long long (*max_allocated)(int), (*max_reserved)(int);
 
 // cudart_mappings counts the /proc/self/maps lines of a libcudart.
 static int cudart_mappings(void) {

@@ -7,60 +7,11 @@
 // Usage: queue LIB. A failed check prints "FAIL ..." on stderr and exits 1;
 // success prints "DONE".
 #define _GNU_SOURCE
-#include <dlfcn.h>
-#include <pthread.h>
 #include <signal.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define MiB (1ull << 20)
-
-#define CHECK(cond, ...)                                                        \
-	do {                                                                        \
-		if (!(cond)) {                                                          \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);     \
-			fprintf(stderr, __VA_ARGS__);                                       \
-			fputc('\n', stderr);                                                \
-			exit(1);                                                            \
-		}                                                                       \
-	} while (0)
-
-typedef void *stream_t;
-static size_t (*last_error)(char *, size_t);
-static void *(*tmalloc)(size_t, int, stream_t);
-static void (*tfree)(void *, size_t, int, stream_t);
-static void (*record_stream)(void *, stream_t);
-static void (*empty_cache)(void);
-static size_t (*stats_json)(int, char *, size_t);
-static long long (*allocated)(int), (*reserved)(int);
-
-static void *lib;
-static void *sym(const char *name) {
-	void *p = dlsym(lib, name);
-	CHECK(p != NULL, "dlsym %s: %s", name, dlerror());
-	return p;
-}
-
-static char errbuf[4096];
-static const char *err(void) {
-	last_error(errbuf, sizeof errbuf);
-	return errbuf;
-}
-
-static long long stat(int dev, const char *key) {
-	static char buf[1 << 16];
-	char pat[256];
-	size_t n = stats_json(dev, buf, sizeof buf);
-	CHECK(n < sizeof buf, "stats JSON of %zu bytes", n);
-	snprintf(pat, sizeof pat, "\"%s\":", key);
-	char *p = strstr(buf, pat);
-	CHECK(p != NULL, "no key %s in the stats JSON", key);
-	return strtoll(p + strlen(pat), NULL, 10);
-}
+#include "harness.h"
 
 enum { THREADS = 8, PER_THREAD = 300, QUEUE_CAP = 256 };
 
