@@ -630,6 +630,11 @@ func (a *Allocator) releaseHandle(h cudart.Handle) {
 func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
 	vm, page := a.exp.vm, es.seg.PageSize
 	for i := begin; i < end; i += uint64(es.run[i]) {
+		if es.run[i] == 0 || i+uint64(es.run[i]) > end {
+			return fmt.Errorf("allocator: expandable segment %#x: pages [%d, %d) are not whole runs (page %d)", es.seg.Ptr, begin, end, i)
+		}
+	}
+	for i := begin; i < end; i += uint64(es.run[i]) {
 		if err := vm.Unmap(cudart.Ptr(es.addr(i)), uint64(es.run[i])*page); err != nil {
 			for j := begin; j < i; j += uint64(es.run[j]) {
 				if rerr := vm.Map(cudart.Ptr(es.addr(j)), uint64(es.run[j])*page, es.handles[j]); rerr != nil {
@@ -944,6 +949,12 @@ func (a *Allocator) closeExpandable() []error {
 			}
 			for i < uint64(len(es.mapped)) && es.mapped[i] {
 				n := uint64(es.run[i])
+				if n == 0 { // Check reports it; go on with the next page
+					errs = append(errs, fmt.Errorf("allocator: expandable segment %#x: mapped page %d starts no run", es.seg.Ptr, i))
+					es.mapped[i] = false
+					i++
+					continue
+				}
 				if err := vm.Unmap(cudart.Ptr(es.addr(i)), n*page); err != nil {
 					errs = append(errs, fmt.Errorf("allocator: unmapping the %d-byte run at %#x: %w", n*page, es.addr(i), err))
 				} else if err := vm.Release(es.handles[i]); err != nil {
