@@ -100,6 +100,7 @@ type shard struct {
 	// lend: other shards are in use, so repay gives excess caps back (with
 	// one shard in use, what it gave back it would only borrow again).
 	lend     bool
+	repays   uint8 // frees since repay last looked, up to repayEvery
 	_padding [64]byte // keep shards on their own cache lines
 }
 
@@ -195,11 +196,16 @@ func (a *Allocator) fitsOrBorrow(sh *shard, p Pool, count, size, req, splitCount
 // statistics (and all pools') that stands more than twice its share above
 // their values, keeping one share: slack that a shard's frees left it
 // would otherwise wait for the next escalation, while other shards
-// escalate for want of it. sh's lock is held.
+// escalate for want of it. It looks at every repayEvery-th free of the
+// shard only. sh's lock is held.
 func (a *Allocator) repay(sh *shard, p Pool) {
 	if !sh.lend {
 		return
 	}
+	if sh.repays++; sh.repays < repayEvery {
+		return
+	}
+	sh.repays = 0
 	h := sh.stats.arrays()
 	for k := range numHot {
 		for _, q := range [2]Pool{PoolAll, p} {
@@ -754,3 +760,8 @@ func spinLock(mu *sync.Mutex) {
 	}
 	mu.Lock()
 }
+
+// repayEvery is how many frees a shard makes between two looks at its
+// excess caps: the look walks every hot statistic, and the excess of a
+// few frees can wait for the next one.
+const repayEvery = 4
