@@ -422,7 +422,9 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 		return 0, nil
 	}
 	if sh := a.lookupShard(stream); sh != nil {
-		sh.lock()
+		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
+			spinLockSlow(&sh.mu)
+		}
 		p := a.fastMalloc(sh, size)
 		sh.mu.Unlock()
 		if p != 0 {
@@ -644,7 +646,9 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 		return nil
 	}
 	if sh := a.dirLookup(uint64(p)); sh != nil {
-		sh.lock()
+		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
+			spinLockSlow(&sh.mu)
+		}
 		ok := a.fastFree(sh, uint64(p))
 		sh.mu.Unlock()
 		if ok {

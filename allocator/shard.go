@@ -749,9 +749,13 @@ func (a *Allocator) checkShards() []error {
 // spent a quarter of its goroutines' time so when world mode slept on
 // the allocator's mutex behind escalations.
 func spinLock(mu *sync.Mutex) {
-	if mu.TryLock() {
-		return
+	if !mu.TryLock() {
+		spinLockSlow(mu)
 	}
+}
+
+// spinLockSlow is spinLock once a TryLock failed.
+func spinLockSlow(mu *sync.Mutex) {
 	for range 100 {
 		runtime.Gosched()
 		if mu.TryLock() {
