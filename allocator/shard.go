@@ -46,6 +46,7 @@ package allocator
 
 import (
 	"fmt"
+	"math/bits"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -100,7 +101,7 @@ type shard struct {
 	// lend: other shards are in use, so repay gives excess caps back (with
 	// one shard in use, what it gave back it would only borrow again).
 	lend     bool
-	repays   uint8 // frees since repay last looked, up to repayEvery
+	repays   uint8    // frees since repay last looked, up to repayEvery
 	_padding [64]byte // keep shards on their own cache lines
 }
 
@@ -343,15 +344,15 @@ func (a *Allocator) dirLookup(p uint64) *shard {
 		return dir.one
 	}
 	// The first segment whose end is above p, by a search whose only
-	// branch is the loop's: the halving step compiles to a conditional
-	// move, so the search pays no mispredicted branches.
+	// branch is the loop's: each step adds half or nothing by a mask from
+	// the comparison's borrow, so the search pays no mispredicted branches
+	// (the compiler keeps a branch for an if in this loop).
 	ends := dir.ends
 	i, n := 0, len(ends)
 	for n > 1 {
 		half := n / 2
-		if ends[i+half-1] <= p {
-			i += half
-		}
+		_, above := bits.Sub64(p, ends[i+half-1], 0) // 1 when that end is above p
+		i += half & int(above-1)
 		n -= half
 	}
 	if n == 1 && ends[i] <= p {
