@@ -493,6 +493,57 @@ func testExpandableDeviceFaults(t *testing.T, sim *cudart.Sim, f *faultyVMM, dev
 	mustFree(t, a, p)
 }
 
+// TestExpandableRunFaults: with 2 MiB pages a growth maps runs of several
+// pages in groups of one length; a map that fails in the middle of them,
+// or an unmap that fails in the middle of a free block's runs, is returned
+// wrapped and leaves the allocator and the device as they were.
+func TestExpandableRunFaults(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		dev  func(*faultyVMM) cudart.Device
+	}{
+		{"range", func(f *faultyVMM) cudart.Device { return f }},
+		{"run by run", func(f *faultyVMM) cudart.Device { return pageByPage{f} }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
+			f := &faultyVMM{Sim: sim}
+			a := newExpOn(t, sim, tc.dev(f), "")
+			p := mustMalloc(t, a, 2*miB, 0) // one page
+			used, maps := sim.Used(), len(sim.Mappings())
+			// 46 MiB: 23 pages in runs of 6, 6, 6 and 5; the fourth map (the
+			// second group's) fails.
+			f.mapAt = 4
+			expectUnchanged(t, a, errFault, func() error { _, err := a.Malloc(46*miB, 0); return err })
+			if sim.Used() != used || len(sim.Mappings()) != maps {
+				t.Errorf("a failed map left %d bytes and %d mappings on the device, want %d and %d", sim.Used(), len(sim.Mappings()), used, maps)
+			}
+			x := mustMalloc(t, a, 46*miB, 0)
+			mustFree(t, a, x)
+			used, maps = sim.Used(), len(sim.Mappings())
+			f.unmapAt = 3 // the third of the free block's four runs
+			before := a.Stats()
+			if err := a.EmptyCache(); !errors.Is(err, errFault) {
+				t.Fatalf("EmptyCache with a failing unmap: %v", err)
+			}
+			mustCheck(t, a)
+			if after := a.Stats(); after.ReservedBytes != before.ReservedBytes || after.NumDeviceFree != before.NumDeviceFree {
+				t.Errorf("a failed unmap changed reserved bytes or device frees")
+			}
+			if sim.Used() != used || len(sim.Mappings()) != maps {
+				t.Errorf("a failed unmap left %d bytes and %d mappings on the device, want %d and %d", sim.Used(), len(sim.Mappings()), used, maps)
+			}
+			if err := a.EmptyCache(); err != nil {
+				t.Fatal(err)
+			}
+			if got := uint64(a.MemoryReserved()); got != 2*miB || sim.Used() != 2*miB {
+				t.Errorf("after EmptyCache reserved %d MiB, device holds %d MiB; want 2 and 2", got/miB, sim.Used()/miB)
+			}
+			mustFree(t, a, p)
+		})
+	}
+}
+
 // TestExpandableRecordStream: a block used by another stream is neither
 // reused, merged nor unmapped before its event completes.
 func TestExpandableRecordStream(t *testing.T) {
