@@ -47,13 +47,13 @@ package allocator
 //   - A mapping may raise reserved memory above its high-water mark (mark,
 //     the largest reserved figure so far) only while reserved stays within
 //     1/32 of allocMark, the largest allocated figure seen at a mapping.
-//     Past both, the whole runs (below) of other free blocks are unmapped first
-//     (the smallest block that covers the target, else the largest first),
-//     then the request is mapped. The target is the excess plus a headroom
-//     of 1/128 of the mark, so that the next few mappings of a workload
-//     whose requests grow a little every step (a decoder's key-value
-//     cache) fit without another reclaim. Neither mark is reset by
-//     ResetPeakStats.
+//     Past both, the whole runs (below) of other free blocks are unmapped
+//     first (the smallest block that covers the target, else the largest
+//     first), then the request is mapped. The target is the excess plus
+//     a headroom of 1/128 of the mark, so that the next few mappings of a
+//     workload whose requests grow a little every step (a decoder's
+//     key-value cache) fit without another reclaim. Neither mark is reset
+//     by ResetPeakStats.
 //   - The candidates are the free blocks of every stream's pools, so a
 //     stream that must grow takes the pages another stream freed:
 //     unmapped from that stream's range, mapped into its own (the same
@@ -85,9 +85,9 @@ package allocator
 // per 32 MiB), while the runs of a block stay at most a quarter of it:
 // when the block is freed and its hole partly reused, the runs that the
 // new block only partly covers are what stays mapped, a bounded share of
-// the hole. Unmapping (reclaim,
-// EmptyCache) takes the whole runs inside a free block. The small pool
-// and PyTorch's mode map one page per handle, as PyTorch does.
+// the hole. Unmapping (reclaim, EmptyCache) takes the whole runs inside a
+// free block. The small pool and PyTorch's mode map one page per handle,
+// as PyTorch does.
 //
 // A failed Create releases the handles made for the request and reports
 // out of memory, which takes the usual path: release cached memory, retry
