@@ -442,6 +442,22 @@ func (f *faultyVMM) Release(h cudart.Handle) error {
 	return f.Sim.Release(h)
 }
 
+// emptyCacheFailsUnchanged makes f fail the at-th unmap from now and
+// checks that EmptyCache returns the fault and leaves the allocator whole,
+// with its reserved bytes and device frees as they were.
+func emptyCacheFailsUnchanged(t *testing.T, a *Allocator, f *faultyVMM, at int) {
+	t.Helper()
+	f.unmapAt = at
+	before := a.Stats()
+	if err := a.EmptyCache(); !errors.Is(err, errFault) {
+		t.Fatalf("EmptyCache with a failing unmap: %v", err)
+	}
+	mustCheck(t, a)
+	if after := a.Stats(); after.ReservedBytes != before.ReservedBytes || after.NumDeviceFree != before.NumDeviceFree {
+		t.Errorf("a failed unmap changed reserved bytes or device frees")
+	}
+}
+
 // TestExpandableDeviceFaults: a failed map or unmap is returned wrapped and
 // undone; a failed release is retried at Close.
 func TestExpandableDeviceFaults(t *testing.T) {
@@ -470,15 +486,7 @@ func testExpandableDeviceFaults(t *testing.T, sim *cudart.Sim, f *faultyVMM, dev
 	}
 	x := mustMalloc(t, a, 40*miB, 0)
 	mustFree(t, a, x)
-	f.unmapAt = 2 // the second of the two free pages
-	before := a.Stats()
-	if err := a.EmptyCache(); !errors.Is(err, errFault) {
-		t.Fatalf("EmptyCache with a failing unmap: %v", err)
-	}
-	mustCheck(t, a)
-	if after := a.Stats(); after.ReservedBytes != before.ReservedBytes || after.NumDeviceFree != before.NumDeviceFree {
-		t.Errorf("a failed unmap changed reserved bytes or device frees")
-	}
+	emptyCacheFailsUnchanged(t, a, f, 2) // the second of the two free pages
 	if sim.Used() != 60*miB || len(sim.Mappings()) != 3 {
 		t.Errorf("a failed unmap left %d bytes and %d mappings on the device", sim.Used(), len(sim.Mappings()))
 	}
@@ -521,15 +529,7 @@ func TestExpandableRunFaults(t *testing.T) {
 			x := mustMalloc(t, a, 46*miB, 0)
 			mustFree(t, a, x)
 			used, maps = sim.Used(), len(sim.Mappings())
-			f.unmapAt = 3 // the third of the free block's four runs
-			before := a.Stats()
-			if err := a.EmptyCache(); !errors.Is(err, errFault) {
-				t.Fatalf("EmptyCache with a failing unmap: %v", err)
-			}
-			mustCheck(t, a)
-			if after := a.Stats(); after.ReservedBytes != before.ReservedBytes || after.NumDeviceFree != before.NumDeviceFree {
-				t.Errorf("a failed unmap changed reserved bytes or device frees")
-			}
+			emptyCacheFailsUnchanged(t, a, f, 3) // the third of the free block's four runs
 			if sim.Used() != used || len(sim.Mappings()) != maps {
 				t.Errorf("a failed unmap left %d bytes and %d mappings on the device, want %d and %d", sim.Used(), len(sim.Mappings()), used, maps)
 			}
