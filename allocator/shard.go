@@ -193,6 +193,11 @@ func (a *Allocator) fitsOrBorrow(sh *shard, p Pool, count, size, req, splitCount
 		a.borrow(sh, p, count, size, req, splitCount, splitBytes, over)
 }
 
+// repayEvery is how many frees a shard makes between two looks at its
+// excess caps: the look walks every hot statistic, and the excess of a
+// few frees can wait for the next one.
+const repayEvery = 4
+
 // repay gives back to the reservoir the part of sh's caps on pool p's
 // statistics (and all pools') that stands more than twice its share above
 // their values, keeping one share: slack that a shard's frees left it
@@ -296,22 +301,19 @@ type dirEntry struct {
 // a foreign address apart.
 type directory struct {
 	entries []dirEntry
-	ends    []uint64 // entries' ends, searched by Free: three to a dirEntry's cache space
+	ends    []uint64 // entries' ends, which Free searches: 8 bytes each against a dirEntry's 24
 	one     *shard
 }
 
 func newDirectory(d []dirEntry) *directory {
 	dir := &directory{entries: d, ends: make([]uint64, len(d))}
+	mixed := false
 	for i, e := range d {
 		dir.ends[i] = e.end
+		mixed = mixed || e.sh != d[0].sh
 	}
-	for i, e := range d {
-		if i == 0 {
-			dir.one = e.sh
-		} else if e.sh != dir.one {
-			dir.one = nil
-			break
-		}
+	if len(d) > 0 && !mixed {
+		dir.one = d[0].sh
 	}
 	return dir
 }
@@ -765,8 +767,3 @@ func spinLockSlow(mu *sync.Mutex) {
 	}
 	mu.Lock()
 }
-
-// repayEvery is how many frees a shard makes between two looks at its
-// excess caps: the look walks every hot statistic, and the excess of a
-// few frees can wait for the next one.
-const repayEvery = 4
