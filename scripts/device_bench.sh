@@ -14,30 +14,9 @@
 # Both sides run in the same command, so that the ratios do not mix machines.
 # Stages stop starting past $BUDGET_S seconds (default 560). No network is used.
 set -uo pipefail
-TRACES=${1:?usage: scripts/device_bench.sh TRACEDIR ANCHORDIR}
-ANCHOR=${2:?usage: scripts/device_bench.sh TRACEDIR ANCHORDIR}
-OUT=${OUT:-.devrun/bench}
-BIN=${BIN:-.devrun/bin}
-BUDGET_S=${BUDGET_S:-560}
-mkdir -p "$OUT" "$BIN" || exit 2
-OUT=$(realpath "$OUT")
-BIN=$(realpath "$BIN")
-TRACES=$(realpath "$TRACES")
-ANCHOR=$(realpath "$ANCHOR")
-START=$(date +%s)
-say() { echo "[device_bench $(($(date +%s) - START))s] $*"; }
-left() { echo $((BUDGET_S - ($(date +%s) - START))); }
-unset ALLOCD_DEVICE ALLOCD_CONF PYTORCH_CUDA_ALLOC_CONF
-
-if command -v go >/dev/null; then
-	say "building"
-	go build -o "$BIN/allocd" ./cmd/allocd || exit 2
-elif [ ! -x "$BIN/allocd" ]; then
-	say "no Go here and no $BIN/allocd: build it first (CGO_ENABLED=1)"
-	exit 2
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+. "$(dirname "$0")/device_lib.sh"
+device_setup device_bench "$@"
+device_build
 
 say "allocd bench -> $OUT/allocd.json"
 timeout "$(($(left) / 2))" "$BIN/allocd" bench --device cuda --json "$TRACES"/*.pickle.gz >"$OUT/allocd.json" 2>"$OUT/allocd.err"

@@ -18,33 +18,9 @@
 #   4. a side-by-side table: ns/op and peak reserved        -> compare.txt
 # Stages stop starting past $BUDGET_S seconds (default 560). No network is used.
 set -uo pipefail
-TRACES=${1:?usage: scripts/device_expandable.sh TRACEDIR ANCHORDIR}
-ANCHOR=${2:?usage: scripts/device_expandable.sh TRACEDIR ANCHORDIR}
-OUT=${OUT:-.devrun/expandable}
-BIN=${BIN:-.devrun/bin}
-BUDGET_S=${BUDGET_S:-560}
-mkdir -p "$OUT" "$BIN" || exit 2
-OUT=$(realpath "$OUT")
-BIN=$(realpath "$BIN")
-TRACES=$(realpath "$TRACES")
-ANCHOR=$(realpath "$ANCHOR")
-START=$(date +%s)
-say() { echo "[device_expandable $(($(date +%s) - START))s] $*"; }
-left() { echo $((BUDGET_S - ($(date +%s) - START))); }
-unset ALLOCD_DEVICE ALLOCD_CONF PYTORCH_CUDA_ALLOC_CONF
-
-if command -v go >/dev/null; then
-	say "building"
-	go build -o "$BIN/allocd" ./cmd/allocd || exit 2
-	go test -c -o "$BIN/gputest.test" ./gputest/ || exit 2
-else
-	# A GPU machine without Go runs binaries built elsewhere (CGO_ENABLED=1).
-	for b in allocd gputest.test; do
-		[ -x "$BIN/$b" ] || { say "no Go here and no $BIN/$b: build it first"; exit 2; }
-	done
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+. "$(dirname "$0")/device_lib.sh"
+device_setup device_expandable "$@"
+device_build gputest
 
 say "GPU tests -> $OUT/gputest.log"
 (cd gputest && ALLOCD_TRACES="$TRACES" ALLOCD_GPU_OPS=200000 timeout "$(($(left) / 2))" "$BIN/gputest.test" \
