@@ -190,7 +190,8 @@ func Endpoints() []Endpoint {
 // request with another method gets 405 and an Allow header, and an unknown
 // path 404 (net/http.ServeMux, Go 1.22+). GET patterns also answer HEAD.
 // The debug pages are debughttp's over the daemon's devices, with its
-// default bounds (4 in flight, 100,000 history entries a device).
+// default bounds (4 in flight, 100,000 history entries a device) and
+// responses of at most DefaultMaxBodyBytes. Serve it with NewHTTP.
 func (d *Daemon) Handler() http.Handler {
 	mux := http.NewServeMux()
 	metrics := promhttp.HandlerFor(d.reg, promhttp.HandlerOpts{
@@ -213,7 +214,7 @@ func (d *Daemon) Handler() http.Handler {
 		writeText(w, http.StatusOK, "ready\n")
 	})
 	var debug http.Handler
-	debug, err := debughttp.ForDevices(d.devs, debughttp.Options{ErrorLog: zap.NewStdLog(d.log.Named("debug"))})
+	debug, err := debughttp.ForDevices(d.devs, debughttp.Options{MaxBodyBytes: DefaultMaxBodyBytes, ErrorLog: zap.NewStdLog(d.log.Named("debug"))})
 	if err != nil {
 		// Not expected: the daemon serves at least one device, with the
 		// default options. Say so on the pages rather than crash.

@@ -7,7 +7,6 @@ import (
 	"io"
 	"math"
 	"net"
-	"net/http"
 	"os"
 	"os/signal"
 	"sync"
@@ -269,16 +268,14 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 		_ = allocs.Close()
 		return fmt.Errorf("--listen: %w", err)
 	}
-	srv := &http.Server{
-		Handler:           d.Handler(),
-		ReadHeaderTimeout: 5 * time.Second,
-		ReadTimeout:       10 * time.Second,
-		WriteTimeout:      time.Minute,
-		IdleTimeout:       time.Minute,
-		ErrorLog:          zap.NewStdLog(log.Named("http")),
+	srv, err := server.NewHTTP(ln, d.Handler(), server.HTTPOptions{ErrorLog: zap.NewStdLog(log.Named("http"))})
+	if err != nil {
+		_ = ln.Close()
+		_ = allocs.Close()
+		return err
 	}
 	serveErr := make(chan error, 1)
-	go func() { serveErr <- srv.Serve(ln) }()
+	go func() { serveErr <- srv.Serve() }()
 	addr := ln.Addr().String()
 	d.SetReady(true)
 	log.Info("listening", zap.String("addr", addr), zap.String("metrics", "http://"+addr+"/metrics"))

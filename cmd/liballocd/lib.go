@@ -163,7 +163,7 @@ func newLib(set settings) (*lib, error) {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 5, 0)
 	}))
 	if set.listen != "" {
-		m, err := startMetrics(l, set.listen)
+		m, err := startMetrics(l, set.listen, metricsHTTP)
 		if err != nil {
 			return nil, err
 		}

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
 
+	"github.com/allocd/allocd/server"
 	"github.com/allocd/allocd/stats"
 	"github.com/allocd/allocd/trace"
 )
@@ -26,11 +27,30 @@ import (
 // metricsServer serves the library's registry on one listener.
 type metricsServer struct {
 	addr string // the address actually bound
-	srv  *http.Server
+	srv  *server.HTTP
 }
 
-// startMetrics listens on exactly addr and serves in the background.
-func startMetrics(l *lib, addr string) (*metricsServer, error) {
+// The metrics server's bounds. It runs inside the user's program, so it
+// holds few connections (file descriptors are the program's), builds one
+// snapshot at a time (a snapshot copies the whole history), and cuts off
+// a client that does not read within the write timeout; the timeouts are
+// server's defaults (those of `allocd serve`).
+const (
+	metricsMaxConns     = 16
+	metricsMaxDebug     = 4 // debug pages in flight; a snapshot is one of them
+	metricsMaxSnapshots = 1
+	metricsMaxScrapes   = 4
+)
+
+// metricsHTTP are the bounds startMetrics gets from newLib.
+var metricsHTTP = server.HTTPOptions{MaxConns: metricsMaxConns}
+
+// startMetrics listens on exactly addr and serves in the background with
+// the bounds of o: its timeouts and connection limit; at most
+// metricsMaxScrapes scrapes and metricsMaxDebug debug pages at once, of
+// which at most metricsMaxSnapshots snapshots, each of at most
+// server.DefaultMaxBodyBytes (more get 503 with Retry-After, or 413).
+func startMetrics(l *lib, addr string, o server.HTTPOptions) (*metricsServer, error) {
 	reg := prometheus.NewRegistry()
 	if err := reg.Register(&devicesCollector{l: l}); err != nil {
 		return nil, fmt.Errorf("allocd: metrics: %w", err)
@@ -41,12 +61,14 @@ func startMetrics(l *lib, addr string) (*metricsServer, error) {
 	}
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{
-		ErrorLog:      zap.NewStdLog(l.log.Named("metrics")),
-		ErrorHandling: promhttp.ContinueOnError,
-		Timeout:       10 * time.Second,
+		ErrorLog:            zap.NewStdLog(l.log.Named("metrics")),
+		ErrorHandling:       promhttp.ContinueOnError,
+		Timeout:             10 * time.Second,
+		MaxRequestsInFlight: metricsMaxScrapes,
 	}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { text(w, "ok\n") })
-	mux.HandleFunc("GET /debug/summary", func(w http.ResponseWriter, _ *http.Request) {
+	debug := func(h http.Handler) http.Handler { return server.LimitInFlight(metricsMaxDebug, h) }
+	mux.Handle("GET /debug/summary", debug(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		var b strings.Builder
 		l.drain(false)
 		idx, as := l.all()
@@ -57,8 +79,8 @@ func startMetrics(l *lib, addr string) (*metricsServer, error) {
 			b.WriteString(stats.Summary(a.Stats(), idx[j]))
 		}
 		text(w, b.String())
-	})
-	mux.HandleFunc("GET /debug/stats", func(w http.ResponseWriter, _ *http.Request) {
+	})))
+	mux.Handle("GET /debug/stats", debug(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		out := map[string]map[string]int64{}
 		l.drain(false)
 		idx, _ := l.all()
@@ -67,8 +89,8 @@ func startMetrics(l *lib, addr string) (*metricsServer, error) {
 		}
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(out)
-	})
-	mux.HandleFunc("GET /debug/snapshot", func(w http.ResponseWriter, _ *http.Request) {
+	})))
+	snapshot := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/octet-stream")
 		w.Header().Set("Content-Disposition", `attachment; filename="allocd_snapshot.pickle"`)
 		l.drain(false)
@@ -76,9 +98,15 @@ func startMetrics(l *lib, addr string) (*metricsServer, error) {
 			l.log.Warn("writing a snapshot", zap.Error(err))
 		}
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, ErrorLog: zap.NewStdLog(l.log.Named("http"))}
+	mux.Handle("GET /debug/snapshot", debug(server.LimitInFlight(metricsMaxSnapshots, server.LimitBody(server.DefaultMaxBodyBytes, snapshot))))
+	o.ErrorLog = zap.NewStdLog(l.log.Named("http"))
+	srv, err := server.NewHTTP(ln, mux, o)
+	if err != nil {
+		_ = ln.Close()
+		return nil, fmt.Errorf("allocd: metrics: %w", err)
+	}
 	go func() {
-		if err := srv.Serve(ln); err != nil && err != http.ErrServerClosed {
+		if err := srv.Serve(); err != nil && err != http.ErrServerClosed {
 			l.log.Error("metrics server stopped", zap.Error(err))
 		}
 	}()
