@@ -9,9 +9,10 @@ package main
 #include <stdint.h>
 #include "lasterror.h"
 
-// Called by allocd_torch_malloc (freequeue.c); hidden, like the rest of the
-// library's internals.
-uintptr_t liballocd_go_malloc(size_t size, int device, uintptr_t stream) __attribute__((visibility("hidden")));
+// The exports below are hidden (exports.h declares them so): the API's
+// functions are C (forkguard.c, freequeue.c), which check for a forked
+// child before they call them.
+#include "exports.h"
 */
 import "C"
 
@@ -28,7 +29,10 @@ import (
 	"github.com/allocd/allocd/stats"
 )
 
-// The C API of liballocd.so. Each export is thin: it recovers panics (a
+// The C API of liballocd.so. Each API function is C (forkguard.c,
+// freequeue.c): in a forked child it fails at once (forkguard.h says why),
+// and otherwise calls its Go half here, liballocd_go_<name> for
+// allocd_<name>. Each Go half is thin: it recovers panics (a
 // panic is reported like an error and never crosses into C), and reports
 // errors through the calling OS thread's allocd_last_error message (a Go
 // function called from C runs on the calling thread, and so do the C calls
@@ -90,8 +94,8 @@ func goString(p *C.char) *string {
 	return &s
 }
 
-//export allocd_init
-func allocd_init(conf, metricsListen, logLevel *C.char) (rc C.int) {
+//export liballocd_go_init
+func liballocd_go_init(conf, metricsListen, logLevel *C.char) (rc C.int) {
 	defer recovered("allocd_init")
 	rc = -1
 	if _, err := initLib(resolveSettings(goString(conf), goString(metricsListen), goString(logLevel)), true); err != nil {
@@ -121,8 +125,8 @@ func liballocd_go_malloc(size C.size_t, device C.int, stream C.uintptr_t) (p C.u
 	return C.uintptr_t(ptr)
 }
 
-//export allocd_torch_record_stream
-func allocd_torch_record_stream(ptr unsafe.Pointer, stream unsafe.Pointer) {
+//export liballocd_go_torch_record_stream
+func liballocd_go_torch_record_stream(ptr unsafe.Pointer, stream unsafe.Pointer) {
 	defer recovered("allocd_torch_record_stream")
 	l, err := getDrained()
 	if err != nil {
@@ -135,8 +139,8 @@ func allocd_torch_record_stream(ptr unsafe.Pointer, stream unsafe.Pointer) {
 	}
 }
 
-//export allocd_torch_empty_cache
-func allocd_torch_empty_cache() {
+//export liballocd_go_torch_empty_cache
+func liballocd_go_torch_empty_cache() {
 	defer recovered("allocd_torch_empty_cache")
 	l, err := getDrained()
 	if err != nil {
@@ -148,8 +152,8 @@ func allocd_torch_empty_cache() {
 	}
 }
 
-//export allocd_torch_set_memory_fraction
-func allocd_torch_set_memory_fraction(fraction C.double, device C.int) {
+//export liballocd_go_torch_set_memory_fraction
+func liballocd_go_torch_set_memory_fraction(fraction C.double, device C.int) {
 	defer recovered("allocd_torch_set_memory_fraction")
 	l, err := getDrained()
 	if err != nil {
@@ -165,8 +169,8 @@ func allocd_torch_set_memory_fraction(fraction C.double, device C.int) {
 	}
 }
 
-//export allocd_memory_stats_json
-func allocd_memory_stats_json(device C.int, buf *C.char, n C.size_t) (size C.size_t) {
+//export liballocd_go_memory_stats_json
+func liballocd_go_memory_stats_json(device C.int, buf *C.char, n C.size_t) (size C.size_t) {
 	defer recovered("allocd_memory_stats_json")
 	l, err := getDrained()
 	if err != nil {
@@ -181,8 +185,8 @@ func allocd_memory_stats_json(device C.int, buf *C.char, n C.size_t) (size C.siz
 	return copyOut(string(b), buf, n)
 }
 
-//export allocd_memory_summary
-func allocd_memory_summary(device C.int, abbreviated C.int, buf *C.char, n C.size_t) C.size_t {
+//export liballocd_go_memory_summary
+func liballocd_go_memory_summary(device C.int, abbreviated C.int, buf *C.char, n C.size_t) C.size_t {
 	defer recovered("allocd_memory_summary")
 	l, err := getDrained()
 	if err != nil {
@@ -210,8 +214,8 @@ func query(export string, device C.int, f func(l *lib, device int) int64) (v C.l
 	return C.longlong(f(l, int(device)))
 }
 
-//export allocd_memory_allocated
-func allocd_memory_allocated(device C.int) C.longlong {
+//export liballocd_go_memory_allocated
+func liballocd_go_memory_allocated(device C.int) C.longlong {
 	return query("allocd_memory_allocated", device, func(l *lib, d int) int64 {
 		if a := l.alloc(d); a != nil {
 			return a.MemoryAllocated()
@@ -220,8 +224,8 @@ func allocd_memory_allocated(device C.int) C.longlong {
 	})
 }
 
-//export allocd_memory_reserved
-func allocd_memory_reserved(device C.int) C.longlong {
+//export liballocd_go_memory_reserved
+func liballocd_go_memory_reserved(device C.int) C.longlong {
 	return query("allocd_memory_reserved", device, func(l *lib, d int) int64 {
 		if a := l.alloc(d); a != nil {
 			return a.MemoryReserved()
@@ -230,8 +234,8 @@ func allocd_memory_reserved(device C.int) C.longlong {
 	})
 }
 
-//export allocd_max_memory_allocated
-func allocd_max_memory_allocated(device C.int) C.longlong {
+//export liballocd_go_max_memory_allocated
+func liballocd_go_max_memory_allocated(device C.int) C.longlong {
 	return query("allocd_max_memory_allocated", device, func(l *lib, d int) int64 {
 		if a := l.alloc(d); a != nil {
 			return a.MaxMemoryAllocated()
@@ -240,8 +244,8 @@ func allocd_max_memory_allocated(device C.int) C.longlong {
 	})
 }
 
-//export allocd_max_memory_reserved
-func allocd_max_memory_reserved(device C.int) C.longlong {
+//export liballocd_go_max_memory_reserved
+func liballocd_go_max_memory_reserved(device C.int) C.longlong {
 	return query("allocd_max_memory_reserved", device, func(l *lib, d int) int64 {
 		if a := l.alloc(d); a != nil {
 			return a.MaxMemoryReserved()
@@ -250,8 +254,8 @@ func allocd_max_memory_reserved(device C.int) C.longlong {
 	})
 }
 
-//export allocd_reset_peak_stats
-func allocd_reset_peak_stats(device C.int) (rc C.int) {
+//export liballocd_go_reset_peak_stats
+func liballocd_go_reset_peak_stats(device C.int) (rc C.int) {
 	defer recovered("allocd_reset_peak_stats")
 	rc = -1
 	l, err := getDrained()
@@ -264,8 +268,8 @@ func allocd_reset_peak_stats(device C.int) (rc C.int) {
 	return 0
 }
 
-//export allocd_record_history
-func allocd_record_history(enabled C.int, maxEntries C.longlong, stackDepth C.int) (rc C.int) {
+//export liballocd_go_record_history
+func liballocd_go_record_history(enabled C.int, maxEntries C.longlong, stackDepth C.int) (rc C.int) {
 	defer recovered("allocd_record_history")
 	rc = -1
 	l, err := getDrained()
@@ -279,8 +283,8 @@ func allocd_record_history(enabled C.int, maxEntries C.longlong, stackDepth C.in
 	return 0
 }
 
-//export allocd_dump_snapshot
-func allocd_dump_snapshot(path *C.char) (rc C.int) {
+//export liballocd_go_dump_snapshot
+func liballocd_go_dump_snapshot(path *C.char) (rc C.int) {
 	defer recovered("allocd_dump_snapshot")
 	rc = -1
 	l, err := getDrained()
@@ -297,8 +301,8 @@ func allocd_dump_snapshot(path *C.char) (rc C.int) {
 	return 0
 }
 
-//export allocd_metrics_address
-func allocd_metrics_address(buf *C.char, n C.size_t) C.size_t {
+//export liballocd_go_metrics_address
+func liballocd_go_metrics_address(buf *C.char, n C.size_t) C.size_t {
 	defer recovered("allocd_metrics_address")
 	l, err := get()
 	if err != nil || l.metrics == nil {

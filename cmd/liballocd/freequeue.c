@@ -11,13 +11,14 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include "exports.h"
+#include "forkguard.h"
 #include "freequeue.h"
 #include "lasterror.h"
 
 // The Go side (queue.go); hidden there too.
 void liballocd_go_free(void *ptr, size_t size, int device, void *stream);
 void liballocd_go_drain(void);
-uintptr_t liballocd_go_malloc(size_t size, int device, uintptr_t stream);
 
 uint64_t liballocd_queue_state;
 liballocd_free_entry liballocd_queue[2][LIBALLOCD_QUEUE_CAP];
@@ -54,6 +55,11 @@ static uint64_t lock(void) {
 static void unlock(uint64_t s) { __atomic_store_n(&liballocd_queue_state, s, __ATOMIC_RELEASE); }
 
 __attribute__((visibility("default"))) void allocd_torch_free(void *ptr, size_t size, int device, void *stream) {
+	if (liballocd_forked_child()) {
+		// The memory is the parent's; the child has no allocator to return it to.
+		liballocd_fork_error();
+		return;
+	}
 	uint64_t s = lock();
 	uint64_t n = s / LIBALLOCD_QUEUE_ONE;
 	if (n < LIBALLOCD_QUEUE_CAP) {
@@ -70,13 +76,18 @@ __attribute__((visibility("default"))) void allocd_torch_free(void *ptr, size_t 
 // allocd_torch_malloc is C only so that the pointer comes back from Go as an
 // integer (exports.go says why).
 __attribute__((visibility("default"))) void *allocd_torch_malloc(size_t size, int device, void *stream) {
+	if (liballocd_forked_child()) {
+		liballocd_fork_error();
+		return NULL;
+	}
 	return (void *)liballocd_go_malloc(size, device, (uintptr_t)stream);
 }
 
 // allocd_last_error is C too: it calls into Go only when frees are queued, so
-// that a bad free's message (set when the free is applied) is there to read.
+// that a bad free's message (set when the free is applied) is there to read,
+// and never in a forked child.
 __attribute__((visibility("default"))) size_t allocd_last_error(char *buf, size_t n) {
-	if (__atomic_load_n(&liballocd_queue_state, __ATOMIC_ACQUIRE) / LIBALLOCD_QUEUE_ONE != 0) {
+	if (!liballocd_forked_child() && __atomic_load_n(&liballocd_queue_state, __ATOMIC_ACQUIRE) / LIBALLOCD_QUEUE_ONE != 0) {
 		liballocd_go_drain();
 	}
 	return liballocd_get_error(buf, n);
@@ -86,9 +97,8 @@ __attribute__((visibility("default"))) size_t allocd_last_error(char *buf, size_
 // copy. The prepare handler takes it, so no free is half-recorded at the
 // fork, and the parent releases it. The child keeps the parent's queue,
 // which belongs with the allocator state it inherited, but not DRAINING: the
-// thread applying a batch is not in the child, and a child that calls into
-// the library must not wait for it for ever. (A child should not call into
-// Go at all: the Go runtime does not survive fork.)
+// thread applying a batch is not in the child. (A child's calls never reach
+// the queue or Go: forkguard.h.)
 static uint64_t forked_state;
 static void lock_for_fork(void) { forked_state = lock(); }
 static void unlock_in_parent(void) { unlock(forked_state); }

@@ -116,8 +116,8 @@ def _load_hooks(torch):
             _loud(f"{e}\n{ALLOW_NO_HOOKS_ENV}=1: running WITHOUT allocd's C++ hooks. An out-of-memory "
                   "then gives a tensor at address 0 instead of torch.OutOfMemoryError; x.record_stream(), "
                   "torch.cuda.empty_cache() and set_per_process_memory_fraction() are NOT honoured "
-                  "(memory may be reused while another stream still reads it; use allocd_torch.empty_cache()); "
-                  "and a forked child that frees a CUDA tensor calls into the Go runtime. Install g++ to fix.")
+                  "(memory may be reused while another stream still reads it; use allocd_torch.empty_cache()). "
+                  "Install g++ to fix.")
             return None
         if isinstance(e, _build.BuildError):
             raise _build.BuildError(f"{e}\nallocd_torch needs g++ (or $CXX) once per torch version to build its "

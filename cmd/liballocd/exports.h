@@ -1,0 +1,28 @@
+// exports.h: the Go half of the C API (exports.go), which the C functions
+// of exports.c and freequeue.c call after the fork check (forkguard.h).
+// Hidden: only the allocd_* functions are liballocd.so's API.
+#ifndef LIBALLOCD_EXPORTS_H
+#define LIBALLOCD_EXPORTS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#pragma GCC visibility push(hidden)
+int liballocd_go_init(char *conf, char *metrics_listen, char *log_level);
+uintptr_t liballocd_go_malloc(size_t size, int device, uintptr_t stream);
+void liballocd_go_torch_record_stream(void *ptr, void *stream);
+void liballocd_go_torch_empty_cache(void);
+void liballocd_go_torch_set_memory_fraction(double fraction, int device);
+size_t liballocd_go_memory_stats_json(int device, char *buf, size_t n);
+size_t liballocd_go_memory_summary(int device, int abbreviated, char *buf, size_t n);
+long long liballocd_go_memory_allocated(int device);
+long long liballocd_go_memory_reserved(int device);
+long long liballocd_go_max_memory_allocated(int device);
+long long liballocd_go_max_memory_reserved(int device);
+int liballocd_go_reset_peak_stats(int device);
+int liballocd_go_record_history(int enabled, long long max_entries, int stack_depth);
+int liballocd_go_dump_snapshot(char *path);
+size_t liballocd_go_metrics_address(char *buf, size_t n);
+#pragma GCC visibility pop
+
+#endif

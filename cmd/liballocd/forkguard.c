@@ -1,0 +1,117 @@
+//go:build cgo
+
+// forkguard.c: the fork check of every export, and the exports written in
+// C that only check it and call their Go half (exports.go). allocd_torch_malloc,
+// allocd_torch_free and allocd_last_error are in freequeue.c.
+
+#include <pthread.h>
+#include <string.h>
+
+#include "exports.h"
+#include "forkguard.h"
+#include "lasterror.h"
+
+int liballocd_forked;
+
+static void mark_forked_child(void) { __atomic_store_n(&liballocd_forked, 1, __ATOMIC_RELAXED); }
+
+__attribute__((constructor)) static void register_fork_guard(void) { pthread_atfork(NULL, NULL, mark_forked_child); }
+
+static const char fork_message[] =
+	"allocd: called in a forked child; liballocd does not survive fork (the Go runtime it runs has only the forking "
+	"thread there): start processes that use it with spawn, not fork";
+
+void liballocd_fork_error(void) { liballocd_set_error(fork_message, sizeof fork_message - 1); }
+
+// copy_out copies s into buf (NUL-terminated, truncated to n) and returns
+// its length, as the Go exports' copyOut does.
+static size_t copy_out(const char *s, char *buf, size_t n) {
+	size_t len = strlen(s);
+	if (buf != NULL && n > 0) {
+		size_t k = len < n - 1 ? len : n - 1;
+		memcpy(buf, s, k);
+		buf[k] = '\0';
+	}
+	return len;
+}
+
+#define API __attribute__((visibility("default")))
+
+// FORKED fails the export with value v in a forked child.
+#define FORKED(v)                                                                                                      \
+	do {                                                                                                               \
+		if (liballocd_forked_child()) {                                                                                \
+			liballocd_fork_error();                                                                                    \
+			return v;                                                                                                  \
+		}                                                                                                              \
+	} while (0)
+
+API int allocd_init(const char *conf, const char *metrics_listen, const char *log_level) {
+	FORKED(-1);
+	return liballocd_go_init((char *)conf, (char *)metrics_listen, (char *)log_level);
+}
+
+API void allocd_torch_record_stream(void *ptr, void *stream) {
+	FORKED();
+	liballocd_go_torch_record_stream(ptr, stream);
+}
+
+API void allocd_torch_empty_cache(void) {
+	FORKED();
+	liballocd_go_torch_empty_cache();
+}
+
+API void allocd_torch_set_memory_fraction(double fraction, int device) {
+	FORKED();
+	liballocd_go_torch_set_memory_fraction(fraction, device);
+}
+
+API size_t allocd_memory_stats_json(int device, char *buf, size_t n) {
+	FORKED(copy_out("{}", buf, n));
+	return liballocd_go_memory_stats_json(device, buf, n);
+}
+
+API size_t allocd_memory_summary(int device, int abbreviated, char *buf, size_t n) {
+	FORKED(copy_out("", buf, n));
+	return liballocd_go_memory_summary(device, abbreviated, buf, n);
+}
+
+API long long allocd_memory_allocated(int device) {
+	FORKED(0);
+	return liballocd_go_memory_allocated(device);
+}
+
+API long long allocd_memory_reserved(int device) {
+	FORKED(0);
+	return liballocd_go_memory_reserved(device);
+}
+
+API long long allocd_max_memory_allocated(int device) {
+	FORKED(0);
+	return liballocd_go_max_memory_allocated(device);
+}
+
+API long long allocd_max_memory_reserved(int device) {
+	FORKED(0);
+	return liballocd_go_max_memory_reserved(device);
+}
+
+API int allocd_reset_peak_stats(int device) {
+	FORKED(-1);
+	return liballocd_go_reset_peak_stats(device);
+}
+
+API int allocd_record_history(int enabled, long long max_entries, int stack_depth) {
+	FORKED(-1);
+	return liballocd_go_record_history(enabled, max_entries, stack_depth);
+}
+
+API int allocd_dump_snapshot(const char *path) {
+	FORKED(-1);
+	return liballocd_go_dump_snapshot((char *)path);
+}
+
+API size_t allocd_metrics_address(char *buf, size_t n) {
+	FORKED(copy_out("", buf, n));
+	return liballocd_go_metrics_address(buf, n);
+}
