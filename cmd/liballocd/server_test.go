@@ -222,12 +222,20 @@ func TestMetricsSlowSnapshotClients(t *testing.T) {
 			open++
 		}
 	}
-	after := heapInuse() - min(base, heapInuse())
+	// The handler unwinds after the client sees the close: allow it a
+	// moment (longer under the race detector).
+	var after uint64
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		after = heapInuse() - min(base, heapInuse())
+		if after <= one/2 || time.Now().After(deadline) {
+			break
+		}
+	}
 	t.Logf("after the write timeout: %d of %d connections open, heap %d MiB above the start", open, clients, after>>20)
 	if open != 0 {
 		t.Errorf("%d of %d non-reading clients still connected after the write timeout", open, clients)
 	}
-	if after > one {
+	if after > one/2 {
 		t.Errorf("heap %d MiB above the start after the clients were cut off; one snapshot is %d MiB", after>>20, one>>20)
 	}
 }
