@@ -51,6 +51,9 @@ type serveFlags struct {
 	readyFile       string
 	shutdownTimeout time.Duration
 	drainDelay      time.Duration
+	maxConns        int           // --max-conns
+	writeTimeout    time.Duration // --write-timeout
+	idleTimeout     time.Duration // --idle-timeout
 }
 
 func newServeCmd() *cobra.Command {
@@ -112,6 +115,9 @@ console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
 	fl.StringVar(&f.readyFile, "ready-file", "", "once serving, write the listening address to this file")
 	fl.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 10*time.Second, "how long shutdown waits for in-flight requests and the workload")
 	fl.DurationVar(&f.drainDelay, "drain-delay", 0, "on shutdown, keep serving with /readyz at 503 for this long first")
+	fl.IntVar(&f.maxConns, "max-conns", server.DefaultMaxConns, fmt.Sprintf("HTTP connections open at once, from 1 to %d; more wait in the listen backlog", maxServeConns))
+	fl.DurationVar(&f.writeTimeout, "write-timeout", server.DefaultWriteTimeout, "how long an HTTP response may take to write before its connection is cut (1s to 1h)")
+	fl.DurationVar(&f.idleTimeout, "idle-timeout", server.DefaultIdleTimeout, "how long an idle keep-alive HTTP connection stays open (1s to 1h)")
 	return cmd
 }
 
@@ -152,6 +158,17 @@ func checkServeFlags(f serveFlags) (devspec.Spec, uint64, error) {
 			return spec, 0, fmt.Errorf("%s %v: expected a duration from 0 to %v", d.flag, d.v, maxServeWait)
 		}
 	}
+	for _, d := range []struct {
+		flag string
+		v    time.Duration
+	}{{"--write-timeout", f.writeTimeout}, {"--idle-timeout", f.idleTimeout}} {
+		if d.v < time.Second || d.v > maxServeWait {
+			return spec, 0, fmt.Errorf("%s %v: expected a duration from 1s to %v", d.flag, d.v, maxServeWait)
+		}
+	}
+	if f.maxConns < 1 || f.maxConns > maxServeConns {
+		return spec, 0, fmt.Errorf("--max-conns %d: expected a number of connections from 1 to %d", f.maxConns, maxServeConns)
+	}
 	return spec, capacity, nil
 }
 
@@ -165,8 +182,12 @@ const (
 	// maxServeHistory bounds --history: the allocator's own bound on the
 	// events it keeps (tens of bytes each) for /debug/snapshot.
 	maxServeHistory = allocator.MaxHistoryEntries
-	// maxServeWait bounds --shutdown-timeout and --drain-delay.
+	// maxServeWait bounds --shutdown-timeout, --drain-delay,
+	// --write-timeout and --idle-timeout.
 	maxServeWait = time.Hour
+	// maxServeConns bounds --max-conns: each connection is a file
+	// descriptor and a goroutine.
+	maxServeConns = 65536
 )
 
 // checkFloatFlag checks the value v of a float flag: a finite, normal
@@ -268,7 +289,12 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 		_ = allocs.Close()
 		return fmt.Errorf("--listen: %w", err)
 	}
-	srv, err := server.NewHTTP(ln, d.Handler(), server.HTTPOptions{ErrorLog: zap.NewStdLog(log.Named("http"))})
+	srv, err := server.NewHTTP(ln, d.Handler(), server.HTTPOptions{
+		MaxConns:     f.maxConns,
+		WriteTimeout: f.writeTimeout,
+		IdleTimeout:  f.idleTimeout,
+		ErrorLog:     zap.NewStdLog(log.Named("http")),
+	})
 	if err != nil {
 		_ = ln.Close()
 		_ = allocs.Close()

@@ -60,7 +60,8 @@ func TestServeFlagErrors(t *testing.T) {
 // the accepted range; the limits themselves are accepted.
 func TestServeNumericFlagLimits(t *testing.T) {
 	base := func() serveFlags {
-		return serveFlags{device: "sim", simCapacity: "1GiB", rate: 10000, shutdownTimeout: 10 * time.Second}
+		return serveFlags{device: "sim", simCapacity: "1GiB", rate: 10000, shutdownTimeout: 10 * time.Second,
+			maxConns: 64, writeTimeout: time.Minute, idleTimeout: time.Minute}
 	}
 	const rateRange = "--replay-rate %s: expected 0 (as fast as possible) or operations per second from 0.01 to 1e+09 (not NaN, Inf or subnormal)"
 	for _, tc := range []struct {
@@ -83,6 +84,13 @@ func TestServeNumericFlagLimits(t *testing.T) {
 		{"shutdown timeout too long", func(f *serveFlags) { f.shutdownTimeout = 2 * time.Hour }, "--shutdown-timeout 2h0m0s"},
 		{"drain delay negative", func(f *serveFlags) { f.drainDelay = -time.Nanosecond }, "--drain-delay -1ns"},
 		{"drain delay too long", func(f *serveFlags) { f.drainDelay = 61 * time.Minute }, "--drain-delay 1h1m0s: expected a duration from 0 to 1h0m0s"},
+		{"write timeout 0", func(f *serveFlags) { f.writeTimeout = 0 }, "--write-timeout 0s: expected a duration from 1s to 1h0m0s"},
+		{"write timeout too long", func(f *serveFlags) { f.writeTimeout = 2 * time.Hour }, "--write-timeout 2h0m0s"},
+		{"idle timeout below 1s", func(f *serveFlags) { f.idleTimeout = 999 * time.Millisecond }, "--idle-timeout 999ms: expected a duration from 1s to 1h0m0s"},
+		{"idle timeout negative", func(f *serveFlags) { f.idleTimeout = -time.Second }, "--idle-timeout -1s"},
+		{"max conns 0", func(f *serveFlags) { f.maxConns = 0 }, "--max-conns 0: expected a number of connections from 1 to 65536"},
+		{"max conns negative", func(f *serveFlags) { f.maxConns = -1 }, "--max-conns -1"},
+		{"max conns too many", func(f *serveFlags) { f.maxConns = maxServeConns + 1 }, "--max-conns 65537"},
 	} {
 		f := base()
 		tc.set(&f)
@@ -100,6 +108,8 @@ func TestServeNumericFlagLimits(t *testing.T) {
 		{"history at the maximum", func(f *serveFlags) { f.history = maxServeHistory }},
 		{"waits at the maximum", func(f *serveFlags) { f.shutdownTimeout, f.drainDelay = time.Hour, time.Hour }},
 		{"waits 0", func(f *serveFlags) { f.shutdownTimeout, f.drainDelay = 0, 0 }},
+		{"HTTP bounds at the minimum", func(f *serveFlags) { f.maxConns, f.writeTimeout, f.idleTimeout = 1, time.Second, time.Second }},
+		{"HTTP bounds at the maximum", func(f *serveFlags) { f.maxConns, f.writeTimeout, f.idleTimeout = maxServeConns, time.Hour, time.Hour }},
 	} {
 		f := base()
 		tc.set(&f)
@@ -123,7 +133,8 @@ func TestServeNumericFlagLimits(t *testing.T) {
 // events and hands out the trace's recorded segment addresses.
 func TestServeReplayDevice(t *testing.T) {
 	needServeTestTrace(t)
-	f := serveFlags{device: "sim", simCapacity: "141GiB", replay: serveTestTrace}
+	f := serveFlags{device: "sim", simCapacity: "141GiB", replay: serveTestTrace,
+		maxConns: 64, writeTimeout: time.Minute, idleTimeout: time.Minute}
 	spec, capacity, err := checkServeFlags(f)
 	if err != nil {
 		t.Fatal(err)
@@ -160,7 +171,8 @@ func TestServeReplayDevice(t *testing.T) {
 
 	// On sim:3 every device replays with manual events, and device i gets
 	// the trace's addresses moved by i TiB: no two devices share one.
-	spec3, _, err := checkServeFlags(serveFlags{device: "sim:3", simCapacity: "141GiB", replay: serveTestTrace})
+	spec3, _, err := checkServeFlags(serveFlags{device: "sim:3", simCapacity: "141GiB", replay: serveTestTrace,
+		maxConns: 64, writeTimeout: time.Minute, idleTimeout: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -532,7 +532,8 @@ func TestRunServeSecondSignal(t *testing.T) {
 	sigs := make(chan os.Signal, 2)
 	logs := &serveLogBuffer{}
 	f := serveFlags{device: "sim", listen: "127.0.0.1:0", simCapacity: "1GiB", readyFile: ready, rate: 0,
-		shutdownTimeout: 5 * time.Second, drainDelay: time.Minute, dev: true}
+		shutdownTimeout: 5 * time.Second, drainDelay: time.Minute, dev: true,
+		maxConns: 64, writeTimeout: time.Minute, idleTimeout: time.Minute}
 	exited := make(chan struct{})
 	var runErr error
 	go func() {
