@@ -166,6 +166,23 @@ func heapInuse() uint64 {
 	return ms.HeapInuse
 }
 
+// rssMiB returns the process's resident set (VmRSS) in MiB, or -1.
+func rssMiB() int {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return -1
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			var kib int
+			if _, err := fmt.Sscanf(strings.TrimSpace(v), "%d kB", &kib); err == nil {
+				return kib >> 10
+			}
+		}
+	}
+	return -1
+}
+
 // TestMetricsSlowSnapshotClients: 12 clients ask for /debug/snapshot of a
 // 200,000-entry history and never read. The heap must not hold a snapshot
 // per client (at most a few build at once; the rest get 503), and each
@@ -199,6 +216,7 @@ func TestMetricsSlowSnapshotClients(t *testing.T) {
 	runtime.KeepAlive(snap)
 	snap = nil
 	base = heapInuse()
+	rss0 := rssMiB()
 
 	const clients = 12
 	conns := make([]net.Conn, 0, clients)
@@ -212,7 +230,8 @@ func TestMetricsSlowSnapshotClients(t *testing.T) {
 	}
 	time.Sleep(write / 2)
 	held := heapInuse() - min(base, heapInuse())
-	t.Logf("one snapshot: %d MiB of heap; %d non-reading clients: heap %d MiB above the start", one>>20, clients, held>>20)
+	t.Logf("one snapshot: %d MiB of heap; %d non-reading clients: heap %d MiB above the start, RSS %d MiB (%d at the start)",
+		one>>20, clients, held>>20, rssMiB(), rss0)
 	if held > 3*one {
 		t.Errorf("%d non-reading clients hold %d MiB, more than 3 snapshots (%d MiB each)", clients, held>>20, one>>20)
 	}
@@ -231,7 +250,7 @@ func TestMetricsSlowSnapshotClients(t *testing.T) {
 			break
 		}
 	}
-	t.Logf("after the write timeout: %d of %d connections open, heap %d MiB above the start", open, clients, after>>20)
+	t.Logf("after the write timeout: %d of %d connections open, heap %d MiB above the start, RSS %d MiB", open, clients, after>>20, rssMiB())
 	if open != 0 {
 		t.Errorf("%d of %d non-reading clients still connected after the write timeout", open, clients)
 	}
@@ -246,8 +265,9 @@ const floodChildEnv = "LIBALLOCD_TEST_FLOOD_CHILD"
 
 // TestMetricsConnFlood: a process limited to 128 open files serves
 // metrics; 300 connections that never send a request must not take its
-// file descriptors: it still opens 40 files while they are held, and once
-// the flood is cut off by the header timeout it answers /healthz.
+// file descriptors: it holds at most the listener and MaxConns sockets,
+// still opens 40 files while they are held, and once the flood is cut off
+// by the header timeout it answers /healthz.
 func TestMetricsConnFlood(t *testing.T) {
 	if runtime.GOOS != "linux" {
 		t.Skip("RLIMIT_NOFILE and /dev/null: Linux")
@@ -298,7 +318,7 @@ func TestMetricsConnFlood(t *testing.T) {
 	_, _ = io.WriteString(stdin, "open\n")
 	for sc.Scan() {
 		lines = append(lines, sc.Text())
-		if strings.HasPrefix(sc.Text(), "OPEN ") {
+		if strings.HasPrefix(sc.Text(), "SOCKETS ") || strings.HasPrefix(sc.Text(), "OPEN ") && sc.Text() != "OPEN ok" {
 			break
 		}
 	}
@@ -326,11 +346,33 @@ func TestMetricsConnFlood(t *testing.T) {
 	if err != nil || status != "200 OK" {
 		t.Errorf("GET /healthz after the flood: %v %s", err, status)
 	}
+	var sockets int
+	if _, err := fmt.Sscanf(lines[len(lines)-1], "SOCKETS %d", &sockets); err != nil || sockets < 1 || sockets > testHTTP.MaxConns+1 {
+		t.Errorf("the serving process held %d sockets (%q) with %d connections made; want at most the listener and %d connections",
+			sockets, lines[len(lines)-1], flood, testHTTP.MaxConns)
+	}
+}
+
+// countSockets counts this process's open sockets (its listener and
+// connections), from /proc/self/fd; -1 when it cannot be read.
+func countSockets() int {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return -1
+	}
+	n := 0
+	for _, e := range ents {
+		if target, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && strings.HasPrefix(target, "socket:") {
+			n++
+		}
+	}
+	return n
 }
 
 // TestMetricsFloodChild is TestMetricsConnFlood's server process: under
 // RLIMIT_NOFILE 128 it serves metrics, prints ADDR, and on a line on stdin
-// opens 40 files and prints OPEN ok or OPEN and the error.
+// opens 40 files and prints OPEN ok and its count of sockets (SOCKETS n),
+// or OPEN and the error.
 func TestMetricsFloodChild(t *testing.T) {
 	if os.Getenv(floodChildEnv) != "1" {
 		t.Skip("run by TestMetricsConnFlood")
@@ -365,5 +407,6 @@ func TestMetricsFloodChild(t *testing.T) {
 		files = append(files, f)
 	}
 	fmt.Println("OPEN ok")
+	fmt.Printf("SOCKETS %d\n", countSockets())
 	sc.Scan() // until the parent is done
 }
