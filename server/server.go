@@ -6,6 +6,10 @@
 // shutdown (Signals). A Go program that embeds allocators mounts
 // promhttp and debughttp itself instead; this package is for a process
 // whose only job is serving them.
+//
+// NewHTTP is the bounded HTTP server setup (timeouts, a connection limit)
+// that `allocd serve` and liballocd's in-process metrics server share, and
+// LimitInFlight and LimitBody bound their expensive pages.
 package server
 
 import (
