@@ -3,7 +3,9 @@
 //
 //	go build -buildmode=c-shared -o liballocd.so ./cmd/liballocd
 //
-// The exported C functions (exports.go) are thin: each recovers panics,
+// The exported C functions (forkguard.c, freequeue.c) fail at once in a
+// forked child and otherwise call their Go halves (exports.go), which are
+// thin: each recovers panics,
 // reports errors through allocd_last_error, applies the frees that
 // allocd_torch_free queued in C (freequeue.c, queue.go), and calls into this
 // file, which holds the library's state: one allocator per device index, created on
