@@ -60,6 +60,18 @@ func TestHugeAllocIsOutOfMemory(t *testing.T) {
 	}
 }
 
+// TestAllocAboveMaxSize: a request above MaxSize is ErrTooLarge, and out
+// of memory like any request the system cannot page-lock.
+func TestAllocAboveMaxSize(t *testing.T) {
+	a := newAlloc(t, newSim(t, false), DefaultConfig())
+	for _, n := range []int{MaxSize + 1, 1<<63 - 1} {
+		if _, err := a.Alloc(n); !errors.Is(err, ErrTooLarge) || !errors.Is(err, cudart.ErrOutOfMemory) {
+			t.Errorf("Alloc(%d) = %v, want ErrTooLarge and ErrOutOfMemory", n, err)
+		}
+	}
+	mustCheck(t, a)
+}
+
 // TestRecordStreamUnknownStream: RecordStream of a stream the device does
 // not know is refused with ErrInvalidStream, and the buffer is unchanged:
 // its Free is immediate and makes no event.

@@ -115,7 +115,8 @@ var (
 	// ErrLiveBuffers: Close found buffers never freed (their memory was
 	// returned to the system all the same).
 	ErrLiveBuffers = errors.New("pinned buffers still allocated")
-	// ErrTooLarge: a request above MaxSize.
+	// ErrTooLarge: a request above MaxSize. The error wraps
+	// cudart.ErrOutOfMemory too: no system could page-lock it.
 	ErrTooLarge = errors.New("pinned request too large")
 	// ErrInvalidStream: RecordStream of a stream the device does not know
 	// (never created, or destroyed). The error also wraps the device's.
@@ -305,9 +306,11 @@ func RoundSize(n uint64, divisions int) (size uint64, class int) {
 }
 
 // Alloc returns a buffer of n bytes. Alloc(0) returns the zero Buffer. A
-// negative n, or one above MaxSize, is an error; so is a refusal by the
-// system after the cache was emptied (wrapping cudart.ErrOutOfMemory). On
-// error no buffer is handed out and no memory is held for it.
+// negative n is an error wrapping cudart.ErrInvalidValue. A request the
+// system refuses after the cache was emptied, whatever its size, is an
+// error wrapping cudart.ErrOutOfMemory; so is one above MaxSize (which
+// wraps ErrTooLarge too). On error no buffer is handed out and no memory is
+// held for it.
 func (a *Allocator) Alloc(n int) (Buffer, error) {
 	if n <= 0 || uint64(n) > MaxSize {
 		return a.allocInvalid(n)
@@ -348,7 +351,7 @@ func (a *Allocator) allocInvalid(n int) (Buffer, error) {
 	case n < 0:
 		return Buffer{}, fmt.Errorf("pinned: alloc of %d bytes: %w", n, cudart.ErrInvalidValue)
 	}
-	return Buffer{}, fmt.Errorf("pinned: alloc of %d bytes: %w", n, ErrTooLarge)
+	return Buffer{}, fmt.Errorf("pinned: alloc of %d bytes: %w (%w)", n, ErrTooLarge, cudart.ErrOutOfMemory)
 }
 
 // allocMiss is Alloc when class's free list is empty (or the allocator
