@@ -67,7 +67,8 @@
 // its own by the block's owner pointer, which the allocator clears when the
 // block goes back to the system. The two lock operations, atomic
 // read-modify-writes, are most of the cost. A Free of a block used by
-// streams records one event per stream; a miss queries the pending events;
+// streams checks each stream with the device and records one event on it;
+// a miss queries the pending events;
 // new memory is page-locked with the mutex released.
 package pinned
 
@@ -551,8 +552,9 @@ func (a *Allocator) freeSlow(buf Buffer) error {
 // failure the events taken go back to the idle list and b is unchanged.
 //
 // A stream the device no longer knows (destroyed since RecordStream) can
-// take no event, yet work it queued may still be running. Then no event is
-// kept: the device is synchronised, which waits for that work and for the
+// take no event, yet work it queued may still be running; each stream is
+// checked (cudart.StreamChecker) before its event is recorded, and a failed
+// record is checked again. For such a stream no event is kept: the device is synchronised, which waits for that work and for the
 // other streams' too, and b has no events outstanding when this returns
 // nil. If the synchronisation fails, its error is returned and b is
 // unchanged.
@@ -567,6 +569,14 @@ func (a *Allocator) recordEvents(b *block) error {
 	}
 	for i := 0; i < b.nstreams; i++ {
 		s := b.streamAt(i)
+		if a.check != nil {
+			// Checked before recording: CUDA does not validate the handle
+			// of a destroyed stream, and may reuse it for a new one.
+			if cerr := a.check.CheckStream(s); errors.Is(cerr, cudart.ErrInvalidValue) {
+				rollback()
+				return a.syncForGoneStream(b, s, cerr)
+			}
+		}
 		ev, err := a.event()
 		if err == nil {
 			if err = a.dev.EventRecord(ev, s); err != nil {
@@ -591,7 +601,8 @@ func (a *Allocator) recordEvents(b *block) error {
 
 // streamGone reports whether s, on which recording an event failed with
 // err, is a stream the device does not know (any more): so its checker
-// says, or, without one, the error is ErrInvalidValue.
+// says, or, without one, the error is ErrInvalidValue. (With a checker,
+// recordEvents asks it before recording already.)
 func (a *Allocator) streamGone(s cudart.Stream, err error) bool {
 	if a.check != nil {
 		err = a.check.CheckStream(s)
