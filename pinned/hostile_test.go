@@ -279,3 +279,21 @@ func (d *queryFailDevice) EventQuery(e cudart.Event) (bool, error) {
 	}
 	return d.Sim.EventQuery(e)
 }
+
+// TestRoundSizeOutOfRange: RoundSize outside [1, MaxSize] neither panics
+// (a negative shift at 0) nor wraps (a class size of 0 above 2^63): it says
+// there is no class.
+func TestRoundSizeOutOfRange(t *testing.T) {
+	for _, n := range []uint64{0, MaxSize + 1, 1<<63 + 1, 1 << 63, ^uint64(0)} {
+		for _, d := range []int{1, 4, 64} {
+			if size, class := RoundSize(n, d); size != 0 || class != -1 {
+				t.Errorf("RoundSize(%d, %d) = %d, class %d; want 0, -1", n, d, size, class)
+			}
+		}
+	}
+	for _, d := range []int{1, 4, 64} {
+		if size, class := RoundSize(MaxSize-1, d); size != MaxSize || class != 62*d {
+			t.Errorf("RoundSize(MaxSize-1, %d) = %d, class %d; want MaxSize, %d", d, size, class, 62*d)
+		}
+	}
+}

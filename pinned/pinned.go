@@ -287,8 +287,12 @@ func (a *Allocator) Device() Device { return a.dev }
 
 // RoundSize returns the size class of a request of n bytes with divisions
 // classes per power of two (0 or 1: the next power of two), and the class's
-// index. n must be in [1, MaxSize].
+// index. n must be in [1, MaxSize]; any other n has no class, and
+// RoundSize returns 0 and -1.
 func RoundSize(n uint64, divisions int) (size uint64, class int) {
+	if n == 0 || n > MaxSize {
+		return 0, -1
+	}
 	if divisions < 1 {
 		divisions = 1
 	}
