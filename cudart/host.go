@@ -24,6 +24,9 @@ const (
 	HostAllocWriteCombined HostAllocFlags = 4
 )
 
+// maxHostSlice is the largest []byte this platform can hold.
+const maxHostSlice = uint64(^uint(0) >> 1)
+
 // hostAllocFlagsMask holds every flag HostAlloc accepts.
 const hostAllocFlagsMask = HostAllocPortable | HostAllocMapped | HostAllocWriteCombined
 
@@ -78,7 +81,9 @@ var hostAllocs = struct {
 
 // HostAlloc implements HostDevice with cudaHostAlloc, made with this
 // device current. The memory is outside the Go heap: the garbage collector
-// neither moves nor frees it.
+// neither moves nor frees it. cudaHostAlloc's refusal
+// (cudaErrorMemoryAllocation) is an error wrapping ErrOutOfMemory; so is a
+// size no slice can hold, refused without calling CUDA.
 func (c *CUDA) HostAlloc(size uint64, flags HostAllocFlags) ([]byte, error) {
 	if err := c.usable("host alloc"); err != nil {
 		return nil, err
@@ -89,6 +94,11 @@ func (c *CUDA) HostAlloc(size uint64, flags HostAllocFlags) ([]byte, error) {
 	if flags&^hostAllocFlagsMask != 0 {
 		return nil, c.invalid("host alloc: unknown flags %#x", uint32(flags))
 	}
+	if size > maxHostSlice {
+		// Larger than a Go slice (and than size_t on 32-bit platforms):
+		// refused as CUDA refuses what it cannot page-lock.
+		return nil, c.fail(fmt.Sprintf("host alloc of %d bytes", size), hostAllocOOM())
+	}
 	p, e := shimHostAlloc(c.state.index, size, flags)
 	if e != nil {
 		return nil, c.fail(fmt.Sprintf("host alloc of %d bytes", size), e)
@@ -97,6 +107,11 @@ func (c *CUDA) HostAlloc(size uint64, flags HostAllocFlags) ([]byte, error) {
 	hostAllocs.live[uintptr(p)] = size
 	hostAllocs.Unlock()
 	return unsafe.Slice((*byte)(p), size), nil
+}
+
+// hostAllocOOM is cudaHostAlloc's out-of-memory error.
+func hostAllocOOM() *CUDAError {
+	return &CUDAError{Op: "cudaHostAlloc", Code: 2, Name: "cudaErrorMemoryAllocation", Text: "out of memory"}
 }
 
 // FreeHost implements HostDevice with cudaFreeHost. A slice that does not

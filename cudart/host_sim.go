@@ -24,7 +24,7 @@ import (
 type simHost struct {
 	live     map[uintptr][]byte // HostAlloc memory by base address
 	used     uint64             // bytes of live HostAlloc memory
-	capacity uint64             // 0: unlimited
+	capacity uint64             // 0: DefaultSimHostCapacity
 	pending  []simCopy          // queued copies, in the order they were queued
 	seq      uint64             // sequence number of the last queued copy
 	failAt   int64              // fail the HostAlloc whose ordinal equals failAt
@@ -63,12 +63,34 @@ const (
 	copyDtoD
 )
 
+// DefaultSimHostCapacity is the Sim's page-locked memory when
+// SetHostCapacity has not set another: 64 GiB.
+const DefaultSimHostCapacity uint64 = 64 << 30
+
 // SetHostCapacity caps the Sim's live HostAlloc memory at n bytes (0:
-// unlimited); a HostAlloc past it fails with ErrOutOfMemory.
+// DefaultSimHostCapacity); a HostAlloc past it fails with ErrOutOfMemory.
+// Whatever n is, the live HostAlloc memory also stays within the machine's
+// physical memory where the system reports it (Linux), as page-locked
+// memory must: the Sim's host memory is Go memory, and a Go allocation the
+// system refuses is a fatal error of the runtime, not an error.
+// Lowering the capacity below the live memory refuses every HostAlloc
+// until enough is freed.
 func (s *Sim) SetHostCapacity(n uint64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.host.capacity = n
+}
+
+// hostLimit returns the bytes of host memory the Sim may hand out in all.
+func (s *Sim) hostLimit() uint64 {
+	c := s.host.capacity
+	if c == 0 {
+		c = DefaultSimHostCapacity
+	}
+	if m := physicalMemory(); m != 0 {
+		c = min(c, m)
+	}
+	return min(c, maxHostSlice)
 }
 
 // FailHostAlloc makes the n-th HostAlloc call from now (n = 1: the next)
@@ -98,7 +120,8 @@ func (s *Sim) HostCounters() SimHostCounters {
 
 // HostAlloc implements HostDevice with Go memory, which the Sim then treats
 // as page-locked. flags are checked as CUDA checks them and otherwise
-// ignored.
+// ignored. A request past the host capacity (SetHostCapacity) fails with
+// ErrOutOfMemory, whatever its size.
 func (s *Sim) HostAlloc(size uint64, flags HostAllocFlags) ([]byte, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -120,7 +143,9 @@ func (s *Sim) HostAlloc(size uint64, flags HostAllocFlags) ([]byte, error) {
 	if flags&^hostAllocFlagsMask != 0 {
 		return nil, fmt.Errorf("cudart: sim host alloc: unknown flags %#x: %w", uint32(flags), ErrInvalidValue)
 	}
-	if s.host.capacity != 0 && size > s.host.capacity-s.host.used {
+	// Checked before any Go memory is asked for: the runtime cannot
+	// refuse a make([]byte) with an error.
+	if limit := s.hostLimit(); s.host.used > limit || size > limit-s.host.used {
 		s.host.counters.FailedHostAllocs++
 		return nil, s.oom("cudaHostAlloc")
 	}

@@ -145,3 +145,36 @@ func TestSimCopyErrors(t *testing.T) {
 		t.Errorf("copy on an unbacked sim = %v, want ErrNotBacked", err)
 	}
 }
+
+// TestSimHostAllocHuge: a HostAlloc past the Sim's host capacity, by
+// default or set, is ErrOutOfMemory before any Go memory is asked for, and
+// a capacity lowered below what is live refuses every HostAlloc until
+// memory is freed.
+func TestSimHostAllocHuge(t *testing.T) {
+	s := newHostSim(t, false)
+	for _, n := range []uint64{1 << 40, 1<<40 + 1, 1 << 62, 1<<63 + 5, ^uint64(0)} {
+		if b, err := s.HostAlloc(n, 0); !errors.Is(err, ErrOutOfMemory) {
+			t.Errorf("HostAlloc(%d) = %d bytes, %v; want ErrOutOfMemory", n, len(b), err)
+		}
+	}
+	b, err := s.HostAlloc(1<<20, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.SetHostCapacity(1 << 10) // below what is live
+	if _, err := s.HostAlloc(1, 0); !errors.Is(err, ErrOutOfMemory) {
+		t.Errorf("HostAlloc with the capacity below the live bytes = %v, want ErrOutOfMemory", err)
+	}
+	s.SetHostCapacity(^uint64(0)) // the machine's memory still bounds it
+	if _, err := s.HostAlloc(1<<62, 0); !errors.Is(err, ErrOutOfMemory) {
+		t.Errorf("HostAlloc(4 EiB) with an unbounded capacity = %v, want ErrOutOfMemory", err)
+	}
+	s.SetHostCapacity(0) // the default
+	if err := s.FreeHost(b); err != nil {
+		t.Fatal(err)
+	}
+	c := s.HostCounters()
+	if c.HostAllocs != 1 || c.FailedHostAllocs != 7 || c.LiveHostBytes != 0 {
+		t.Errorf("counters = %+v", c)
+	}
+}

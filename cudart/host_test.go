@@ -16,6 +16,11 @@ func TestHostMemory(t *testing.T) {
 	if _, err := c.HostAlloc(1, 1<<8); !errors.Is(err, ErrInvalidValue) {
 		t.Errorf("HostAlloc with an unknown flag = %v, want ErrInvalidValue", err)
 	}
+	for _, huge := range []uint64{1 << 50, 1 << 62, 1<<63 + 1, ^uint64(0)} {
+		if b, err := c.HostAlloc(huge, HostAllocPortable|HostAllocMapped); !errors.Is(err, ErrOutOfMemory) {
+			t.Errorf("HostAlloc(%d) = %d bytes, %v; want ErrOutOfMemory", huge, len(b), err)
+		}
+	}
 	const n = 1 << 20
 	h, err := c.HostAlloc(n, HostAllocPortable|HostAllocMapped)
 	if err != nil {

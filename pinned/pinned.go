@@ -33,6 +33,11 @@
 // When the system refuses new memory, the allocator waits for nothing: it
 // returns its free blocks to the system and asks once more.
 //
+// A stream destroyed while a block still names it can take no event, but
+// the work it queued may still run: Free then synchronises the device
+// instead, and the block is free at once. A pending event whose query fails
+// is handled the same way. Stats counts both.
+//
 // # Rules for callers
 //
 //   - The slice of Buffer.Bytes is valid from Alloc until Free. Do not keep
@@ -62,7 +67,8 @@
 // its own by the block's owner pointer, which the allocator clears when the
 // block goes back to the system. The two lock operations, atomic
 // read-modify-writes, are most of the cost. A Free of a block used by
-// streams records one event per stream; a miss queries the pending events;
+// streams checks each stream with the device and records one event on it;
+// a miss queries the pending events;
 // new memory is page-locked with the mutex released.
 package pinned
 
@@ -78,11 +84,16 @@ import (
 )
 
 // Device is what the Allocator needs of a device: page-locked memory,
-// async copies and events. *cudart.CUDA and *cudart.Sim implement it.
+// async copies, events and a device-wide synchronisation. *cudart.CUDA and
+// *cudart.Sim implement it. A Device that also implements
+// cudart.StreamChecker (both do) has RecordStream's streams checked.
 type Device interface {
 	cudart.HostDevice
 	// Info describes the device (its index labels the metrics).
 	Info() cudart.Info
+	// Synchronize waits for all work queued on the device, that of
+	// destroyed streams included (cudaDeviceSynchronize).
+	Synchronize() error
 	// EventCreate creates an event with timing disabled.
 	EventCreate() (cudart.Event, error)
 	// EventRecord records e on s.
@@ -105,8 +116,12 @@ var (
 	// ErrLiveBuffers: Close found buffers never freed (their memory was
 	// returned to the system all the same).
 	ErrLiveBuffers = errors.New("pinned buffers still allocated")
-	// ErrTooLarge: a request above MaxSize.
+	// ErrTooLarge: a request above MaxSize. The error wraps
+	// cudart.ErrOutOfMemory too: no system could page-lock it.
 	ErrTooLarge = errors.New("pinned request too large")
+	// ErrInvalidStream: RecordStream of a stream the device does not know
+	// (never created, or destroyed). The error also wraps the device's.
+	ErrInvalidStream = errors.New("invalid stream")
 )
 
 // MaxSize is the largest request Alloc accepts (4 EiB, so that every size
@@ -222,8 +237,9 @@ func (b Buffer) Len() int { return len(b.data) }
 // (whose context page-locks the memory and whose streams and events order
 // its reuse). It is safe for concurrent use.
 type Allocator struct {
-	dev Device
-	cfg Config
+	dev   Device
+	check cudart.StreamChecker // dev's, or nil
+	cfg   Config
 
 	mu      sync.Mutex
 	closed  bool
@@ -252,8 +268,10 @@ func New(dev Device, cfg Config) (*Allocator, error) {
 	if cfg.Flags&^(cudart.HostAllocPortable|cudart.HostAllocMapped|cudart.HostAllocWriteCombined) != 0 {
 		return nil, fmt.Errorf("pinned: new: unknown cudaHostAlloc flags %#x: %w", uint32(cfg.Flags), cudart.ErrInvalidValue)
 	}
+	check, _ := dev.(cudart.StreamChecker)
 	return &Allocator{
 		dev:    dev,
+		check:  check,
 		cfg:    cfg,
 		pow2:   cfg.RoundupDivisions == 1,
 		blocks: map[*block]struct{}{},
@@ -269,8 +287,12 @@ func (a *Allocator) Device() Device { return a.dev }
 
 // RoundSize returns the size class of a request of n bytes with divisions
 // classes per power of two (0 or 1: the next power of two), and the class's
-// index. n must be in [1, MaxSize].
+// index. n must be in [1, MaxSize]; any other n has no class, and
+// RoundSize returns 0 and -1.
 func RoundSize(n uint64, divisions int) (size uint64, class int) {
+	if n == 0 || n > MaxSize {
+		return 0, -1
+	}
 	if divisions < 1 {
 		divisions = 1
 	}
@@ -289,9 +311,11 @@ func RoundSize(n uint64, divisions int) (size uint64, class int) {
 }
 
 // Alloc returns a buffer of n bytes. Alloc(0) returns the zero Buffer. A
-// negative n, or one above MaxSize, is an error; so is a refusal by the
-// system after the cache was emptied (wrapping cudart.ErrOutOfMemory). On
-// error no buffer is handed out and no memory is held for it.
+// negative n is an error wrapping cudart.ErrInvalidValue. A request the
+// system refuses after the cache was emptied, whatever its size, is an
+// error wrapping cudart.ErrOutOfMemory; so is one above MaxSize (which
+// wraps ErrTooLarge too). On error no buffer is handed out and no memory is
+// held for it.
 func (a *Allocator) Alloc(n int) (Buffer, error) {
 	if n <= 0 || uint64(n) > MaxSize {
 		return a.allocInvalid(n)
@@ -332,7 +356,7 @@ func (a *Allocator) allocInvalid(n int) (Buffer, error) {
 	case n < 0:
 		return Buffer{}, fmt.Errorf("pinned: alloc of %d bytes: %w", n, cudart.ErrInvalidValue)
 	}
-	return Buffer{}, fmt.Errorf("pinned: alloc of %d bytes: %w", n, ErrTooLarge)
+	return Buffer{}, fmt.Errorf("pinned: alloc of %d bytes: %w (%w)", n, ErrTooLarge, cudart.ErrOutOfMemory)
 }
 
 // allocMiss is Alloc when class's free list is empty (or the allocator
@@ -476,6 +500,12 @@ func (a *Allocator) lookup(op string, buf Buffer) (*block, error) {
 // zero Buffer does nothing. A stale or foreign Buffer gives
 // ErrInvalidBuffer; if recording an event fails the buffer stays allocated,
 // with its streams, and the error is returned.
+//
+// A stream the device no longer knows (destroyed after RecordStream or a
+// copy) can take no event. Free then synchronises the device instead,
+// which waits for the work that stream queued, and the buffer is free at
+// once (Stats.DestroyedStreamSyncs counts these); only if that fails too
+// does the buffer stay allocated.
 func (a *Allocator) Free(buf Buffer) error {
 	b := buf.blk
 	if b == nil {
@@ -524,28 +554,75 @@ func (a *Allocator) freeSlow(buf Buffer) error {
 
 // recordEvents records one event per stream of b and queues them. On
 // failure the events taken go back to the idle list and b is unchanged.
+//
+// A stream the device no longer knows (destroyed since RecordStream) can
+// take no event, yet work it queued may still be running; each stream is
+// checked (cudart.StreamChecker) before its event is recorded, and a failed
+// record is checked again. For such a stream no event is kept: the device is synchronised, which waits for that work and for the
+// other streams' too, and b has no events outstanding when this returns
+// nil. If the synchronisation fails, its error is returned and b is
+// unchanged.
 func (a *Allocator) recordEvents(b *block) error {
 	start := len(a.pending)
+	rollback := func() {
+		for _, p := range a.pending[start:] {
+			a.idle = append(a.idle, p.ev)
+		}
+		clear(a.pending[start:])
+		a.pending = a.pending[:start]
+	}
 	for i := 0; i < b.nstreams; i++ {
 		s := b.streamAt(i)
+		if a.check != nil {
+			// Checked before recording: CUDA does not validate the handle
+			// of a destroyed stream, and may reuse it for a new one.
+			if cerr := a.check.CheckStream(s); errors.Is(cerr, cudart.ErrInvalidValue) {
+				rollback()
+				return a.syncForGoneStream(b, s, cerr)
+			}
+		}
 		ev, err := a.event()
 		if err == nil {
 			if err = a.dev.EventRecord(ev, s); err != nil {
 				a.idle = append(a.idle, ev)
+				if a.streamGone(s, err) {
+					rollback()
+					return a.syncForGoneStream(b, s, err)
+				}
 				err = fmt.Errorf("pinned: free: recording an event on stream %#x: %w", uint64(s), err)
 			}
 		}
 		if err != nil {
-			for _, p := range a.pending[start:] {
-				a.idle = append(a.idle, p.ev)
-			}
-			clear(a.pending[start:])
-			a.pending = a.pending[:start]
+			rollback()
 			return err
 		}
 		a.pending = append(a.pending, pendingEvent{ev: ev, blk: b})
 	}
 	b.events = b.nstreams
+	b.clearStreams()
+	return nil
+}
+
+// streamGone reports whether s, on which recording an event failed with
+// err, is a stream the device does not know (any more): so its checker
+// says, or, without one, the error is ErrInvalidValue. (With a checker,
+// recordEvents asks it before recording already.)
+func (a *Allocator) streamGone(s cudart.Stream, err error) bool {
+	if a.check != nil {
+		err = a.check.CheckStream(s)
+	}
+	return errors.Is(err, cudart.ErrInvalidValue)
+}
+
+// syncForGoneStream is Free of b when recording an event on its stream s
+// failed with rerr because s was destroyed: the device is synchronised and
+// b then needs no event.
+func (a *Allocator) syncForGoneStream(b *block, s cudart.Stream, rerr error) error {
+	if err := a.dev.Synchronize(); err != nil {
+		return fmt.Errorf("pinned: free: stream %#x is gone (%w) and synchronising the device failed: %w", uint64(s), rerr, err)
+	}
+	a.stats.DestroyedStreamSyncs++
+	b.events = 0
 	b.clearStreams()
 	return nil
 }
@@ -573,27 +650,46 @@ func (a *Allocator) release(b *block) {
 }
 
 // processEvents queries every pending event; a block whose events have
-// all completed goes to its free list. On a query error the events queried
-// so far are processed and the error returned.
+// all completed goes to its free list.
+//
+// When a query fails, the event's state is unknown and the work it stands
+// for may still run, so the device is synchronised: then that event and all
+// those after it count as complete, and the failed one is destroyed rather
+// than reused. If the synchronisation fails too, the events queried so far
+// are processed, the failed one and the rest stay pending, and the error is
+// returned.
 func (a *Allocator) processEvents() error {
 	kept := a.pending[:0]
 	var qerr error
+	synced := false
 	for i, p := range a.pending {
 		if qerr != nil {
 			kept = append(kept, a.pending[i:]...)
 			break
 		}
-		done, err := a.dev.EventQuery(p.ev)
-		if err != nil {
-			qerr = fmt.Errorf("pinned: querying a stream event: %w", err)
-			kept = append(kept, p)
-			continue
+		done, reuse := true, true
+		if !synced {
+			var err error
+			done, err = a.dev.EventQuery(p.ev)
+			if err != nil {
+				if serr := a.dev.Synchronize(); serr != nil {
+					qerr = fmt.Errorf("pinned: querying a stream event: %w (synchronising the device: %w)", err, serr)
+					kept = append(kept, p)
+					continue
+				}
+				a.stats.QueryFailureSyncs++
+				synced, done, reuse = true, true, false
+			}
 		}
 		if !done {
 			kept = append(kept, p)
 			continue
 		}
-		a.idle = append(a.idle, p.ev)
+		if reuse {
+			a.idle = append(a.idle, p.ev)
+		} else {
+			_ = a.dev.EventDestroy(p.ev) // it failed already; it is not used again either way
+		}
 		p.blk.events--
 		if p.blk.events == 0 {
 			a.release(p.blk)
@@ -607,13 +703,26 @@ func (a *Allocator) processEvents() error {
 // RecordStream declares that work queued on s uses buf's memory: Free will
 // not let the memory be reused before that work is done (PyTorch's
 // record_stream on a pinned tensor). Recording the same stream twice is one
-// record. It makes no device call.
+// record.
+//
+// A stream the device does not know, never created or destroyed, is
+// refused with an error wrapping ErrInvalidStream and the device's error,
+// and buf is unchanged. The device checks the stream (its
+// cudart.StreamChecker): a map lookup for the default streams and those
+// made through cudart, a cudaStreamQuery for other handles. A stream
+// destroyed after RecordStream does not keep the buffer from being freed:
+// see Free.
 func (a *Allocator) RecordStream(buf Buffer, s cudart.Stream) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	b, err := a.lookup("record stream", buf)
 	if err != nil {
 		return err
+	}
+	if a.check != nil {
+		if err := a.check.CheckStream(s); err != nil {
+			return fmt.Errorf("pinned: record stream %#x: %w: %w", uint64(s), ErrInvalidStream, err)
+		}
 	}
 	b.addStream(s)
 	return nil

@@ -307,31 +307,54 @@ func TestOutOfMemoryReleasesCache(t *testing.T) {
 	_ = a.Free(e)
 }
 
-// TestFreeEventFailureKeepsBuffer: when recording an event fails, Free
-// returns the error and the buffer stays allocated with its streams.
+// TestFreeEventFailureKeepsBuffer: when recording an event on a live
+// stream fails, Free returns the error and the buffer stays allocated with
+// its streams.
 func TestFreeEventFailureKeepsBuffer(t *testing.T) {
-	dev := newSim(t, true)
-	a := newAlloc(t, dev, DefaultConfig())
-	s1, _ := dev.StreamCreate()
-	s2, _ := dev.StreamCreate()
+	sim := newSim(t, true)
+	dev := &recordFailDevice{Sim: sim}
+	a, err := New(dev, DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	s1, _ := sim.StreamCreate()
+	s2, _ := sim.StreamCreate()
 	b, _ := a.Alloc(10)
 	_ = a.RecordStream(b, s1)
 	_ = a.RecordStream(b, s2)
 	_ = a.RecordStream(b, s2)
-	_ = dev.StreamDestroy(s2)
-	if err := a.Free(b); !errors.Is(err, cudart.ErrInvalidValue) {
-		t.Fatalf("Free with a destroyed stream = %v", err)
+	dev.fail = s2
+	if err := a.Free(b); !errors.Is(err, errRecordFails) {
+		t.Fatalf("Free with a failing event record = %v", err)
 	}
 	mustCheck(t, a)
-	if st := a.Stats(); st.PendingEvents != 0 || st.Allocation.Current != 1 {
-		t.Fatalf("after a failed Free: %+v", st)
+	if st := a.Stats(); st.PendingEvents != 0 || st.Allocation.Current != 1 || b.blk.nstreams != 2 || st.DestroyedStreamSyncs != 0 {
+		t.Fatalf("after a failed Free: %d streams, %+v", b.blk.nstreams, st)
 	}
-	b.blk.extra = b.blk.extra[:0] // forget s2 by hand: the caller has no way to
-	b.blk.nstreams = 1
+	dev.fail = 0
 	if err := a.Free(b); err != nil {
 		t.Fatal(err)
 	}
+	if st := a.Stats(); st.PendingEvents != 2 {
+		t.Errorf("%d pending events, want 2", st.PendingEvents)
+	}
 	mustCheck(t, a)
+}
+
+var errRecordFails = errors.New("event record fails")
+
+// recordFailDevice fails EventRecord on one live stream.
+type recordFailDevice struct {
+	*cudart.Sim
+	fail cudart.Stream
+}
+
+func (d *recordFailDevice) EventRecord(e cudart.Event, s cudart.Stream) error {
+	if s == d.fail && s != 0 {
+		return errRecordFails
+	}
+	return d.Sim.EventRecord(e, s)
 }
 
 func TestCachedPathMakesNoDeviceCall(t *testing.T) {
@@ -425,6 +448,7 @@ func (d *nopDevice) EventRecord(cudart.Event, cudart.Stream) error              
 func (d *nopDevice) EventQuery(cudart.Event) (bool, error)                            { return true, nil }
 func (d *nopDevice) EventSynchronize(cudart.Event) error                              { return nil }
 func (d *nopDevice) EventDestroy(cudart.Event) error                                  { return nil }
+func (d *nopDevice) Synchronize() error                                               { return nil }
 
 // TestCopyPathAllocatesNothing: Alloc, a copy each way and Free, in a
 // steady state where the freed block's event has completed by the next

@@ -69,6 +69,11 @@ type Stats struct {
 	// complete; CachedBytes the bytes of free blocks (allocd only).
 	PendingEvents int
 	CachedBytes   int64
+	// DestroyedStreamSyncs counts the device synchronisations Free made
+	// because a stream recorded on the buffer was destroyed before it;
+	// QueryFailureSyncs those made because querying a pending event failed
+	// (allocd only; see the package documentation).
+	DestroyedStreamSyncs, QueryFailureSyncs int64
 }
 
 // Stats returns a copy of the statistics.

@@ -68,6 +68,8 @@ var pinnedMetrics = []pinnedMetric{
 		"host_alloc_time.total", func(s *pinned.Stats) float64 { return float64(s.HostAllocTime.Total) / 1e6 }),
 	pinnedCounter("host_free_seconds_total", "Time spent in cudaFreeHost.",
 		"host_free_time.total", func(s *pinned.Stats) float64 { return float64(s.HostFreeTime.Total) / 1e6 }),
+	pinnedCounter("device_syncs_total", "Device synchronisations made in place of stream events: a stream destroyed before Free, or an event whose query failed.",
+		"", func(s *pinned.Stats) float64 { return float64(s.DestroyedStreamSyncs + s.QueryFailureSyncs) }),
 }
 
 // PinnedMetrics describes every metric the PinnedCollector exports, in its

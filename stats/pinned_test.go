@@ -33,6 +33,11 @@ func TestPinnedCollector(t *testing.T) {
 	b2, _ := a.Alloc(1000)
 	_ = a.RecordStream(b2, s)
 	_ = a.Free(b2) // pending
+	gone, _ := dev.StreamCreate()
+	b3, _ := a.Alloc(100)
+	_ = a.RecordStream(b3, gone)
+	_ = dev.StreamDestroy(gone)
+	_ = a.Free(b3) // a device synchronisation
 	c, err := NewPinnedCollector(a)
 	if err != nil {
 		t.Fatal(err)
@@ -56,9 +61,12 @@ allocd_pinned_allocated_bytes{UUID="SIM-00000003-0000-0000-0000-000000000000",gp
 allocd_pinned_pending_events{UUID="SIM-00000003-0000-0000-0000-000000000000",gpu="3"} 1
 # HELP allocd_pinned_host_allocs_total cudaHostAlloc calls that returned memory: requests the cache could not serve.
 # TYPE allocd_pinned_host_allocs_total counter
-allocd_pinned_host_allocs_total{UUID="SIM-00000003-0000-0000-0000-000000000000",gpu="3"} 2
+allocd_pinned_host_allocs_total{UUID="SIM-00000003-0000-0000-0000-000000000000",gpu="3"} 3
+# HELP allocd_pinned_device_syncs_total Device synchronisations made in place of stream events: a stream destroyed before Free, or an event whose query failed.
+# TYPE allocd_pinned_device_syncs_total counter
+allocd_pinned_device_syncs_total{UUID="SIM-00000003-0000-0000-0000-000000000000",gpu="3"} 1
 `
-	if err := testutil.CollectAndCompare(c, strings.NewReader(want), "allocd_pinned_allocated_bytes", "allocd_pinned_pending_events", "allocd_pinned_host_allocs_total"); err != nil {
+	if err := testutil.CollectAndCompare(c, strings.NewReader(want), "allocd_pinned_allocated_bytes", "allocd_pinned_pending_events", "allocd_pinned_host_allocs_total", "allocd_pinned_device_syncs_total"); err != nil {
 		t.Error(err)
 	}
 	reg := prometheus.NewPedanticRegistry()

@@ -53,6 +53,13 @@
 // member that are not a gzip member are an error (ErrMalformed), as are
 // a bad header, corrupt data and a bad checksum.
 //
+// Nothing may follow the pickle's STOP opcode: trailing bytes, junk or a
+// second pickle, in a plain input or anywhere in the decompressed gzip
+// stream, are ErrMalformed at the offset of the first of them. A bool
+// (True, False) where a size, an address, a stream, a device or a time
+// belongs is ErrMalformed naming the field: Python's bool is an int, but a
+// snapshot never holds one there.
+//
 // # Limits
 //
 // Every input, however hostile, is read within a stated budget; past a

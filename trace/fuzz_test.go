@@ -30,6 +30,11 @@ func FuzzRead(f *testing.F) {
 	f.Add(framesPickle())
 	f.Add(nestedPickle())
 	f.Add(settingsPickle())
+	one := snap(2, func(p pk) pk { return p.entry("alloc", 1, 2, 3, 4) })
+	f.Add(append(append([]byte(nil), one...), one...)) // trailing data: refused
+	f.Add(snap(2, func(p pk) pk {
+		return p.entry("alloc", 1, 2, 3, 4).op(opEmptyDict).str("size").op(opNewTrue, opSetItem)
+	}))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		for _, frames := range []bool{false, true} {
 			s, err := Read(bytes.NewReader(data), ReadOptions{Frames: frames})

@@ -385,7 +385,10 @@ func (d *decoder) describe(v val) string {
 	case kNone:
 		return "None"
 	case kBool:
-		return "a bool"
+		if v.n != 0 {
+			return "a bool (True)"
+		}
+		return "a bool (False)"
 	case kInt, kUint:
 		return "an int"
 	case kFloat:
@@ -469,9 +472,11 @@ func (d *decoder) action(e *rawEntry, id uint64, v val) error {
 	return nil
 }
 
+// u64 accepts a non-negative int. A bool is refused: Python's True is an
+// int, but a snapshot never holds one where a size or address belongs.
 func (d *decoder) u64(v val, key string) (uint64, error) {
 	switch {
-	case v.kind == kInt && int64(v.n) >= 0, v.kind == kUint, v.kind == kBool:
+	case v.kind == kInt && int64(v.n) >= 0, v.kind == kUint:
 		return v.n, nil
 	}
 	return 0, d.errAt(ErrMalformed, "%s: want a non-negative 64-bit int, have %s", key, d.describeNum(v))

@@ -16,8 +16,9 @@ import (
 // (protocol 2 to 5) or a RAPIDS RMM logging_resource_adaptor CSV log, either
 // of them plain or gzip-compressed. The format is detected from the content.
 // A pickle is decoded as it streams in, reading r up to the pickle's STOP
-// opcode (and, for gzip, to the end of the gzip stream, whose checksums are
-// verified); an RMM log is read to the end, line by line. A gzip stream may
+// opcode and then to the end, which must follow at once (for gzip, the end
+// of the gzip stream, whose checksums are verified); an RMM log is read to
+// the end, line by line. A gzip stream may
 // hold several members, read as one (as gzip -d does); anything after the
 // last member is an error. Read holds the input to the limits of opt (see
 // ReadOptions and MaxStack). Errors on bad input wrap ErrNotSnapshot,
@@ -190,6 +191,9 @@ func (d *decoder) snapshot() (*Snapshot, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := d.atEnd(); err != nil {
+		return nil, err
+	}
 	if top.kind != kCont || d.conts[top.n].sch != schTop {
 		return nil, &DecodeError{Err: ErrNotSnapshot, Offset: -1,
 			Msg: "the pickled value is " + d.describe(top) + ", not a snapshot dict"}
@@ -200,6 +204,21 @@ func (d *decoder) snapshot() (*Snapshot, error) {
 			Msg: "the pickled dict has neither device_traces nor segments"}
 	}
 	return &Snapshot{Segments: c.segs, DeviceTraces: c.devs, AllocatorSettings: c.settings}, nil
+}
+
+// atEnd checks, after the STOP opcode, that the (decompressed) input holds
+// nothing more: a pickle followed by anything, a second pickle included,
+// is malformed. An error of the reader found on the way is returned.
+func (d *decoder) atEnd() error {
+	if d.pos == d.end && !d.eof {
+		_ = d.fill(1) // at the end of the input it reports truncation: not an error here
+	}
+	if d.pos < d.end {
+		off := d.start + int64(d.pos)
+		return &DecodeError{Err: ErrMalformed, Offset: off,
+			Msg: fmt.Sprintf("data after the pickle's STOP opcode (at offset %d): trailing bytes start at offset %d", d.opOff, off)}
+	}
+	return d.rerr
 }
 
 // decodeBytes decodes an in-memory input (used by tests and benchmarks).
