@@ -3,6 +3,7 @@ package devspec
 import (
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"testing"
 
@@ -194,17 +195,52 @@ func TestOpenCUDAAll(t *testing.T) {
 	})
 }
 
+// TestParseSize: the stated range and the check agree to the byte: the
+// largest int64 is accepted, one more (8388608TiB is 2^63) is refused with
+// a message stating the real limit.
 func TestParseSize(t *testing.T) {
-	for in, want := range map[string]uint64{"512": 512, "141GiB": 141 << 30, "1.5 GiB": 3 << 29, "64MiB": 64 << 20, "2TB": 2 << 40} {
+	for in, want := range map[string]uint64{
+		"512": 512, "141GiB": 141 << 30, "1.5 GiB": 3 << 29, "64MiB": 64 << 20, "2TB": 2 << 40, "80GB": 80 << 30,
+		" 7 B ": 7, "1e3": 1000, "1.9": 1, "9223372036854775807": math.MaxInt64,
+		"9223372036854775807.0": math.MaxInt64, "8388607.5TiB": 8388607<<40 + 1<<39, "1KiB": 1024, "0.5KB": 512,
+	} {
 		got, err := ParseSize(in)
 		if err != nil || got != want {
 			t.Errorf("ParseSize(%q) = %d, %v; want %d", in, got, err, want)
 		}
 	}
 	for _, in := range []string{"", "-1", "abc", "0", "NaN", "nan GiB", "Inf", "+InfGiB", "-Inf", "1e-300GiB",
-		"5e-324", "0.5", "1e19", "8388608TiB"} {
-		if got, err := ParseSize(in); err == nil || !strings.Contains(err.Error(), "from 1 to 8 EiB") {
+		"5e-324", "0.5", "1e19", "8388608TiB", "9223372036854775808", "18446744073709551616", "1e999999999",
+		"GiB", "0x10", "1_000", "1/2", "12 XiB", "1e-999999999GiB"} {
+		if got, err := ParseSize(in); err == nil || !strings.Contains(err.Error(), "from 1 to 9223372036854775807 (8 EiB less one byte)") {
 			t.Errorf("ParseSize(%q) = %d, %v; want an error stating the range", in, got, err)
 		}
+	}
+}
+
+// TestOpenIndex: sim:N opens device i of N alone, as Open would; an
+// index outside is an error.
+func TestOpenIndex(t *testing.T) {
+	o := Opener{Sim: cudart.SimConfig{Capacity: 1 << 30}}
+	dev, err := o.OpenIndex(Spec{Sim: true, Count: 3}, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	if info := dev.Info(); info.Index != 2 || info.TotalMemory != 1<<30 {
+		t.Errorf("device 2 of sim:3: %+v", info)
+	}
+	for _, i := range []int{-1, 3} {
+		if _, err := o.OpenIndex(Spec{Sim: true, Count: 3}, i); !errors.Is(err, cudart.ErrInvalidValue) {
+			t.Errorf("OpenIndex(sim:3, %d) = %v", i, err)
+		}
+	}
+	d0, err := Opener{}.OpenIndex(Spec{Sim: true, Count: 1}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d0.Close()
+	if d0.Info().TotalMemory != DefaultSimCapacity {
+		t.Errorf("default capacity %d", d0.Info().TotalMemory)
 	}
 }
