@@ -334,9 +334,13 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	if o.history.MaxEntries > 0 {
 		a.history = newHistory(o.history)
 	}
+	conf := cfg.String() // the keys that differ from PyTorch's defaults
+	if conf == "" {
+		conf = "defaults"
+	}
 	a.log.Info("allocator started",
 		zap.Int("device", a.info.Index), zap.String("name", a.info.Name),
-		zap.Uint64("total_bytes", total), zap.String("conf", cfg.String()))
+		zap.Uint64("total_bytes", total), zap.String("conf", conf))
 	return a, nil
 }
 
