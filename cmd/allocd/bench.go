@@ -15,6 +15,7 @@ import (
 
 type benchFlags struct {
 	device      string
+	deviceFrom  string // "--device", "ALLOCD_DEVICE" or "" (the default)
 	conf        string
 	confFrom    string // "--conf" or "ALLOCD_CONF"
 	simCapacity string
@@ -49,7 +50,8 @@ fresh allocator. --device and --sim-capacity default as replay's do
 			if f.skipPair && f.skipMixed && len(args) == 0 && !f.copies {
 				return usageError(cmd, "--no-pair and --no-mixed with no TRACE leave nothing to run: give a TRACE, or drop one of them")
 			}
-			if _, err := applyDeviceEnv(cmd, &f.device, &f.simCapacity, true); err != nil {
+			var err error
+			if f.deviceFrom, err = applyDeviceEnv(cmd, &f.device, &f.simCapacity, true); err != nil {
 				return err
 			}
 			return runBench(cmd.OutOrStdout(), cmd.ErrOrStderr(), f, args)
@@ -105,7 +107,7 @@ func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
 	if err != nil {
 		return err
 	}
-	target, err := openTarget(f.device, f.simCapacity)
+	target, err := openTarget(f.device, f.deviceFrom, f.simCapacity)
 	if err != nil {
 		return err
 	}

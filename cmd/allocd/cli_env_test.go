@@ -215,3 +215,23 @@ func TestServeLogsEffectiveConf(t *testing.T) {
 	}
 	d.stop(t)
 }
+
+// TestReplayNoDriver: replay and bench on --device cuda without a driver
+// fail with one short line that says how to use the simulated device.
+// (On a machine with a driver they run, and there is nothing to check.)
+func TestReplayNoDriver(t *testing.T) {
+	clearAllocdEnv(t)
+	for _, args := range [][]string{
+		{"replay", "--device", "cuda", demoTrace},
+		{"bench", "--device", "cuda", "--no-pair", "--threads", "1", "--mixed-steps", "1"},
+	} {
+		_, _, err := runCLI(t, args...)
+		if err == nil {
+			t.Skip("a CUDA driver is present")
+		}
+		msg := err.Error()
+		if !errors.Is(err, cudart.ErrNoDriver) || strings.Contains(msg, "\n") || len(msg) > 300 || !strings.Contains(msg, "--device sim") {
+			t.Errorf("allocd %v without a driver says (%d characters): %s", args, len(msg), msg)
+		}
+	}
+}

@@ -62,8 +62,10 @@ func applyDeviceEnv(cmd *cobra.Command, device, simCapacity *string, one bool) (
 		return "--device", nil
 	case env.Set:
 		*device = env.Spec.String()
-		if one && env.Spec.Sim {
+		if env.Spec.Sim && one {
 			*device = "sim"
+		} else if !env.Spec.Sim {
+			*device = "cuda"
 		}
 		return devspec.EnvDevice, nil
 	}

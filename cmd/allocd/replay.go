@@ -13,6 +13,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/bench"
+	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/trace"
 )
@@ -24,6 +25,7 @@ type replayFlags struct {
 	json        bool
 	simCapacity string
 	device      string
+	deviceFrom  string // "--device", "ALLOCD_DEVICE" or "" (the default)
 	svg         string
 	snapshotOut string
 	progress    bool // set when stderr is a terminal
@@ -76,7 +78,8 @@ configurations without expandable segments.`,
 			if !cmd.Flags().Changed("conf") {
 				f.confs, f.confFrom = []string{os.Getenv(allocator.EnvConf)}, allocator.EnvConf
 			}
-			if _, err := applyDeviceEnv(cmd, &f.device, &f.simCapacity, true); err != nil {
+			var err error
+			if f.deviceFrom, err = applyDeviceEnv(cmd, &f.device, &f.simCapacity, true); err != nil {
 				return err
 			}
 			f.progress = !f.json && isTerminal(cmd.ErrOrStderr())
@@ -98,18 +101,24 @@ configurations without expandable segments.`,
 // every shared trace, as PyTorch's max_entries does.
 const historyLimit = 3_000_000
 
-// openTarget opens the device of --device and --sim-capacity.
-func openTarget(device, simCapacity string) (*bench.Target, error) {
+// openTarget opens the device of --device (or ALLOCD_DEVICE, as from
+// says) and --sim-capacity.
+func openTarget(device, from, simCapacity string) (*bench.Target, error) {
 	capacity, err := parseSize("--sim-capacity", simCapacity)
 	if err != nil {
 		return nil, err
 	}
 	t, err := bench.OpenTarget(device, capacity)
+	if errors.Is(err, cudart.ErrNoDriver) {
+		// One line: `allocd devices` tells the libraries tried.
+		return nil, fmt.Errorf("%s: %w (`allocd devices` lists the libraries tried); "+
+			"for the simulated device use --device sim, or --device auto to fall back to it", deviceSetting(from, device), cudart.ErrNoDriver)
+	}
 	if err != nil {
 		if spec, perr := devspec.Parse(device); (perr == nil && spec.Multi()) || strings.HasPrefix(device, "sim:") {
 			err = fmt.Errorf("%w; sim:N and cuda:all are for allocd serve", err)
 		}
-		return nil, fmt.Errorf("--device: %w", err)
+		return nil, fmt.Errorf("%s: %w", deviceFlagName(from), err)
 	}
 	return t, nil
 }
@@ -132,7 +141,7 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 			return err
 		}
 	}
-	target, err := openTarget(f.device, f.simCapacity)
+	target, err := openTarget(f.device, f.deviceFrom, f.simCapacity)
 	if err != nil {
 		return err
 	}

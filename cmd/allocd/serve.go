@@ -179,6 +179,19 @@ func deviceFlagName(from string) string {
 	return "--device"
 }
 
+// deviceSetting names the device setting in errors, with its value as the
+// user gave it: --device cuda:1, ALLOCD_DEVICE=cuda, or --device cuda (the
+// default).
+func deviceSetting(from, value string) string {
+	switch from {
+	case devspec.EnvDevice:
+		return from + "=" + value
+	case "":
+		return "--device " + value + " (the default)"
+	}
+	return "--device " + value
+}
+
 // Limits of serve's numeric flags (docs/operations.md lists them).
 const (
 	// minReplayRate and maxReplayRate bound --replay-rate (besides 0):
@@ -210,10 +223,10 @@ func checkFloatFlag(flag string, v, lo, hi float64, what string) error {
 // places blocks exactly as the recorded program's allocator did (as
 // `allocd replay` does).
 //
-// Without a CUDA driver the error is one line with the way to a simulated
-// device; the driver's full story (every library tried) is logged at
-// debug level.
-func openServeDevices(spec devspec.Spec, from string, capacity uint64, load *bench.Load, log *zap.Logger) ([]cudart.Device, error) {
+// setting names the device setting in errors (deviceSetting). Without a
+// CUDA driver the error is one line with the way to a simulated device;
+// the driver's full story (every library tried) is logged at debug level.
+func openServeDevices(spec devspec.Spec, setting string, capacity uint64, load *bench.Load, log *zap.Logger) ([]cudart.Device, error) {
 	o := devspec.Opener{Sim: cudart.SimConfig{Capacity: capacity}, DeviceCount: cudaDeviceCount, OpenCUDA: openCUDAIndex}
 	if load != nil && load.Trace != nil {
 		o.Sim.ManualEvents, o.Sim.Addresses = true, load.Trace.Addresses
@@ -221,15 +234,11 @@ func openServeDevices(spec devspec.Spec, from string, capacity uint64, load *ben
 	devs, err := o.Open(spec)
 	if errors.Is(err, cudart.ErrNoDriver) {
 		log.Debug("no CUDA driver", zap.String("device_spec", spec.String()), zap.Error(err))
-		name := deviceFlagName(from) + " " + spec.String()
-		if from == "" {
-			name += " (the default)"
-		}
 		return nil, fmt.Errorf("%s: %w (`allocd devices` lists the libraries tried; --log-level debug logs them); "+
-			"for a simulated device use --device sim or ALLOCD_DEVICE=sim", name, cudart.ErrNoDriver)
+			"for a simulated device use --device sim or ALLOCD_DEVICE=sim", setting, cudart.ErrNoDriver)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", deviceFlagName(from), err)
+		return nil, fmt.Errorf("%s: %w", setting, err)
 	}
 	return devs, nil
 }
@@ -276,7 +285,7 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 			return err
 		}
 	}
-	devs, err := openServeDevices(spec, f.deviceFrom, capacity, load, log)
+	devs, err := openServeDevices(spec, deviceSetting(f.deviceFrom, f.device), capacity, load, log)
 	if err != nil {
 		return err
 	}
