@@ -24,6 +24,7 @@ import (
 	"math"
 	"math/big"
 	"os"
+	"regexp"
 	"strconv"
 	"strings"
 
@@ -208,6 +209,13 @@ func CloseAll(devs []cudart.Device) {
 // the largest byte count an int64 holds.
 const MaxSize = math.MaxInt64
 
+// maxSizeLen bounds the length of ParseSize's number.
+const maxSizeLen = 64
+
+// sizeSyntax is the number ParseSize reads: a decimal, optionally signed,
+// with an optional exponent of at most three digits.
+var sizeSyntax = regexp.MustCompile(`^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,3})?$`)
+
 // sizeRange is the accepted range as ParseSize's errors state it.
 const sizeRange = "a number of bytes from 1 to 9223372036854775807 (8 EiB less one byte), optionally with KiB, MiB, GiB or TiB (not NaN or Inf)"
 
@@ -232,9 +240,15 @@ func ParseSize(s string) (uint64, error) {
 		}
 	}
 	bad := fmt.Errorf("bad size %q: expected %s", s, sizeRange)
-	// big.Float reads decimal and exponent forms exactly enough for every
-	// integer up to 2^128; it refuses NaN and Inf, and its exponent range
-	// bounds the work a hostile "1e999999999" costs.
+	// Only plain decimals are read, with an exponent of at most three
+	// digits: big.ParseFloat's time grows with the exponent (a hostile
+	// "1e-99999999" takes seconds), and hex, underscores, NaN and Inf
+	// are no sizes.
+	if len(t) > maxSizeLen || !sizeSyntax.MatchString(t) {
+		return 0, bad
+	}
+	// big.Float reads the decimal exactly enough for every integer up to
+	// 2^128.
 	v, _, err := big.ParseFloat(t, 10, 128, big.ToZero)
 	if err != nil || v.IsInf() || v.Sign() <= 0 {
 		return 0, bad
