@@ -14,7 +14,8 @@
 //
 // # Environment
 //
-// Open and OpenDevices read:
+// Open and OpenDevices read these as every allocd tool does (package
+// devspec parses the device variables for all of them):
 //
 //   - ALLOCD_CONF: the configuration, in PYTORCH_CUDA_ALLOC_CONF's grammar
 //     (ParseConfig); unset means PyTorch's defaults. WithConfig overrides it.
@@ -22,7 +23,8 @@
 //     device, "sim:N" for N of them. Anything else is an error; a missing
 //     driver is an error too, never a silent switch to the simulator.
 //   - ALLOCD_SIM_CAPACITY: each simulated device's memory, in bytes or with
-//     a KiB, MiB, GiB or TiB suffix; DefaultSimCapacity (80 GiB) unset.
+//     a KiB, MiB, GiB or TiB suffix (devspec.ParseSize); DefaultSimCapacity
+//     (141 GiB) unset.
 //
 // # Snapshots and history
 //
@@ -332,9 +334,13 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	if o.history.MaxEntries > 0 {
 		a.history = newHistory(o.history)
 	}
+	conf := cfg.String() // the keys that differ from PyTorch's defaults
+	if conf == "" {
+		conf = "defaults"
+	}
 	a.log.Info("allocator started",
 		zap.Int("device", a.info.Index), zap.String("name", a.info.Name),
-		zap.Uint64("total_bytes", total), zap.String("conf", cfg.String()))
+		zap.Uint64("total_bytes", total), zap.String("conf", conf))
 	return a, nil
 }
 

@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/allocd/allocd/internal/confgrammar"
+	"github.com/allocd/allocd/pinned"
 )
 
 // acceptedPage says what expandable_page_mb takes.
@@ -96,8 +97,9 @@ func DefaultConfig() Config {
 var ErrConfig = errors.New("invalid allocator configuration")
 
 // PinnedKeyPrefix starts the keys of the pinned host allocator, which reads
-// the same ALLOCD_CONF string. ParseConfig checks only their syntax (a key
-// given twice is still an error) and leaves their values to package pinned.
+// the same ALLOCD_CONF string. ParseConfig checks them as pinned.ParseConfig
+// does (an unknown pinned_ key or a bad value is an error here too) and
+// leaves their use to package pinned.
 const PinnedKeyPrefix = "pinned_"
 
 // ConfigError names the key and value that were wrong and what is accepted.
@@ -139,12 +141,26 @@ func ParseConfig(s string) (Config, error) {
 		errors.As(err, &se)
 		return cfg, &ConfigError{Key: se.Key, Value: se.Value, Accepted: se.Problem}
 	}
+	hasPinned := false
 	for _, kv := range pairs {
 		if strings.HasPrefix(kv.Key, PinnedKeyPrefix) {
-			continue // the pinned host allocator's key: package pinned checks it
+			hasPinned = true
+			continue // the pinned host allocator's key: checked below
 		}
 		if err := cfg.set(kv.Key, kv.Val); err != nil {
 			return DefaultConfig(), err
+		}
+	}
+	if hasPinned {
+		// The host allocator's keys are checked as pinned.ParseConfig
+		// checks them, so that every reader of ALLOCD_CONF refuses the
+		// same strings, whether or not it uses the host allocator.
+		if _, err := pinned.ParseConfig(s); err != nil {
+			var pe *pinned.ConfigError
+			if errors.As(err, &pe) {
+				return DefaultConfig(), &ConfigError{Key: pe.Key, Value: pe.Value, Accepted: pe.Accepted}
+			}
+			return DefaultConfig(), &ConfigError{Value: s, Accepted: err.Error()}
 		}
 	}
 	return cfg, cfg.Validate()

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/pinned"
 )
 
 // TestParseConfigRejects: every malformed string is a *ConfigError
@@ -201,7 +202,10 @@ func TestIsDecimal(t *testing.T) {
 }
 
 // TestParseConfigLeavesPinnedKeys: the pinned host allocator's keys share
-// ALLOCD_CONF; the device allocator skips them but still checks the syntax.
+// ALLOCD_CONF; the device allocator leaves their use to package pinned but
+// refuses what pinned.ParseConfig refuses (an unknown pinned_ key, a bad
+// value, PyTorch's unsupported keys), so every tool refuses the same
+// strings, naming the key.
 func TestParseConfigLeavesPinnedKeys(t *testing.T) {
 	cfg, err := ParseConfig("pinned_roundup_power2_divisions:4,max_split_size_mb:64,pinned_use_background_threads:False")
 	if err != nil {
@@ -213,6 +217,23 @@ func TestParseConfigLeavesPinnedKeys(t *testing.T) {
 	for _, bad := range []string{"pinned_roundup_power2_divisions:4,pinned_roundup_power2_divisions:8", "pinned_x:", "pinned_x:1,"} {
 		if _, err := ParseConfig(bad); !errors.Is(err, ErrConfig) {
 			t.Errorf("ParseConfig(%q) = %v, want an ErrConfig", bad, err)
+		}
+	}
+	for bad, key := range map[string]string{
+		"pinned_bogus:1": "pinned_bogus",
+		"max_split_size_mb:64,pinned_nonsense:True":          "pinned_nonsense",
+		"pinned_roundup_power2_divisions:3":                  "pinned_roundup_power2_divisions",
+		"pinned_use_background_threads:True":                 "pinned_use_background_threads",
+		"pinned_num_register_threads:8":                      "pinned_num_register_threads",
+		"pinned_use_cuda_host_register:[1]":                  "pinned_use_cuda_host_register",
+		"pinned_use_cuda_host_register:maybe,backend:native": "pinned_use_cuda_host_register",
+	} {
+		_, err := ParseConfig(bad)
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), key) {
+			t.Errorf("ParseConfig(%q) = %v, want an ErrConfig naming %s", bad, err, key)
+		}
+		if _, perr := pinned.ParseConfig(bad); perr == nil {
+			t.Errorf("pinned.ParseConfig(%q) accepts what ParseConfig refuses", bad)
 		}
 	}
 }

@@ -3,38 +3,36 @@ package allocator
 import (
 	"errors"
 	"fmt"
-	"math"
 	"os"
-	"strconv"
-	"strings"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/devspec"
 )
 
-// The environment variables Open and OpenDevices read.
+// The environment variables Open and OpenDevices read, as every allocd
+// tool reads them (package devspec owns their parsing).
 const (
 	// EnvConf holds the configuration, in PYTORCH_CUDA_ALLOC_CONF's
 	// grammar (ParseConfig); unset or empty means PyTorch's defaults.
-	EnvConf = "ALLOCD_CONF"
+	EnvConf = devspec.EnvConf
 	// EnvDevice chooses the device: unset or "cuda" for the GPU, "sim" for
 	// one simulated device, "sim:N" for N of them (OpenDevices).
-	EnvDevice = "ALLOCD_DEVICE"
-	// EnvSimCapacity is each simulated device's memory: bytes, or a
-	// number with a KiB, MiB, GiB or TiB suffix; DefaultSimCapacity when
-	// unset.
-	EnvSimCapacity = "ALLOCD_SIM_CAPACITY"
+	EnvDevice = devspec.EnvDevice
+	// EnvSimCapacity is each simulated device's memory (devspec.ParseSize:
+	// bytes, or a number with a KiB, MiB, GiB or TiB suffix);
+	// DefaultSimCapacity when unset.
+	EnvSimCapacity = devspec.EnvSimCapacity
 )
 
 // DefaultSimCapacity is a simulated device's memory when
-// ALLOCD_SIM_CAPACITY is unset: 80 GiB, an A100's or H100's.
-const DefaultSimCapacity = 80 << 30
-
-// maxSimDevices bounds ALLOCD_DEVICE=sim:N.
-const maxSimDevices = 64
+// ALLOCD_SIM_CAPACITY is unset: an H200's 141 GiB, the same in every
+// allocd tool (devspec.DefaultSimCapacity).
+const DefaultSimCapacity = devspec.DefaultSimCapacity
 
 // ErrEnv: an environment variable read by Open or OpenDevices has a value
 // it does not accept. The message names the variable and what is accepted.
-var ErrEnv = errors.New("invalid environment variable")
+// It is devspec.ErrEnv.
+var ErrEnv = devspec.ErrEnv
 
 // WithConfig makes Open and OpenDevices use cfg instead of ALLOCD_CONF.
 // New and NewDevices, which take their configuration as an argument,
@@ -43,68 +41,13 @@ func WithConfig(cfg Config) Option {
 	return func(o *options) { o.cfg = &cfg }
 }
 
-// deviceChoice is ALLOCD_DEVICE parsed: CUDA, or sims simulated devices.
-type deviceChoice struct {
-	sims     int // 0: CUDA
-	capacity uint64
-}
-
-func envDevice() (deviceChoice, error) {
-	v := strings.TrimSpace(os.Getenv(EnvDevice))
-	switch {
-	case v == "" || v == "cuda":
-		return deviceChoice{}, nil
-	case v == "sim" || strings.HasPrefix(v, "sim:"):
-		n := 1
-		if rest, ok := strings.CutPrefix(v, "sim:"); ok {
-			var err error
-			if n, err = strconv.Atoi(rest); err != nil || n < 1 || n > maxSimDevices {
-				return deviceChoice{}, fmt.Errorf("allocator: %s=%q: %w: the count after sim: must be 1 to %d", EnvDevice, v, ErrEnv, maxSimDevices)
-			}
-		}
-		capacity, err := envSimCapacity()
-		if err != nil {
-			return deviceChoice{}, err
-		}
-		return deviceChoice{sims: n, capacity: capacity}, nil
-	}
-	return deviceChoice{}, fmt.Errorf("allocator: %s=%q: %w: accepted are cuda (the default), sim and sim:N", EnvDevice, v, ErrEnv)
-}
-
-func envSimCapacity() (uint64, error) {
-	v := strings.TrimSpace(os.Getenv(EnvSimCapacity))
-	if v == "" {
-		return DefaultSimCapacity, nil
-	}
-	n, err := parseBytes(v)
+// envDevice reads ALLOCD_DEVICE and ALLOCD_SIM_CAPACITY (devspec.FromEnv).
+func envDevice() (devspec.Env, error) {
+	env, err := devspec.FromEnv()
 	if err != nil {
-		return 0, fmt.Errorf("allocator: %s=%q: %w: %v", EnvSimCapacity, v, ErrEnv, err)
+		return env, fmt.Errorf("allocator: %w", err)
 	}
-	return n, nil
-}
-
-// parseBytes reads "1073741824", "80GiB", "512 MiB" or "1.5TiB".
-func parseBytes(v string) (uint64, error) {
-	mult := uint64(1)
-	num := v
-	for _, u := range []struct {
-		suffix string
-		mult   uint64
-	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40}, {"B", 1}} {
-		if s, ok := strings.CutSuffix(v, u.suffix); ok {
-			num, mult = strings.TrimSpace(s), u.mult
-			break
-		}
-	}
-	f, err := strconv.ParseFloat(num, 64)
-	if err != nil || math.IsNaN(f) || math.IsInf(f, 0) || f <= 0 {
-		return 0, errors.New("want a positive number of bytes, optionally with a KiB, MiB, GiB or TiB suffix")
-	}
-	b := f * float64(mult)
-	if b < 1 || b >= 1<<60 {
-		return 0, errors.New("want at least 1 byte and less than 1 EiB")
-	}
-	return uint64(b), nil
+	return env, nil
 }
 
 // openConfig is WithConfig's configuration, or else ALLOCD_CONF parsed.
@@ -123,18 +66,21 @@ func openConfig(opts []Option) (Config, error) {
 	return cfg, nil
 }
 
-func (c deviceChoice) open(index int) (cudart.Device, error) {
-	if c.sims == 0 {
+// openIndex opens device index of env: CUDA device index, or simulated
+// device index of sim:N.
+func openIndex(env devspec.Env, index int) (cudart.Device, error) {
+	if !env.Spec.Sim {
 		dev, err := cudart.Open(index)
 		if err != nil {
 			return nil, fmt.Errorf("allocator: opening CUDA device %d (set %s=sim for a simulated device): %w", index, EnvDevice, err)
 		}
 		return dev, nil
 	}
-	if index < 0 || index >= c.sims {
-		return nil, fmt.Errorf("allocator: simulated device %d: %w (%s gives devices 0 to %d)", index, ErrNoSuchDevice, EnvDevice, c.sims-1)
+	if index < 0 || index >= env.Spec.Count {
+		return nil, fmt.Errorf("allocator: simulated device %d: %w (%s gives devices 0 to %d)", index, ErrNoSuchDevice, EnvDevice, env.Spec.Count-1)
 	}
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: c.capacity, Index: index})
+	o := devspec.Opener{Sim: cudart.SimConfig{Capacity: env.SimCapacity}}
+	dev, err := o.OpenIndex(env.Spec, index)
 	if err != nil {
 		return nil, fmt.Errorf("allocator: simulated device %d: %w", index, err)
 	}
@@ -152,7 +98,7 @@ func (c deviceChoice) open(index int) (cudart.Device, error) {
 //
 // The allocator owns the device it opened: Close closes it too.
 func Open(device int, opts ...Option) (*Allocator, error) {
-	choice, err := envDevice()
+	env, err := envDevice()
 	if err != nil {
 		return nil, err
 	}
@@ -160,7 +106,7 @@ func Open(device int, opts ...Option) (*Allocator, error) {
 	if err != nil {
 		return nil, err
 	}
-	dev, err := choice.open(device)
+	dev, err := openIndex(env, device)
 	if err != nil {
 		return nil, err
 	}
@@ -177,7 +123,7 @@ func Open(device int, opts ...Option) (*Allocator, error) {
 // ALLOCD_DEVICE=sim:N (one for sim). The Devices owns them: its Close
 // closes every device as well.
 func OpenDevices(opts ...Option) (*Devices, error) {
-	choice, err := envDevice()
+	env, err := envDevice()
 	if err != nil {
 		return nil, err
 	}
@@ -185,8 +131,8 @@ func OpenDevices(opts ...Option) (*Devices, error) {
 	if err != nil {
 		return nil, err
 	}
-	n := choice.sims
-	if n == 0 {
+	n := env.Spec.Count
+	if !env.Spec.Sim {
 		if n, err = cudart.DeviceCount(); err != nil {
 			return nil, fmt.Errorf("allocator: counting CUDA devices (set %s=sim for a simulated device): %w", EnvDevice, err)
 		}
@@ -203,7 +149,7 @@ func OpenDevices(opts ...Option) (*Devices, error) {
 		return errors.Join(errs...)
 	}
 	for i := range n {
-		dev, err := choice.open(i)
+		dev, err := openIndex(env, i)
 		if err != nil {
 			return nil, errors.Join(err, closeAll())
 		}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/internal/envcases"
 )
 
 // TestOpenSim: ALLOCD_DEVICE=sim gives a simulated device of the default
@@ -148,5 +149,53 @@ func TestOpenDevicesSim(t *testing.T) {
 			a.Close()
 		}
 		t.Errorf("Open(3) with sim:3: %v, want ErrNoSuchDevice", err)
+	}
+}
+
+// TestOpenEnvCases runs the table every tool shares (package envcases)
+// through Open: each bad value is an ErrEnv naming the variable, and each
+// good one gives the devices devspec.ParseEnv says, of its capacity.
+func TestOpenEnvCases(t *testing.T) {
+	t.Setenv("ALLOCD_CONF", "")
+	for _, c := range envcases.Cases {
+		t.Setenv("ALLOCD_DEVICE", c.Device)
+		t.Setenv("ALLOCD_SIM_CAPACITY", c.SimCapacity)
+		a, err := allocator.Open(0)
+		switch {
+		case c.Err != "":
+			if err == nil {
+				a.Close()
+			}
+			if !errors.Is(err, allocator.ErrEnv) || !strings.Contains(err.Error(), c.Err) {
+				t.Errorf("%+v: Open = %v; want an ErrEnv mentioning %q", c, err, c.Err)
+			}
+		case c.Sims == 0:
+			// CUDA: without a driver an error that is not ErrEnv.
+			if err == nil {
+				a.Close()
+			} else if errors.Is(err, allocator.ErrEnv) {
+				t.Errorf("%+v: Open = %v; want CUDA", c, err)
+			}
+		default:
+			if err != nil {
+				t.Errorf("%+v: Open = %v", c, err)
+				continue
+			}
+			want := c.Capacity
+			if want == envcases.DefaultSimCapacity {
+				want = allocator.DefaultSimCapacity
+			}
+			if _, total, _ := a.Device().MemGetInfo(); total != want {
+				t.Errorf("%+v: capacity %d, want %d", c, total, want)
+			}
+			a.Close()
+			b, err := allocator.Open(c.Sims)
+			if !errors.Is(err, allocator.ErrNoSuchDevice) {
+				t.Errorf("%+v: Open(%d) = %v; want ErrNoSuchDevice", c, c.Sims, err)
+			}
+			if err == nil {
+				b.Close()
+			}
+		}
 	}
 }

@@ -125,16 +125,23 @@ func BestRows(rows []ReplayRow) map[int]bool {
 }
 
 // WriteReplayTable writes rows as an aligned table, in MiB, with the best
-// row of each trace (BestRows) marked "*".
+// row of each trace (BestRows) marked "*" in a best column. The column is
+// left out when no trace has several configurations to compare.
 func WriteReplayTable(w io.Writer, rows []ReplayRow) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "trace\tconf\tops\tpeak allocated MiB\tpeak reserved MiB\treserved/allocated\tdevice mallocs\tretries\tOOMs\tns/op\tbest\t")
+	confs := map[string]int{}
+	compared := false
+	for _, r := range rows {
+		confs[r.Trace]++
+		compared = compared || confs[r.Trace] > 1
+	}
+	header := "trace\tconf\tops\tpeak allocated MiB\tpeak reserved MiB\treserved/allocated\tdevice mallocs\tretries\tOOMs\tns/op\t"
+	if compared {
+		header += "best\t"
+	}
+	fmt.Fprintln(tw, header)
 	best := BestRows(rows)
 	for i, r := range rows {
-		mark := ""
-		if best[i] {
-			mark = "*"
-		}
 		ratio := 0.0
 		if r.PeakAllocatedBytes > 0 {
 			ratio = float64(r.PeakReservedBytes) / float64(r.PeakAllocatedBytes)
@@ -143,8 +150,16 @@ func WriteReplayTable(w io.Writer, rows []ReplayRow) error {
 		if r.PyTorchExpandable {
 			label += " (as PyTorch)"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t%s\t\n", r.Trace, label, r.Ops,
-			mibString(r.PeakAllocatedBytes), mibString(r.PeakReservedBytes), ratio, r.DeviceMallocs, r.AllocRetries, r.OOMs, r.NsPerOp, mark)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t", r.Trace, label, r.Ops,
+			mibString(r.PeakAllocatedBytes), mibString(r.PeakReservedBytes), ratio, r.DeviceMallocs, r.AllocRetries, r.OOMs, r.NsPerOp)
+		if compared {
+			mark := ""
+			if best[i] {
+				mark = "*"
+			}
+			fmt.Fprint(tw, mark+"\t")
+		}
+		fmt.Fprintln(tw)
 	}
 	return tw.Flush()
 }

@@ -11,11 +11,20 @@
 // cuda, cuda:N), for work that runs on a single device. Opener.Open opens
 // what a Spec names. A simulated device is used only when the spec says
 // sim: a missing CUDA driver is an error, never a silent switch.
+//
+// It is also the one reader of the environment variables that choose the
+// device, ALLOCD_DEVICE and ALLOCD_SIM_CAPACITY (ParseEnv, FromEnv), and
+// of sizes (ParseSize): allocator.Open, the allocd command and liballocd
+// all read them here, so the same value means the same in every tool.
 package devspec
 
 import (
 	"errors"
 	"fmt"
+	"math"
+	"math/big"
+	"os"
+	"regexp"
 	"strconv"
 	"strings"
 
@@ -23,7 +32,8 @@ import (
 )
 
 // DefaultSimCapacity is a simulated device's memory when the SimConfig
-// given to Opener leaves it 0: an H200's 141 GiB.
+// given to Opener leaves it 0 and ALLOCD_SIM_CAPACITY is unset, in every
+// allocd tool: an H200's 141 GiB.
 const DefaultSimCapacity = 141 << 30
 
 // MaxSimDevices bounds sim:N. Each simulated device gets its own 1 TiB of
@@ -139,14 +149,7 @@ func (o Opener) Open(spec Spec) ([]cudart.Device, error) {
 	n := max(spec.Count, 1)
 	switch {
 	case spec.Sim:
-		open = func(i int) (cudart.Device, error) {
-			cfg := o.Sim
-			if cfg.Capacity == 0 {
-				cfg.Capacity = DefaultSimCapacity
-			}
-			cfg.Index, cfg.Addresses = i, PlanFor(o.Sim.Addresses, i)
-			return cudart.NewSim(cfg)
-		}
+		open = func(i int) (cudart.Device, error) { return o.OpenIndex(spec, i) }
 	case spec.All:
 		count := o.DeviceCount
 		if count == nil {
@@ -202,29 +205,152 @@ func CloseAll(devs []cudart.Device) {
 	}
 }
 
-// ParseSize parses a byte size: "1234", "512MiB", "141GiB", "1.5TiB"
-// (KB, MB, GB and TB mean the same binary units, as nvidia-smi's do). The
-// result is from 1 byte to 8 EiB; anything else, NaN and Inf included, is
-// an error stating that range.
+// MaxSize is the largest size ParseSize accepts: 8 EiB less one byte,
+// the largest byte count an int64 holds.
+const MaxSize = math.MaxInt64
+
+// maxSizeLen bounds the length of ParseSize's number.
+const maxSizeLen = 64
+
+// sizeSyntax is the number ParseSize reads: a decimal, optionally signed,
+// with an optional exponent of at most three digits.
+var sizeSyntax = regexp.MustCompile(`^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,3})?$`)
+
+// sizeRange is the accepted range as ParseSize's errors state it.
+const sizeRange = "a number of bytes from 1 to 9223372036854775807 (8 EiB less one byte), optionally with KiB, MiB, GiB or TiB (not NaN or Inf)"
+
+// ParseSize parses a byte size: "1234", "512MiB", "141GiB", "1.5TiB",
+// "512 MiB" (KB, MB, GB and TB mean the same binary units, as
+// nvidia-smi's do). A fraction of a byte is dropped. The result is from 1
+// to MaxSize; anything else, NaN, Inf and 0 included, is an error stating
+// that range. The number is read exactly (to 128 bits), so the stated
+// range and the check agree to the byte.
 func ParseSize(s string) (uint64, error) {
 	units := []struct {
 		suffix string
-		mult   float64
+		mult   int64
 	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10},
 		{"TB", 1 << 40}, {"GB", 1 << 30}, {"MB", 1 << 20}, {"KB", 1 << 10}, {"B", 1}}
 	t := strings.TrimSpace(s)
-	mult := 1.0
+	mult := int64(1)
 	for _, u := range units {
 		if strings.HasSuffix(t, u.suffix) {
 			t, mult = strings.TrimSpace(strings.TrimSuffix(t, u.suffix)), u.mult
 			break
 		}
 	}
-	v, err := strconv.ParseFloat(t, 64)
-	// !(b >= 1) also rejects NaN, and a size that truncates to 0 bytes
-	// (1e-300GiB); b < 1<<63 rejects +Inf.
-	if b := v * mult; err != nil || !(b >= 1 && b < 1<<63) {
-		return 0, fmt.Errorf("bad size %q: expected a number of bytes from 1 to 8 EiB, optionally with KiB, MiB, GiB or TiB (not NaN or Inf)", s)
+	bad := fmt.Errorf("bad size %q: expected %s", s, sizeRange)
+	// Only plain decimals are read, with an exponent of at most three
+	// digits: big.ParseFloat's time grows with the exponent (a hostile
+	// "1e-99999999" takes seconds), and hex, underscores, NaN and Inf
+	// are no sizes.
+	if len(t) > maxSizeLen || !sizeSyntax.MatchString(t) {
+		return 0, bad
 	}
-	return uint64(v * mult), nil
+	// big.Float reads the decimal exactly enough for every integer up to
+	// 2^128.
+	v, _, err := big.ParseFloat(t, 10, 128, big.ToZero)
+	if err != nil || v.IsInf() || v.Sign() <= 0 {
+		return 0, bad
+	}
+	v.Mul(v, new(big.Float).SetInt64(mult))
+	if v.Cmp(big.NewFloat(1)) < 0 || v.Cmp(new(big.Float).SetInt64(MaxSize)) > 0 {
+		return 0, bad
+	}
+	n, _ := v.Uint64() // truncates a fraction of a byte
+	return n, nil
+}
+
+// The environment variables every allocd tool reads the same way: the
+// allocator's Open and OpenDevices, the allocd command and liballocd.
+const (
+	// EnvConf holds the allocator configuration, in
+	// PYTORCH_CUDA_ALLOC_CONF's grammar (allocator.ParseConfig); unset or
+	// empty means PyTorch's defaults.
+	EnvConf = "ALLOCD_CONF"
+	// EnvDevice chooses the kind of device (ParseEnv): unset, empty or
+	// "cuda" for the GPU, "sim" for one simulated device, "sim:N" for N
+	// of them.
+	EnvDevice = "ALLOCD_DEVICE"
+	// EnvSimCapacity is each simulated device's memory, in ParseSize's
+	// syntax; DefaultSimCapacity when unset or empty.
+	EnvSimCapacity = "ALLOCD_SIM_CAPACITY"
+)
+
+// ErrEnv is wrapped by every error of ParseEnv and FromEnv: an
+// environment variable has a value allocd does not accept. The message
+// names the variable, its value and what is accepted.
+var ErrEnv = errors.New("invalid environment variable")
+
+// Env is what the environment says about the devices to use.
+type Env struct {
+	// Spec is ALLOCD_DEVICE parsed: cuda (the zero Spec's Count 1, also
+	// when the variable is unset), sim or sim:N.
+	Spec Spec
+	// Set reports whether ALLOCD_DEVICE was set to a non-empty value.
+	Set bool
+	// SimCapacity is ALLOCD_SIM_CAPACITY parsed, or DefaultSimCapacity.
+	SimCapacity uint64
+}
+
+// ParseEnv parses the values of ALLOCD_DEVICE and ALLOCD_SIM_CAPACITY
+// (FromEnv reads them). ALLOCD_DEVICE takes cuda, sim or sim:N (N from 1
+// to MaxSimDevices), surrounding spaces ignored; unset or empty means
+// cuda. It names a kind of device, not an index: the program (PyTorch,
+// Open's argument, serve's --device) picks the index, so cuda:N and
+// cuda:all are refused. ALLOCD_SIM_CAPACITY is read by ParseSize whatever
+// the device, so that a bad value is reported at once, not when a
+// simulated device is first asked for. Errors wrap ErrEnv and name the
+// variable.
+func ParseEnv(device, simCapacity string) (Env, error) {
+	env := Env{Spec: Spec{Count: 1}, SimCapacity: DefaultSimCapacity}
+	if d := strings.TrimSpace(device); d != "" {
+		spec, err := Parse(d)
+		if err == nil && !spec.Sim && (spec.All || d != "cuda") {
+			err = errors.New("ALLOCD_DEVICE names the kind of device; the program picks the index")
+		}
+		if err != nil {
+			return Env{}, fmt.Errorf("%s=%q: %w: accepted are cuda (the default), sim and sim:N with N from 1 to %d (%v)",
+				EnvDevice, device, ErrEnv, MaxSimDevices, err)
+		}
+		env.Spec, env.Set = spec, true
+	}
+	if c := strings.TrimSpace(simCapacity); c != "" {
+		n, err := ParseSize(c)
+		if err != nil {
+			return Env{}, fmt.Errorf("%s=%q: %w: %v", EnvSimCapacity, simCapacity, ErrEnv, err)
+		}
+		env.SimCapacity = n
+	}
+	return env, nil
+}
+
+// FromEnv is ParseEnv of the process's ALLOCD_DEVICE and
+// ALLOCD_SIM_CAPACITY.
+func FromEnv() (Env, error) {
+	return ParseEnv(os.Getenv(EnvDevice), os.Getenv(EnvSimCapacity))
+}
+
+// OpenIndex opens the one device of spec with index i: for sim and
+// sim:N, simulated device i (from 0 to Count-1; another index is an error
+// wrapping cudart.ErrInvalidValue), configured as Open configures it; for
+// cuda, CUDA device i. Work that opens devices one at a time, as a
+// program asks for them, uses it.
+func (o Opener) OpenIndex(spec Spec, i int) (cudart.Device, error) {
+	if !spec.Sim {
+		if o.OpenCUDA != nil {
+			return o.OpenCUDA(i)
+		}
+		return cudart.Open(i)
+	}
+	n := max(spec.Count, 1)
+	if i < 0 || i >= n {
+		return nil, fmt.Errorf("%s: simulated device %d: %w: the devices are 0 to %d", spec, i, cudart.ErrInvalidValue, n-1)
+	}
+	cfg := o.Sim
+	if cfg.Capacity == 0 {
+		cfg.Capacity = DefaultSimCapacity
+	}
+	cfg.Index, cfg.Addresses = i, PlanFor(o.Sim.Addresses, i)
+	return cudart.NewSim(cfg)
 }

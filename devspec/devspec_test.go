@@ -3,8 +3,10 @@ package devspec
 import (
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/allocd/allocd/cudart"
 )
@@ -194,17 +196,88 @@ func TestOpenCUDAAll(t *testing.T) {
 	})
 }
 
+// TestParseSize: the stated range and the check agree to the byte: the
+// largest int64 is accepted, one more (8388608TiB is 2^63) is refused with
+// a message stating the real limit.
 func TestParseSize(t *testing.T) {
-	for in, want := range map[string]uint64{"512": 512, "141GiB": 141 << 30, "1.5 GiB": 3 << 29, "64MiB": 64 << 20, "2TB": 2 << 40} {
+	for in, want := range map[string]uint64{
+		"512": 512, "141GiB": 141 << 30, "1.5 GiB": 3 << 29, "64MiB": 64 << 20, "2TB": 2 << 40, "80GB": 80 << 30,
+		" 7 B ": 7, "1e3": 1000, "1.9": 1, "9223372036854775807": math.MaxInt64,
+		"9223372036854775807.0": math.MaxInt64, "8388607.5TiB": 8388607<<40 + 1<<39, "1KiB": 1024, "0.5KB": 512,
+		"+2": 2, "2.": 2, ".5KiB": 512, "1E3": 1000, "1e+3": 1000, "1000e-3": 1,
+	} {
 		got, err := ParseSize(in)
 		if err != nil || got != want {
 			t.Errorf("ParseSize(%q) = %d, %v; want %d", in, got, err, want)
 		}
 	}
 	for _, in := range []string{"", "-1", "abc", "0", "NaN", "nan GiB", "Inf", "+InfGiB", "-Inf", "1e-300GiB",
-		"5e-324", "0.5", "1e19", "8388608TiB"} {
-		if got, err := ParseSize(in); err == nil || !strings.Contains(err.Error(), "from 1 to 8 EiB") {
+		"5e-324", "0.5", "1e19", "8388608TiB", "9223372036854775808", "18446744073709551616", "1e999999999",
+		"GiB", "0x10", "1_000", "1/2", "12 XiB", "1e-999999999GiB", "1e-9999999", "1e646456992", "1p-99999999",
+		"0x1p-99999999", ".", "1e", "1e+", "--1", "1.2.3", strings.Repeat("1", 65), "1 000"} {
+		if got, err := ParseSize(in); err == nil || !strings.Contains(err.Error(), "from 1 to 9223372036854775807 (8 EiB less one byte)") {
 			t.Errorf("ParseSize(%q) = %d, %v; want an error stating the range", in, got, err)
 		}
+	}
+}
+
+// TestOpenIndex: sim:N opens device i of N alone, as Open would; an
+// index outside is an error.
+func TestOpenIndex(t *testing.T) {
+	o := Opener{Sim: cudart.SimConfig{Capacity: 1 << 30}}
+	dev, err := o.OpenIndex(Spec{Sim: true, Count: 3}, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	if info := dev.Info(); info.Index != 2 || info.TotalMemory != 1<<30 {
+		t.Errorf("device 2 of sim:3: %+v", info)
+	}
+	for _, i := range []int{-1, 3} {
+		if _, err := o.OpenIndex(Spec{Sim: true, Count: 3}, i); !errors.Is(err, cudart.ErrInvalidValue) {
+			t.Errorf("OpenIndex(sim:3, %d) = %v", i, err)
+		}
+	}
+	d0, err := Opener{}.OpenIndex(Spec{Sim: true, Count: 1}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d0.Close()
+	if d0.Info().TotalMemory != DefaultSimCapacity {
+		t.Errorf("default capacity %d", d0.Info().TotalMemory)
+	}
+}
+
+// FuzzParseSize: ParseSize never panics; what it accepts is from 1 to
+// MaxSize, and what it refuses gets the error stating that range.
+func FuzzParseSize(f *testing.F) {
+	for _, s := range []string{"512", "141GiB", "1.5 TiB", "9223372036854775807", "8388608TiB", "1e999999999", "NaN", "-0", "0.5KB", "GiB", ""} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		n, err := ParseSize(s)
+		if err != nil {
+			if n != 0 || !strings.Contains(err.Error(), "8 EiB less one byte") {
+				t.Fatalf("ParseSize(%q) = %d, %v", s, n, err)
+			}
+			return
+		}
+		if n < 1 || n > MaxSize {
+			t.Fatalf("ParseSize(%q) = %d, outside 1 to %d", s, n, uint64(MaxSize))
+		}
+	})
+}
+
+// TestParseSizeHostileExponent: a huge exponent is refused at once (a
+// big.ParseFloat of "1e-99999999" alone takes seconds).
+func TestParseSizeHostileExponent(t *testing.T) {
+	start := time.Now()
+	for _, s := range []string{"1e-99999999", "1e99999999GiB", "1e-646456993", "9e-2147483648"} {
+		if _, err := ParseSize(s); err == nil {
+			t.Errorf("ParseSize(%q) accepted", s)
+		}
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("four hostile exponents took %v", d)
 	}
 }

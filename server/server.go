@@ -18,7 +18,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -170,27 +169,25 @@ func WriteFileAtomic(path, s string) error {
 }
 
 // Endpoint is one path the daemon serves, as its index page lists it.
-type Endpoint struct{ Path, Doc string }
+type Endpoint = debughttp.Endpoint
 
 // Endpoints lists the paths Handler serves besides the index: the
 // daemon's own, then the debug pages of package debughttp. Each answers
 // GET and HEAD, and 405 to other methods.
 func Endpoints() []Endpoint {
 	eps := []Endpoint{
-		{"/metrics", "Prometheus metrics (text format, or OpenMetrics when asked for)"},
-		{"/healthz", "200 while the process runs"},
-		{"/readyz", "200 once the allocators are ready, 503 while shutting down"},
+		{Path: "/metrics", Doc: "Prometheus metrics (text format, or OpenMetrics when asked for)"},
+		{Path: "/healthz", Doc: "200 while the process runs"},
+		{Path: "/readyz", Doc: "200 once the allocators are ready, 503 while shutting down"},
 	}
-	for _, p := range debughttp.Pages() {
-		eps = append(eps, Endpoint{p.Path, p.Doc})
-	}
-	return eps
+	return append(eps, debughttp.PageEndpoints()...)
 }
 
 // Handler returns the daemon's handler: /metrics (promhttp over
 // Registry, text or OpenMetrics, at most 8 scrapes in flight), /healthz
 // (200 while the process runs), /readyz (200 while SetReady(true), 503
-// otherwise), debughttp's pages over the allocators, and an index at /. Patterns carry their method, so a
+// otherwise), debughttp's pages over the allocators, and an index (debughttp.Index)
+// at /. Patterns carry their method, so a
 // request with another method gets 405 and an Allow header, and an unknown
 // path 404 (net/http.ServeMux, Go 1.22+). GET patterns also answer HEAD.
 // The debug pages are debughttp's over the daemon's devices, with its
@@ -228,14 +225,8 @@ func (d *Daemon) Handler() http.Handler {
 	for _, p := range debughttp.Pages() {
 		mux.Handle("GET "+p.Path, debug)
 	}
-	mux.HandleFunc("GET /{$}", func(w http.ResponseWriter, _ *http.Request) {
-		var b strings.Builder
-		fmt.Fprintf(&b, "allocd %s\n\n", d.version)
-		for _, e := range Endpoints() {
-			fmt.Fprintf(&b, "%-16s %s\n", e.Path, e.Doc)
-		}
-		writeText(w, http.StatusOK, b.String())
-	})
+	index := debughttp.Index("allocd "+d.version, Endpoints())
+	mux.Handle("GET /{$}", index)
 	return mux
 }
 

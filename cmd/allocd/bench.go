@@ -9,12 +9,15 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/bench"
 )
 
 type benchFlags struct {
 	device      string
+	deviceFrom  string // "--device", "ALLOCD_DEVICE" or "" (the default)
 	conf        string
+	confFrom    string // "--conf" or "ALLOCD_CONF"
 	simCapacity string
 	pairIters   int
 	mixedSteps  int
@@ -37,18 +40,27 @@ mixed/threads=T (T goroutines, each on its own stream over its share of a
 otherwise; sizes 80% up to 1 MiB, 18% up to 32 MiB, 2% up to 256 MiB),
 mixed_warm/threads=T (the same pattern twice on the same streams, only the
 second pass timed) and, for each TRACE, a replay. Each benchmark gets a
-fresh allocator.`,
+fresh allocator. --device and --sim-capacity default as replay's do
+(ALLOCD_DEVICE and ALLOCD_SIM_CAPACITY when set).`,
 		RunE: func(cmd *cobra.Command, args []string) error {
+			f.confFrom = "--conf"
 			if !cmd.Flags().Changed("conf") {
-				f.conf = os.Getenv("ALLOCD_CONF")
+				f.conf, f.confFrom = os.Getenv(allocator.EnvConf), allocator.EnvConf
+			}
+			if f.skipPair && f.skipMixed && len(args) == 0 && !f.copies {
+				return usageError(cmd, "--no-pair and --no-mixed with no TRACE leave nothing to run: give a TRACE, or drop one of them")
+			}
+			var err error
+			if f.deviceFrom, err = applyDeviceEnv(cmd, &f.device, &f.simCapacity, true); err != nil {
+				return err
 			}
 			return runBench(cmd.OutOrStdout(), cmd.ErrOrStderr(), f, args)
 		},
 	}
 	fl := cmd.Flags()
-	fl.StringVar(&f.device, "device", "auto", "auto, sim, cuda or cuda:N")
+	fl.StringVar(&f.device, "device", "auto", "auto, sim, cuda or cuda:N; without it, $ALLOCD_DEVICE when set")
 	fl.StringVar(&f.conf, "conf", "", "allocator configuration (default: ALLOCD_CONF)")
-	fl.StringVar(&f.simCapacity, "sim-capacity", "141GiB", "memory of the simulated device")
+	fl.StringVar(&f.simCapacity, "sim-capacity", defaultSimCapacityFlag, "memory of the simulated device; without it, $ALLOCD_SIM_CAPACITY")
 	fl.IntVar(&f.pairIters, "pair-iters", 200_000, "pairs per pair run")
 	fl.IntVar(&f.mixedSteps, "mixed-steps", bench.MixedSteps, "steps per goroutine in the mixed benchmark")
 	fl.IntSliceVar(&f.threads, "threads", bench.MixedThreads, "goroutine counts of the mixed benchmark")
@@ -91,11 +103,11 @@ func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
 	if err := checkBenchFlags(f); err != nil {
 		return err
 	}
-	cfg, err := parseConf(f.conf)
+	cfg, err := parseConf(f.conf, f.confFrom)
 	if err != nil {
 		return err
 	}
-	target, err := openTarget(f.device, f.simCapacity)
+	target, err := openTarget(f.device, f.deviceFrom, f.simCapacity)
 	if err != nil {
 		return err
 	}

@@ -19,7 +19,7 @@ func newDevicesCmd() *cobra.Command {
 		Short: "List CUDA devices: index, name, total and free memory, UUID",
 		Long: `Devices lists the CUDA devices this process can see. Without a CUDA driver it
 prints why (the libraries it tried) and exits 1.`,
-		Args: cobra.NoArgs,
+		Args: withUsage(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			devs, err := cudart.ListDevices()
 			if err != nil {

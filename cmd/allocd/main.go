@@ -39,6 +39,8 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
+	// Wrong flags print the command's usage after the error.
+	root.SetFlagErrorFunc(func(cmd *cobra.Command, err error) error { return usageError(cmd, "%v", err) })
 	root.AddCommand(newReplayCmd(), newServeCmd(), newBenchCmd(), newDevicesCmd(), newVersionCmd())
 	return root
 }
@@ -47,7 +49,7 @@ func newVersionCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "version",
 		Short: "Print allocd's version",
-		Args:  cobra.NoArgs,
+		Args:  withUsage(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			_, err := fmt.Fprintln(cmd.OutOrStdout(), "allocd", buildVersion())
 			return err

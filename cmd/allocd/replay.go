@@ -13,6 +13,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/bench"
+	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/trace"
 )
@@ -20,9 +21,11 @@ import (
 // replayFlags are the flags of `allocd replay`.
 type replayFlags struct {
 	confs       []string
+	confFrom    string // "--conf" or "ALLOCD_CONF"
 	json        bool
 	simCapacity string
 	device      string
+	deviceFrom  string // "--device", "ALLOCD_DEVICE" or "" (the default)
 	svg         string
 	snapshotOut string
 	progress    bool // set when stderr is a terminal
@@ -45,8 +48,11 @@ retries and OOMs.
 --conf the ALLOCD_CONF environment variable is used (empty: PyTorch's defaults).
 
 --device auto (the default) uses CUDA device 0 when a driver is present and the
-simulated device otherwise, and says which on stderr. Replay on the simulated
-device is exact and deterministic and needs no GPU memory.
+simulated device otherwise, and says which on stderr. Without --device,
+ALLOCD_DEVICE chooses when it is set (cuda: the GPU, no fallback; sim or
+sim:N: one simulated device), and ALLOCD_SIM_CAPACITY sizes the simulated
+device when --sim-capacity is not given. Replay on the simulated device is
+exact and deterministic and needs no GPU memory.
 
 --svg FILE draws allocated, reserved and requested bytes over the trace for
 every configuration in one chart. --snapshot-out FILE writes the allocator's
@@ -61,10 +67,20 @@ and by empty_cache, in 20 MiB large-pool pages, never reclaimed to keep
 reserved memory near its high-water mark as allocd does by default. Peaks
 then match PyTorch's expandable_segments:True figures. It has no effect on
 configurations without expandable segments.`,
-		Args: cobra.MinimumNArgs(1),
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return usageError(cmd, "replay needs at least one TRACE file")
+			}
+			return nil
+		},
 		RunE: func(cmd *cobra.Command, args []string) error {
+			f.confFrom = "--conf"
 			if !cmd.Flags().Changed("conf") {
-				f.confs = []string{os.Getenv("ALLOCD_CONF")}
+				f.confs, f.confFrom = []string{os.Getenv(allocator.EnvConf)}, allocator.EnvConf
+			}
+			var err error
+			if f.deviceFrom, err = applyDeviceEnv(cmd, &f.device, &f.simCapacity, true); err != nil {
+				return err
 			}
 			f.progress = !f.json && isTerminal(cmd.ErrOrStderr())
 			return runReplay(cmd.OutOrStdout(), cmd.ErrOrStderr(), f, args)
@@ -73,8 +89,8 @@ configurations without expandable segments.`,
 	fl := cmd.Flags()
 	fl.StringArrayVar(&f.confs, "conf", nil, "allocator configuration in ALLOCD_CONF grammar; repeat to compare configurations")
 	fl.BoolVar(&f.json, "json", false, "print one JSON object per trace and configuration")
-	fl.StringVar(&f.simCapacity, "sim-capacity", "141GiB", "memory of the simulated device (bytes, or with KiB/MiB/GiB/TiB)")
-	fl.StringVar(&f.device, "device", "auto", "auto, sim, cuda or cuda:N")
+	fl.StringVar(&f.simCapacity, "sim-capacity", defaultSimCapacityFlag, "memory of the simulated device (bytes, or with KiB/MiB/GiB/TiB); without it, $ALLOCD_SIM_CAPACITY")
+	fl.StringVar(&f.device, "device", "auto", "auto, sim, cuda or cuda:N; without it, $ALLOCD_DEVICE when set")
 	fl.StringVar(&f.svg, "svg", "", "write a chart of allocated/reserved/requested bytes over the trace to this SVG file")
 	fl.StringVar(&f.snapshotOut, "snapshot-out", "", "write the snapshot at peak reserved memory to this pickle file (simulated device only)")
 	fl.BoolVar(&f.pytorchExpandable, "pytorch-expandable", false, "expandable segments behave exactly as PyTorch's: no reclaim, 20 MiB large pages")
@@ -85,18 +101,24 @@ configurations without expandable segments.`,
 // every shared trace, as PyTorch's max_entries does.
 const historyLimit = 3_000_000
 
-// openTarget opens the device of --device and --sim-capacity.
-func openTarget(device, simCapacity string) (*bench.Target, error) {
+// openTarget opens the device of --device (or ALLOCD_DEVICE, as from
+// says) and --sim-capacity.
+func openTarget(device, from, simCapacity string) (*bench.Target, error) {
 	capacity, err := parseSize("--sim-capacity", simCapacity)
 	if err != nil {
 		return nil, err
 	}
 	t, err := bench.OpenTarget(device, capacity)
+	if errors.Is(err, cudart.ErrNoDriver) {
+		// One line: `allocd devices` tells the libraries tried.
+		return nil, fmt.Errorf("%s: %w (`allocd devices` lists the libraries tried); "+
+			"for the simulated device use --device sim, or --device auto to fall back to it", deviceSetting(from, device), cudart.ErrNoDriver)
+	}
 	if err != nil {
 		if spec, perr := devspec.Parse(device); (perr == nil && spec.Multi()) || strings.HasPrefix(device, "sim:") {
 			err = fmt.Errorf("%w; sim:N and cuda:all are for allocd serve", err)
 		}
-		return nil, fmt.Errorf("--device: %w", err)
+		return nil, fmt.Errorf("%s: %w", deviceFlagName(from), err)
 	}
 	return t, nil
 }
@@ -105,11 +127,21 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 	cfgs := make([]allocator.Config, len(f.confs))
 	for i, c := range f.confs {
 		var err error
-		if cfgs[i], err = parseConf(c); err != nil {
+		if cfgs[i], err = parseConf(c, f.confFrom); err != nil {
 			return err
 		}
 	}
-	target, err := openTarget(f.device, f.simCapacity)
+	// The output files are checked before any work: a bad path fails at
+	// once, not after the replays.
+	for _, file := range files {
+		if err := checkOutPath("--svg", outName(f.svg, file, len(files))); err != nil {
+			return err
+		}
+		if err := checkOutPath("--snapshot-out", outName(f.snapshotOut, file, len(files))); err != nil {
+			return err
+		}
+	}
+	target, err := openTarget(f.device, f.deviceFrom, f.simCapacity)
 	if err != nil {
 		return err
 	}

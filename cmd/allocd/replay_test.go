@@ -156,7 +156,7 @@ func TestReplayBadInput(t *testing.T) {
 		{"several devices", []string{"replay", "--device", "sim:2", demoTrace}, "sim:N and cuda:all are for allocd serve"},
 		{"every GPU", []string{"replay", "--device", "cuda:all", demoTrace}, "sim:N and cuda:all are for allocd serve"},
 		{"bad capacity", []string{"replay", "--device", "sim", "--sim-capacity", "lots", demoTrace}, "--sim-capacity"},
-		{"no trace", []string{"replay"}, "requires at least 1 arg"},
+		{"no trace", []string{"replay"}, "replay needs at least one TRACE file"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, _, err := runCLI(t, tc.args...)

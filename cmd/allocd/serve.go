@@ -36,10 +36,13 @@ var serveExit = os.Exit
 
 // serveFlags are the flags of `allocd serve`.
 type serveFlags struct {
-	device          string
-	listen          string
-	conf            string
-	confSet         bool
+	device  string
+	listen  string
+	conf    string
+	confSet bool
+	// deviceFrom says where device came from: "--device",
+	// "ALLOCD_DEVICE" or "" (the default).
+	deviceFrom      string
 	simCapacity     string
 	replay          string
 	synthetic       bool
@@ -74,7 +77,11 @@ on --listen:
 
 --device picks the devices: sim (one simulated device), sim:N (N of them,
 indexes 0..N-1, each of --sim-capacity), cuda (CUDA device 0), cuda:N, or
-cuda:all (every CUDA device this process can see).
+cuda:all (every CUDA device this process can see). Without --device,
+ALLOCD_DEVICE (cuda, sim or sim:N) chooses, as it does for the library; and
+without --sim-capacity, ALLOCD_SIM_CAPACITY. serve never falls back to a
+simulated device: without a CUDA driver it says so and exits 1 (use --device
+sim, or ALLOCD_DEVICE=sim).
 
 On simulated devices, --replay TRACE drives each allocator with a PyTorch
 memory snapshot (torch.cuda.memory._dump_snapshot()), once or, with --loop,
@@ -87,9 +94,14 @@ finish, the workload stops and every segment goes back to the device. A signal
 while the --replay trace is still loading stops at once (status 0), as nothing
 has started yet. A second signal, at any time, exits at once with status 130. Logs are JSON lines on stderr (--dev:
 console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
-		Args: cobra.NoArgs,
+		Args: withUsage(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			f.confSet = cmd.Flags().Changed("conf")
+			from, err := applyDeviceEnv(cmd, &f.device, &f.simCapacity, false)
+			if err != nil {
+				return err
+			}
+			f.deviceFrom = from
 			sigs := make(chan os.Signal, 2)
 			signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 			defer signal.Stop(sigs)
@@ -101,10 +113,10 @@ console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
 		},
 	}
 	fl := cmd.Flags()
-	fl.StringVar(&f.device, "device", "cuda", "sim, sim:N (N simulated devices), cuda, cuda:N or cuda:all (every CUDA device)")
+	fl.StringVar(&f.device, "device", "cuda", "sim, sim:N (N simulated devices), cuda, cuda:N or cuda:all (every CUDA device); without it, $ALLOCD_DEVICE")
 	fl.StringVar(&f.listen, "listen", defaultListen, "address to serve HTTP on (host:port; port 0 picks a free one)")
 	fl.StringVar(&f.conf, "conf", "", "allocator configuration in ALLOCD_CONF grammar (default: $ALLOCD_CONF)")
-	fl.StringVar(&f.simCapacity, "sim-capacity", "141GiB", "memory of each simulated device (bytes, or with KiB/MiB/GiB/TiB)")
+	fl.StringVar(&f.simCapacity, "sim-capacity", defaultSimCapacityFlag, "memory of each simulated device (bytes, or with KiB/MiB/GiB/TiB); without it, $ALLOCD_SIM_CAPACITY")
 	fl.StringVar(&f.replay, "replay", "", "replay this PyTorch memory snapshot through each allocator (--device sim or sim:N only)")
 	fl.BoolVar(&f.synthetic, "synthetic", false, "drive each allocator with the mixed benchmark workload (--device sim or sim:N only)")
 	fl.BoolVar(&f.loop, "loop", false, "with --replay: start the trace over when it ends, until shutdown")
@@ -127,7 +139,7 @@ console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
 func checkServeFlags(f serveFlags) (devspec.Spec, uint64, error) {
 	spec, err := devspec.Parse(f.device)
 	if err != nil {
-		return spec, 0, fmt.Errorf("--device: %w", err)
+		return spec, 0, fmt.Errorf("%s: %w", deviceFlagName(f.deviceFrom), err)
 	}
 	capacity, err := parseSize("--sim-capacity", f.simCapacity)
 	if err != nil {
@@ -169,7 +181,31 @@ func checkServeFlags(f serveFlags) (devspec.Spec, uint64, error) {
 	if f.maxConns < 1 || f.maxConns > maxServeConns {
 		return spec, 0, fmt.Errorf("--max-conns %d: expected a number of connections from 1 to %d", f.maxConns, maxServeConns)
 	}
+	if err := checkOutPath("--ready-file", f.readyFile); err != nil {
+		return spec, 0, err
+	}
 	return spec, capacity, nil
+}
+
+// deviceFlagName names where the device spec came from in errors.
+func deviceFlagName(from string) string {
+	if from == devspec.EnvDevice {
+		return from
+	}
+	return "--device"
+}
+
+// deviceSetting names the device setting in errors, with its value as the
+// user gave it: --device cuda:1, ALLOCD_DEVICE=cuda, or --device cuda (the
+// default).
+func deviceSetting(from, value string) string {
+	switch from {
+	case devspec.EnvDevice:
+		return from + "=" + value
+	case "":
+		return "--device " + value + " (the default)"
+	}
+	return "--device " + value
 }
 
 // Limits of serve's numeric flags (docs/operations.md lists them).
@@ -206,14 +242,23 @@ func checkFloatFlag(flag string, v, lo, hi float64, what string) error {
 // device so that no two devices share an address), so that the first pass
 // places blocks exactly as the recorded program's allocator did (as
 // `allocd replay` does).
-func openServeDevices(spec devspec.Spec, capacity uint64, load *bench.Load) ([]cudart.Device, error) {
+//
+// setting names the device setting in errors (deviceSetting). Without a
+// CUDA driver the error is one line with the way to a simulated device;
+// the driver's full story (every library tried) is logged at debug level.
+func openServeDevices(spec devspec.Spec, setting string, capacity uint64, load *bench.Load, log *zap.Logger) ([]cudart.Device, error) {
 	o := devspec.Opener{Sim: cudart.SimConfig{Capacity: capacity}, DeviceCount: cudaDeviceCount, OpenCUDA: openCUDAIndex}
 	if load != nil && load.Trace != nil {
 		o.Sim.ManualEvents, o.Sim.Addresses = true, load.Trace.Addresses
 	}
 	devs, err := o.Open(spec)
+	if errors.Is(err, cudart.ErrNoDriver) {
+		log.Debug("no CUDA driver", zap.String("device_spec", spec.String()), zap.Error(err))
+		return nil, fmt.Errorf("%s: %w (`allocd devices` lists the libraries tried; --log-level debug logs them); "+
+			"for a simulated device use --device sim or ALLOCD_DEVICE=sim", setting, cudart.ErrNoDriver)
+	}
 	if err != nil {
-		return nil, fmt.Errorf("--device: %w", err)
+		return nil, fmt.Errorf("%s: %w", setting, err)
 	}
 	return devs, nil
 }
@@ -230,7 +275,8 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 	// whatever start-up step is waiting, the second exits at once.
 	sig := server.WatchSignals(ctx, log, sigs, serveExit)
 	defer sig.Stop()
-	cfg, err := parseConf(resolveConf(f.conf, f.confSet))
+	conf, confFrom := resolveConf(f.conf, f.confSet)
+	cfg, err := parseConf(conf, confFrom)
 	if err != nil {
 		return err
 	}
@@ -238,6 +284,14 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 	if err != nil {
 		return err
 	}
+	// The listening address is taken before any work (reading a trace,
+	// opening devices), so that a bad or busy address fails at once.
+	// Connections wait in the backlog until serving starts.
+	ln, err := net.Listen("tcp", f.listen)
+	if err != nil {
+		return fmt.Errorf("--listen: %w", err)
+	}
+	defer ln.Close()
 	var load *bench.Load
 	if f.replay != "" || f.synthetic {
 		// Read the trace before anything starts, so that a bad file fails
@@ -251,14 +305,15 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 			return err
 		}
 	}
-	devs, err := openServeDevices(spec, capacity, load)
+	devs, err := openServeDevices(spec, deviceSetting(f.deviceFrom, f.device), capacity, load, log)
 	if err != nil {
 		return err
 	}
 	defer devspec.CloseAll(devs)
 	log.Info("allocd serve starting",
 		zap.String("version", buildVersion()), zap.String("device_spec", spec.String()), zap.Int("devices", len(devs)),
-		zap.String("conf", cfg.String()), zap.String("listen", f.listen), zap.Int("pid", os.Getpid()))
+		zap.String("conf", effectiveConf(cfg)), zap.String("conf_from", confSource(conf, confFrom)),
+		zap.String("listen", f.listen), zap.Int("pid", os.Getpid()))
 	for _, dev := range devs {
 		info := dev.Info()
 		log.Info("device opened", zap.Int("gpu", info.Index), zap.String("device_name", info.Name),
@@ -284,11 +339,6 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 		server.LogShutdown(sig.Context(), log, "before serving")
 		return d.Close()
 	}
-	ln, err := net.Listen("tcp", f.listen)
-	if err != nil {
-		_ = allocs.Close()
-		return fmt.Errorf("--listen: %w", err)
-	}
 	srv, err := server.NewHTTP(ln, d.Handler(), server.HTTPOptions{
 		MaxConns:     f.maxConns,
 		WriteTimeout: f.writeTimeout,
@@ -296,8 +346,7 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 		ErrorLog:     zap.NewStdLog(log.Named("http")),
 	})
 	if err != nil {
-		_ = ln.Close()
-		_ = allocs.Close()
+		_ = d.Close()
 		return err
 	}
 	serveErr := make(chan error, 1)
@@ -369,4 +418,22 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 	}
 	log.Info("shutdown complete")
 	return exitErr
+}
+
+// effectiveConf is the configuration in force, as ALLOCD_CONF would say
+// it: the keys that differ from PyTorch's defaults, or "defaults".
+func effectiveConf(cfg allocator.Config) string {
+	if c := cfg.String(); c != "" {
+		return c
+	}
+	return "defaults"
+}
+
+// confSource says where the configuration came from: --conf, ALLOCD_CONF,
+// or nowhere (an empty ALLOCD_CONF, or none).
+func confSource(conf, from string) string {
+	if from == allocator.EnvConf && conf == "" {
+		return "defaults (ALLOCD_CONF unset or empty)"
+	}
+	return from
 }

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
@@ -146,7 +148,7 @@ func TestServeReplayDevice(t *testing.T) {
 	if len(w.Trace.Addresses) == 0 {
 		t.Fatal("no segment addresses read from the trace")
 	}
-	devs, err := openServeDevices(spec, capacity, w)
+	devs, err := openServeDevices(spec, "--device", capacity, w, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -160,7 +162,7 @@ func TestServeReplayDevice(t *testing.T) {
 	if p, err := dev.Malloc(first.Size); err != nil || p != first.Addr {
 		t.Errorf("first Malloc = %#x, %v; want the trace's %#x", uint64(p), err, uint64(first.Addr))
 	}
-	syn, err := openServeDevices(spec, capacity, &bench.Load{})
+	syn, err := openServeDevices(spec, "--device", capacity, &bench.Load{}, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -176,7 +178,7 @@ func TestServeReplayDevice(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	devs3, err := openServeDevices(spec3, capacity, w)
+	devs3, err := openServeDevices(spec3, "--device", capacity, w, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}

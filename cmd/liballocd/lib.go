@@ -16,11 +16,15 @@
 //	ALLOCD_CONF            allocator configuration, PYTORCH_CUDA_ALLOC_CONF's keys
 //	ALLOCD_METRICS_LISTEN  address to serve /metrics and the debug pages on; unset: none
 //	ALLOCD_LOG_LEVEL       debug, info, warn (default) or error; zap JSON on stderr
-//	ALLOCD_DEVICE          "sim" or "sim:N" for N simulated devices (default 1);
-//	                       anything else, or unset, means CUDA
-//	ALLOCD_SIM_CAPACITY    simulated device memory, bytes or with KiB/MiB/GiB/TiB (default 80GiB)
+//	ALLOCD_DEVICE          cuda (or unset), sim, or sim:N for N simulated devices (1 to 64);
+//	                       anything else is an error
+//	ALLOCD_SIM_CAPACITY    simulated device memory, bytes or with KiB/MiB/GiB/TiB (default 141GiB)
 //	ALLOCD_SIM_MANUAL_EVENTS=1  simulated stream events stay pending until a
 //	                       synchronising call (empty_cache, the OOM path) waits for them
+//
+// ALLOCD_DEVICE and ALLOCD_SIM_CAPACITY are read by devspec.ParseEnv, and
+// ALLOCD_CONF by allocator.ParseConfig, as allocator.Open and the allocd
+// command read them: a value means the same in every tool.
 //
 // A simulated device has the default stream 0 and streams 1 to 16.
 package main
@@ -29,7 +33,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -52,16 +55,16 @@ const maxDevices = 128
 // default stream 0 (handles 1 to simStreams).
 const simStreams = 16
 
-// defaultSimCapacity is a simulated device's memory without ALLOCD_SIM_CAPACITY.
-const defaultSimCapacity = 80 << 30
-
 // settings are the resolved initialisation arguments; two inits agree when
 // their settings are equal.
 type settings struct {
 	conf, listen, level string
-	device              string // ALLOCD_DEVICE
-	simCapacity         string // ALLOCD_SIM_CAPACITY
-	simManual           string // ALLOCD_SIM_MANUAL_EVENTS
+	// confVar names where conf came from, for its errors: ALLOCD_CONF,
+	// or allocd_init's conf argument. It is not compared (sameArgs).
+	confVar     string
+	device      string // ALLOCD_DEVICE
+	simCapacity string // ALLOCD_SIM_CAPACITY
+	simManual   string // ALLOCD_SIM_MANUAL_EVENTS
 }
 
 // resolveSettings fills the arguments left NULL (nil) from the environment.
@@ -75,8 +78,13 @@ func resolveSettings(conf, listen, level *string) settings {
 		}
 		return def
 	}
+	confVar := "allocd_init's conf"
+	if conf == nil {
+		confVar = "ALLOCD_CONF"
+	}
 	return settings{
 		conf:        pick(conf, "ALLOCD_CONF", ""),
+		confVar:     confVar,
 		listen:      pick(listen, "ALLOCD_METRICS_LISTEN", ""),
 		level:       pick(level, "ALLOCD_LOG_LEVEL", "warn"),
 		device:      os.Getenv("ALLOCD_DEVICE"),
@@ -132,7 +140,7 @@ func initLib(set settings, explicit bool) (*lib, error) {
 	initMu.Lock()
 	defer initMu.Unlock()
 	if l := state.Load(); l != nil {
-		if explicit && l.set != set {
+		if explicit && !sameArgs(l.set, set) {
 			return nil, fmt.Errorf("allocd: already initialised with conf %q, metrics_listen %q, log_level %q; "+
 				"a second init with conf %q, metrics_listen %q, log_level %q is refused",
 				l.set.conf, l.set.listen, l.set.level, set.conf, set.listen, set.level)
@@ -154,7 +162,7 @@ func newLib(set settings) (*lib, error) {
 	}
 	cfg, err := allocator.ParseConfig(set.conf)
 	if err != nil {
-		return nil, fmt.Errorf("allocd: conf %q: %w", set.conf, err)
+		return nil, fmt.Errorf("allocd: %s=%q: %w", set.confVar, set.conf, err)
 	}
 	sim, err := parseSim(set)
 	if err != nil {
@@ -194,27 +202,24 @@ type simSpec struct {
 	manual   bool
 }
 
+// parseSim reads ALLOCD_DEVICE and ALLOCD_SIM_CAPACITY as every allocd
+// tool does (devspec.ParseEnv), and ALLOCD_SIM_MANUAL_EVENTS.
 func parseSim(set settings) (simSpec, error) {
-	d := set.device
-	if d != "sim" && !strings.HasPrefix(d, "sim:") {
+	env, err := devspec.ParseEnv(set.device, set.simCapacity)
+	if err != nil {
+		return simSpec{}, fmt.Errorf("allocd: %w", err)
+	}
+	if !env.Spec.Sim {
 		return simSpec{}, nil
 	}
-	s := simSpec{on: true, count: 1, capacity: defaultSimCapacity, manual: set.simManual == "1"}
-	if n, ok := strings.CutPrefix(d, "sim:"); ok {
-		c, err := strconv.Atoi(n)
-		if err != nil || c < 1 || c > maxDevices {
-			return simSpec{}, fmt.Errorf("allocd: ALLOCD_DEVICE=%q: expected sim or sim:N with N in 1..%d", d, maxDevices)
-		}
-		s.count = c
-	}
-	if set.simCapacity != "" {
-		c, err := devspec.ParseSize(set.simCapacity) // as allocd and allocator.Open read it
-		if err != nil {
-			return simSpec{}, fmt.Errorf("allocd: ALLOCD_SIM_CAPACITY: %w", err)
-		}
-		s.capacity = c
-	}
-	return s, nil
+	return simSpec{on: true, count: env.Spec.Count, capacity: env.SimCapacity, manual: set.simManual == "1"}, nil
+}
+
+// sameArgs reports whether two initialisations agree: the same
+// arguments, wherever they came from.
+func sameArgs(a, b settings) bool {
+	a.confVar, b.confVar = "", ""
+	return a == b
 }
 
 // openDevice opens device index: a cudart.Sim under ALLOCD_DEVICE=sim, else

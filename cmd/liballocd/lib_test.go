@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"debug/elf"
+	"errors"
 	"io"
 	"net/http"
 	"os"
@@ -15,6 +16,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/devspec"
+	"github.com/allocd/allocd/internal/envcases"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -300,6 +304,77 @@ func TestParseSimCapacity(t *testing.T) {
 		}
 	}
 }
+
+// TestEnvAgreesWithOpen runs the table every tool shares (package
+// envcases) through liballocd's initialisation and through
+// allocator.Open: both accept the same values with the same devices, and
+// refuse the same ones with an error naming the variable.
+func TestEnvAgreesWithOpen(t *testing.T) {
+	t.Setenv("ALLOCD_CONF", "")
+	for _, c := range envcases.Cases {
+		t.Setenv("ALLOCD_DEVICE", c.Device)
+		t.Setenv("ALLOCD_SIM_CAPACITY", c.SimCapacity)
+		set := resolveSettings(nil, ptr(""), ptr("error"))
+		l, libErr := newLib(set)
+		a, openErr := allocator.Open(0)
+		var openTotal uint64
+		if a != nil {
+			_, openTotal, _ = a.Device().MemGetInfo()
+			a.Close()
+		}
+		if c.Err != "" {
+			for _, err := range []error{libErr, openErr} {
+				if !errors.Is(err, devspec.ErrEnv) || !strings.Contains(err.Error(), c.Err) {
+					t.Errorf("%+v: liballocd %v, Open %v; want both an ErrEnv mentioning %q", c, libErr, openErr, c.Err)
+				}
+			}
+			continue
+		}
+		if libErr != nil {
+			t.Errorf("%+v: liballocd: %v", c, libErr)
+			continue
+		}
+		want := c.Capacity
+		if want == envcases.DefaultSimCapacity {
+			want = devspec.DefaultSimCapacity
+		}
+		if l.sim.on != (c.Sims > 0) || (c.Sims > 0 && (l.sim.count != c.Sims || l.sim.capacity != want)) {
+			t.Errorf("%+v: liballocd reads %+v", c, l.sim)
+		}
+		if (c.Sims > 0) != (openErr == nil) && !(c.Sims == 0 && a != nil) {
+			t.Errorf("%+v: Open = %v, where liballocd reads %+v", c, openErr, l.sim)
+		}
+		if c.Sims > 0 && openTotal != l.sim.capacity {
+			t.Errorf("%+v: Open's device has %d bytes, liballocd's %d", c, openTotal, l.sim.capacity)
+		}
+	}
+}
+
+// TestConfErrorNamesVariable: a bad ALLOCD_CONF, an unknown pinned_ key
+// included (as pinned.ParseConfig and allocd serve refuse it), is an error
+// naming the variable; a bad allocd_init conf names the argument.
+func TestConfErrorNamesVariable(t *testing.T) {
+	t.Setenv("ALLOCD_DEVICE", "sim")
+	t.Setenv("ALLOCD_SIM_CAPACITY", "")
+	for _, conf := range []string{"nonsense:1", "pinned_bogus:1", "max_split_size_mb:64,pinned_use_background_threads:True"} {
+		t.Setenv("ALLOCD_CONF", conf)
+		_, err := newLib(resolveSettings(nil, ptr(""), ptr("error")))
+		if err == nil || !strings.Contains(err.Error(), "ALLOCD_CONF=") || !errors.Is(err, allocator.ErrConfig) {
+			t.Errorf("ALLOCD_CONF=%q: %v; want an ErrConfig naming ALLOCD_CONF", conf, err)
+		}
+		_, err = newLib(resolveSettings(ptr(conf), ptr(""), ptr("error")))
+		if err == nil || !strings.Contains(err.Error(), "allocd_init's conf") {
+			t.Errorf("allocd_init conf %q: %v; want an error naming the argument", conf, err)
+		}
+	}
+	// The same arguments from the environment and from allocd_init agree.
+	t.Setenv("ALLOCD_CONF", "max_split_size_mb:64")
+	if !sameArgs(resolveSettings(nil, nil, nil), resolveSettings(ptr("max_split_size_mb:64"), nil, nil)) {
+		t.Errorf("the same conf from ALLOCD_CONF and allocd_init disagree")
+	}
+}
+
+func ptr(s string) *string { return &s }
 
 // TestBench builds testdata/bench.c and runs it briefly on the simulated
 // device: a smoke test of the benchmark (its numbers are not checked), which

@@ -148,6 +148,9 @@ func run(ctx context.Context, out io.Writer, args []string) error {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.Handle("GET /debug/", debug)
+	index := debughttp.Index("examples/embed", append([]debughttp.Endpoint{{Path: "/metrics", Doc: "Prometheus metrics"}}, debughttp.PageEndpoints()...))
+	mux.Handle("GET /{$}", index)
+	mux.Handle("GET /debug/{$}", index)
 	ln, err := net.Listen("tcp", *listen)
 	if err != nil {
 		return fmt.Errorf("-listen: %w", err)
