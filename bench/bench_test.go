@@ -156,18 +156,7 @@ func TestReplayMatchesPyTorch(t *testing.T) {
 			if testing.Short() && longTrace(name) {
 				t.Skip("long trace in -short mode")
 			}
-			ops, plan := loadOps(t, path)
-			a := newSimAllocator(t, "", true, plan...)
-			r, err := Replay(ops, a, ReplayOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := a.Check(); err != nil {
-				t.Fatal(err)
-			}
-			if r.FailedAllocs != 0 {
-				t.Errorf("%d allocations failed", r.FailedAllocs)
-			}
+			r := replayTrace(t, name, modeDefault).r
 			if rec, ok := pytorchRecorded[name]; ok {
 				checkRecorded(t, "default", r, rec.native, rec.before, true)
 				return

@@ -77,9 +77,8 @@ func TestReplayExpandable(t *testing.T) {
 			if testing.Short() && longTrace(name) {
 				t.Skip("long trace in -short mode")
 			}
-			ops, _ := loadOps(t, path)
-			ours, vmm := replayExpandableVMM(t, ops)
-			exact, ptVMM := replayExpandableVMM(t, ops, allocator.WithPyTorchExpandable())
+			o, e := replayTrace(t, name, modeExpandable), replayTrace(t, name, modePyTorchExpandable)
+			ours, vmm, exact, ptVMM := o.r, o.vmm, e.r, e.vmm
 			ratio := float64(ours.PeakReserved) / float64(ours.PeakAllocated)
 			t.Logf("%-20s reserved/allocated %.3f (PyTorch %.3f), peak reserved %.0f MiB (PyTorch %.0f); handles created %d, mapped %d, unmapped %d (PyTorch %d, %d, %d)",
 				name, ratio, float64(exact.PeakReserved)/float64(exact.PeakAllocated), mib(ours.PeakReserved), mib(exact.PeakReserved),
