@@ -1,7 +1,12 @@
 package trace
 
 import (
+	"compress/gzip"
+	"errors"
+	"fmt"
+	"io"
 	"maps"
+	"os"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -133,5 +138,39 @@ func checkShared(t *testing.T, s *Snapshot, want sharedTrace) {
 	}
 	if n := ops.Ignored[ActionSegmentAlloc]; n != want.actions[ActionSegmentAlloc] {
 		t.Errorf("ignored segment_alloc %d, want %d", n, want.actions[ActionSegmentAlloc])
+	}
+}
+
+// TestLimitFigures pins what docs/replay.md's table of limits says of the
+// largest recorded trace, gpt2m_generate (913,006 entries): it is 65.6 MB
+// decompressed, and the reader's estimate of the memory it keeps is
+// between 129 and 130 MiB, so a MaxMemory of 129 MiB refuses it and one of
+// 130 MiB reads it.
+func TestLimitFigures(t *testing.T) {
+	if testing.Short() {
+		t.Skip("reads the largest trace three times")
+	}
+	path := filepath.Join(tracesDir, "gpt2m_generate.pickle.gz")
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	z, err := gzip.NewReader(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := io.Copy(io.Discard, z)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mb := fmt.Sprintf("%.1f", float64(n)/1e6); mb != "65.6" {
+		t.Errorf("%s decompresses to %s MB; docs/replay.md says 65.6", path, mb)
+	}
+	if _, err := ReadFile(path, ReadOptions{MaxMemory: 129 << 20}); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("MaxMemory 129 MiB: %v, want ErrTooLarge", err)
+	}
+	if _, err := ReadFile(path, ReadOptions{MaxMemory: 130 << 20}); err != nil {
+		t.Errorf("MaxMemory 130 MiB: %v", err)
 	}
 }
