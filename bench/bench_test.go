@@ -145,10 +145,10 @@ func BenchmarkReplay(b *testing.B) {
 // TestReplayMatchesPyTorch: with the default configuration and the
 // recorded segment addresses, replaying each recorded trace reproduces
 // PyTorch's peak reserved and peak allocated memory (testdata/traces/README.md):
-// to the MiB on the five traces PyTorch's replay measured, to the byte on
-// the project's own once the blocks allocated before their recording
-// began are counted (pytorchRecorded). In particular it reserves no more
-// than PyTorch.
+// to the MiB on the five traces PyTorch's replay measured; on the
+// project's five, as checkRecorded compares them with the recorded runs
+// (to the byte where nothing was allocated before the trace). In
+// particular it reserves no more than PyTorch.
 func TestReplayMatchesPyTorch(t *testing.T) {
 	for _, path := range traceFiles(t) {
 		name := traceName(path)
