@@ -19,9 +19,9 @@ import (
 // loadTestTrace is the small trace in the repository, loaded for replay.
 func loadTestTrace(t *testing.T) *Trace {
 	t.Helper()
-	tr, err := LoadTrace("../testdata/resnet50_train.pickle.gz")
+	tr, err := LoadTrace(traceFile(t, "resnet50_train"))
 	if err != nil {
-		t.Skipf("no test trace: %v", err)
+		t.Fatal(err)
 	}
 	return tr
 }

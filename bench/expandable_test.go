@@ -3,23 +3,12 @@ package bench
 import (
 	"errors"
 	"math"
-	"path/filepath"
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/trace"
 )
-
-// pytorchExpandable holds PyTorch's peak reserved MiB on each shared trace
-// with expandable_segments:True (../shared/traces/ANCHORS.md).
-var pytorchExpandable = map[string]float64{
-	"gpt2_train":           7886,
-	"gpt2_train_varlen":    9694,
-	"gpt2m_generate":       2446,
-	"multistream_prefetch": 502,
-	"resnet50_train":       3096,
-}
 
 // replayExpandable replays a trace with expandable_segments:True on a fresh
 // 141 GiB Sim with manual events and checks the allocator's invariants.
@@ -71,26 +60,25 @@ func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option)
 
 func mib(n int64) float64 { return math.Round(float64(n) / (1 << 20)) }
 
-// TestReplayExpandable replays the shared traces and the project's own
-// (testdata/traces) with expandable_segments:True. On every one, peak
-// reserved memory stays within 5% of peak allocated and at or below what
-// PyTorch's expandable segments reserve (WithPyTorchExpandable, which
-// reproduces them); on the shared traces, below PyTorch's default figure
-// too, and WithPyTorchExpandable gives PyTorch's expandable peaks to the
-// MiB, as ANCHORS.md gives them. It logs the handles created and mapped,
+// TestReplayExpandable replays every recorded trace with
+// expandable_segments:True. On every one, peak reserved memory stays within
+// 5% of peak allocated and at or below what PyTorch's expandable segments
+// reserve (WithPyTorchExpandable, which reproduces them); on the five
+// PyTorch replayed, below PyTorch's default figure too, and
+// WithPyTorchExpandable gives PyTorch's expandable peaks to the MiB; on the
+// project's five, WithPyTorchExpandable gives the recorded run's peaks as
+// checkRecorded compares them. It logs the handles created and mapped,
 // which on a GPU are the cost of growth (a cuMemCreate and a cuMemMap
 // each), beside PyTorch's.
 func TestReplayExpandable(t *testing.T) {
-	own, _ := filepath.Glob("../testdata/traces/*.pickle.gz")
-	for _, path := range append(sharedTraceFiles(t), own...) {
+	for _, path := range traceFiles(t) {
 		name := traceName(path)
 		t.Run(name, func(t *testing.T) {
-			if testing.Short() && name == "gpt2m_generate" {
-				t.Skip("long trace")
+			if testing.Short() && longTrace(name) {
+				t.Skip("long trace in -short mode")
 			}
-			ops, _ := loadOps(t, path)
-			ours, vmm := replayExpandableVMM(t, ops)
-			exact, ptVMM := replayExpandableVMM(t, ops, allocator.WithPyTorchExpandable())
+			o, e := replayTrace(t, name, modeExpandable), replayTrace(t, name, modePyTorchExpandable)
+			ours, vmm, exact, ptVMM := o.r, o.vmm, e.r, e.vmm
 			ratio := float64(ours.PeakReserved) / float64(ours.PeakAllocated)
 			t.Logf("%-20s reserved/allocated %.3f (PyTorch %.3f), peak reserved %.0f MiB (PyTorch %.0f); handles created %d, mapped %d, unmapped %d (PyTorch %d, %d, %d)",
 				name, ratio, float64(exact.PeakReserved)/float64(exact.PeakAllocated), mib(ours.PeakReserved), mib(exact.PeakReserved),
@@ -101,11 +89,11 @@ func TestReplayExpandable(t *testing.T) {
 			if ours.PeakReserved > exact.PeakReserved {
 				t.Errorf("peak reserved %d bytes, PyTorch's expandable segments %d", ours.PeakReserved, exact.PeakReserved)
 			}
-			native, ok := pytorchNative[name]
-			if !ok {
-				return // one of ours: no PyTorch figures recorded beside it
+			if rec, ok := pytorchRecorded[name]; ok {
+				checkRecorded(t, "expandable_segments:True, WithPyTorchExpandable", exact, rec.expandable, rec.before, false)
+				return
 			}
-			exp := pytorchExpandable[name]
+			native, exp := pytorchNative[name], pytorchExpandable[name]
 			if got := mib(ours.PeakReserved); got > native.reservedMiB || got > exp {
 				t.Errorf("peak reserved %.0f MiB exceeds PyTorch's (native %.0f, expandable %.0f)", got, native.reservedMiB, exp)
 			}

@@ -9,17 +9,17 @@ import (
 	"github.com/allocd/allocd/trace"
 )
 
-// TestSnapshotRoundTrip: read a shared trace, replay it with history
+// TestSnapshotRoundTrip: read each recorded trace, replay it with history
 // recording on, write allocd's snapshot as a pickle, read that back with
 // our own reader: the allocations and frees come back in the same order,
 // with the same sizes, and streams map one to one.
 func TestSnapshotRoundTrip(t *testing.T) {
-	for _, path := range sharedTraceFiles(t) {
+	for _, path := range traceFiles(t) {
 		name := traceName(path)
-		if name == "gpt2m_generate" && testing.Short() {
-			continue
-		}
 		t.Run(name, func(t *testing.T) {
+			if testing.Short() && longTrace(name) {
+				t.Skip("long trace in -short mode")
+			}
 			ops, plan := loadOps(t, path)
 			sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: true, Addresses: plan})
 			if err != nil {

@@ -377,16 +377,16 @@ func TestGPUCloseReturnsMemory(t *testing.T) {
 	}
 }
 
-// tracesDir is where the shared traces are: ALLOCD_TRACES, or beside the
-// checkout.
+// tracesDir is where the recorded traces are: ALLOCD_TRACES, or the
+// repository's testdata/traces.
 func tracesDir() string {
 	if d := os.Getenv("ALLOCD_TRACES"); d != "" {
 		return d
 	}
-	return "../../shared/traces"
+	return "../testdata/traces"
 }
 
-// TestGPUReplayMatchesSim: every shared trace replayed on the GPU reaches
+// TestGPUReplayMatchesSim: every recorded trace replayed on the GPU reaches
 // the same peak reserved as on the simulated device given the addresses
 // the GPU handed out (the policy is deterministic given addresses), and is
 // compared with the Sim replay at the trace's recorded addresses (which
@@ -395,7 +395,7 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 	dev := openGPU(t)
 	files, _ := filepath.Glob(filepath.Join(tracesDir(), "*.pickle.gz"))
 	if len(files) == 0 {
-		t.Skipf("no traces in %s", tracesDir())
+		t.Fatalf("no traces in %s", tracesDir())
 	}
 	simReplay := func(t *testing.T, conf string, ops *trace.Ops, plan []cudart.SimAddress) bench.ReplayResult {
 		// At least the GPU's capacity: expandable ranges are sized from it,

@@ -3,8 +3,8 @@
 #
 #   scripts/device_expandable.sh TRACEDIR ANCHORDIR
 #
-# TRACEDIR holds the *.pickle.gz traces to replay (the shared five and, for the
-# GPU tests, the five of testdata/traces); ANCHORDIR holds PyTorch's anchor
+# TRACEDIR holds the *.pickle.gz traces to replay (testdata/traces holds the
+# ten: the shared five, and for the GPU tests the project's five); ANCHORDIR holds PyTorch's anchor
 # (bench.py). Builds allocd and gputest.test into $BIN (default .devrun/bin)
 # when Go is present, then runs, writing logs and results to $OUT (default
 # .devrun/expandable):

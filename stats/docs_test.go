@@ -1,11 +1,17 @@
 package stats
 
 import (
+	"bufio"
 	"encoding/json"
+	"net/http/httptest"
 	"os"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
 // TestMetricsDocumented checks that docs/metrics.md describes every metric
@@ -70,5 +76,70 @@ func TestDashboardUsesExportedMetrics(t *testing.T) {
 	}
 	if !hasGPU {
 		t.Error("the dashboard has no gpu variable")
+	}
+}
+
+// scrapeSamples serves c on a registry of its own through promhttp, as
+// /metrics does, scrapes it once and returns the number of samples, and
+// of those the ones of the histogram family hist.
+func scrapeSamples(t *testing.T, c prometheus.Collector, hist string) (all, histogram int) {
+	t.Helper()
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(c)
+	w := httptest.NewRecorder()
+	promhttp.HandlerFor(reg, promhttp.HandlerOpts{}).ServeHTTP(w, httptest.NewRequest("GET", "/metrics", nil))
+	if w.Code != 200 {
+		t.Fatalf("scrape: status %d: %s", w.Code, w.Body)
+	}
+	sc := bufio.NewScanner(w.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		all++
+		if hist != "" && strings.HasPrefix(line, hist+"_") {
+			histogram++
+		}
+	}
+	return all, histogram
+}
+
+// docNumber returns the number pattern's one group matches in
+// docs/metrics.md.
+func docNumber(t *testing.T, pattern string) int {
+	t.Helper()
+	doc, err := os.ReadFile("../docs/metrics.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(pattern).FindSubmatch(doc)
+	if m == nil {
+		t.Fatalf("docs/metrics.md has no match for %q", pattern)
+	}
+	n, err := strconv.Atoi(string(m[1]))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// TestSeriesCountDocumented scrapes one GPU's collector and one pinned
+// allocator's, and checks the series counts docs/metrics.md gives.
+func TestSeriesCountDocumented(t *testing.T) {
+	all, hist := scrapeSamples(t, newCollector(t, scripted(t)), "allocd_device_malloc_duration_seconds")
+	if want := docNumber(t, `(\d+) series per GPU, plus`); all-hist != want {
+		t.Errorf("a scrape of one GPU has %d series besides the histogram's; docs/metrics.md says %d", all-hist, want)
+	}
+	if want := docNumber(t, `plus the histogram's (\d+) samples`); hist != want {
+		t.Errorf("a scrape of one GPU has %d histogram samples; docs/metrics.md says %d", hist, want)
+	}
+	a, _ := newPinned(t)
+	pc, err := NewPinnedCollector(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if all, _ := scrapeSamples(t, pc, ""); all != docNumber(t, `(\d+) series per pinned\s+allocator`) {
+		t.Errorf("a scrape of one pinned allocator has %d series; docs/metrics.md says %d", all, docNumber(t, `(\d+) series per pinned\s+allocator`))
 	}
 }

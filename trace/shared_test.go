@@ -1,15 +1,21 @@
 package trace
 
 import (
+	"compress/gzip"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"testing"
 )
 
 // sharedTrace is what Python's pickle (and a Python model of BuildOps)
-// reported for each recorded trace of ../../shared/traces, computed when the
-// traces were added:
+// reported for the first five recorded traces of tracesDir, computed when
+// the traces were added:
 //
 //	s = pickle.load(gzip.open(f)); tr = s["device_traces"][0]
 //	len(tr), len(s["segments"]), collections.Counter(e["action"] for e in tr)
@@ -60,23 +66,16 @@ var sharedTraceFigures = map[string]sharedTrace{
 	},
 }
 
-// TestSharedTraces reads every recorded trace and checks it against Python.
+// TestSharedTraces reads each trace of sharedTraceFigures and checks it
+// against Python. A missing trace fails the test.
 func TestSharedTraces(t *testing.T) {
-	paths, _ := filepath.Glob(filepath.Join(sharedTraces, "*.pickle.gz"))
-	if len(paths) == 0 {
-		t.Skipf("no traces in %s", sharedTraces)
-	}
-	for _, path := range paths {
-		name := filepath.Base(path)
-		want, ok := sharedTraceFigures[name]
-		if !ok {
-			t.Errorf("%s: no expected figures; add them", name)
-			continue
-		}
+	for _, name := range slices.Sorted(maps.Keys(sharedTraceFigures)) {
+		want := sharedTraceFigures[name]
 		t.Run(name, func(t *testing.T) {
 			if testing.Short() && want.entries > 100000 {
 				t.Skip("large trace in -short mode")
 			}
+			path := filepath.Join(tracesDir, name)
 			s, err := ReadFile(path, ReadOptions{Frames: want.frames > 0})
 			if err != nil {
 				t.Fatal(err)
@@ -142,14 +141,36 @@ func checkShared(t *testing.T, s *Snapshot, want sharedTrace) {
 	}
 }
 
-// TestReadmeDemoTrace: the copy in the repository's testdata decodes.
-func TestReadmeDemoTrace(t *testing.T) {
-	s, err := ReadFile("../testdata/resnet50_train.pickle.gz", ReadOptions{Frames: true})
-	if os.IsNotExist(err) {
-		t.Skip("no ../testdata/resnet50_train.pickle.gz")
+// TestLimitFigures pins what docs/replay.md's table of limits says of the
+// largest recorded trace, gpt2m_generate (913,006 entries): it is 65.6 MB
+// decompressed, and the reader's estimate of the memory it keeps is
+// between 129 and 130 MiB, so a MaxMemory of 129 MiB refuses it and one of
+// 130 MiB reads it.
+func TestLimitFigures(t *testing.T) {
+	if testing.Short() {
+		t.Skip("reads the largest trace three times")
 	}
+	path := filepath.Join(tracesDir, "gpt2m_generate.pickle.gz")
+	f, err := os.Open(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	checkShared(t, s, sharedTraceFigures["resnet50_train.pickle.gz"])
+	defer f.Close()
+	z, err := gzip.NewReader(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := io.Copy(io.Discard, z)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mb := fmt.Sprintf("%.1f", float64(n)/1e6); mb != "65.6" {
+		t.Errorf("%s decompresses to %s MB; docs/replay.md says 65.6", path, mb)
+	}
+	if _, err := ReadFile(path, ReadOptions{MaxMemory: 129 << 20}); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("MaxMemory 129 MiB: %v, want ErrTooLarge", err)
+	}
+	if _, err := ReadFile(path, ReadOptions{MaxMemory: 130 << 20}); err != nil {
+		t.Errorf("MaxMemory 130 MiB: %v", err)
+	}
 }

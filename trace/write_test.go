@@ -116,12 +116,12 @@ func (w failWriter) Write([]byte) (int, error) { return 0, w.err }
 // TestWriteSharedTracesRoundTrip writes each recorded trace back and reads
 // it again.
 func TestWriteSharedTracesRoundTrip(t *testing.T) {
-	paths, _ := filepath.Glob(filepath.Join(sharedTraces, "*.pickle.gz"))
-	if len(paths) == 0 {
-		t.Skipf("no traces in %s", sharedTraces)
+	paths, _ := filepath.Glob(filepath.Join(tracesDir, "*.pickle.gz"))
+	if len(paths) < 10 {
+		t.Fatalf("%d traces in %s, want the ten of its README", len(paths), tracesDir)
 	}
 	for _, path := range paths {
-		if testing.Short() && filepath.Base(path) == "gpt2m_generate.pickle.gz" {
+		if testing.Short() && longTrace(filepath.Base(path)) {
 			continue
 		}
 		s, err := ReadFile(path, ReadOptions{Frames: true})
@@ -175,9 +175,7 @@ func TestWritePythonReads(t *testing.T) {
 		t.Skip("no python3")
 	}
 	inputs, _ := filepath.Glob("testdata/*.pickle")
-	if p := filepath.Join(sharedTraces, "resnet50_train.pickle.gz"); fileExists(p) {
-		inputs = append(inputs, p)
-	}
+	inputs = append(inputs, filepath.Join(tracesDir, "resnet50_train.pickle.gz"))
 	dir := t.TempDir()
 	for _, in := range inputs {
 		s, err := ReadFile(in, ReadOptions{Frames: true})
@@ -226,5 +224,3 @@ func TestWritePythonReads(t *testing.T) {
 		}
 	}
 }
-
-func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }

@@ -13,7 +13,7 @@ import (
 	"github.com/allocd/allocd/trace"
 )
 
-const demoTrace = "../../testdata/resnet50_train.pickle.gz"
+const demoTrace = "../../testdata/traces/resnet50_train.pickle.gz"
 
 // runCLI runs the allocd command line in-process.
 func runCLI(t *testing.T, args ...string) (stdout, stderr string, err error) {

@@ -16,12 +16,12 @@ import (
 )
 
 // serveTestTrace is the trace the serve tests replay.
-const serveTestTrace = "../../testdata/resnet50_train.pickle.gz"
+const serveTestTrace = "../../testdata/traces/resnet50_train.pickle.gz"
 
 func needServeTestTrace(t *testing.T) {
 	t.Helper()
 	if _, err := os.Stat(serveTestTrace); err != nil {
-		t.Skipf("no test trace: %v", err)
+		t.Fatalf("the serve tests replay %s: %v", serveTestTrace, err)
 	}
 }
 

@@ -6,7 +6,7 @@ There is no Grafana in allocd's CI; this draws the same queries from real
 /metrics scrapes so that the picture in docs/operations.md shows real data.
 
     allocd serve --device sim --sim-capacity 3150MiB \
-        --replay testdata/resnet50_train.pickle.gz --loop --replay-rate 1500 &
+        --replay testdata/traces/resnet50_train.pickle.gz --loop --replay-rate 1500 &
     python3 docs/img/render_dashboard.py --url http://127.0.0.1:9612 \
         --seconds 20 --interval 0.1 --out docs/img/dashboard.png
 
