@@ -72,10 +72,10 @@ func fuzzTrace(data []byte) []trace.Entry {
 // planned on a simulated device, and the allocator's Check passes after
 // it (Target.Replay runs it), with and without expandable segments.
 func FuzzReplayPlan(f *testing.F) {
-	f.Add(false, []byte{0, 0, 0, 0, 1, 0, 0, 3, 0, 0, 0, 0, 1, 0, 0, 3})         // the same address twice
+	f.Add(false, []byte{0, 0, 0, 0, 1, 0, 0, 3, 0, 0, 0, 0, 1, 0, 0, 3})       // the same address twice
 	f.Add(false, []byte{0, 1, 1, 9, 1, 0, 0, 255, 1, 1, 0, 255, 1, 2, 0, 255}) // wraps past 2^64
-	f.Add(false, []byte{0, 3, 1, 0, 1, 0, 0, 0})                                 // unaligned
-	f.Add(true, []byte{0, 2, 0, 0, 1, 0, 0, 0})                                  // at 0
+	f.Add(false, []byte{0, 3, 1, 0, 1, 0, 0, 0})                               // unaligned
+	f.Add(true, []byte{0, 2, 0, 0, 1, 0, 0, 0})                                // at 0
 	f.Add(true, []byte{0, 0, 0, 3, 1, 0, 0, 7, 1, 1, 0, 9, 2, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 3, 1, 0, 0, 1})
 	target, err := OpenTarget("sim", 64<<30)
 	if err != nil {
