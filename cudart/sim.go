@@ -95,6 +95,20 @@ func SimRange(index int) (lo, hi Ptr, err error) {
 	return Ptr(base + simFloor), Ptr(base + SimDeviceSpan), nil
 }
 
+// AddressRanger is a Device whose addresses all lie in one range, known
+// before it hands any out: a Sim is one (SimRange). Callers that hold
+// several devices find the owner of a pointer from it.
+type AddressRanger interface {
+	// AddressRange returns the range [lo, hi) that holds every address the
+	// device hands out.
+	AddressRange() (lo, hi Ptr)
+}
+
+var _ AddressRanger = (*Sim)(nil)
+
+// AddressRange implements AddressRanger: SimRange of the Sim's index.
+func (s *Sim) AddressRange() (lo, hi Ptr) { return s.lo, s.hi }
+
 // PlanError reports a planned address (SimConfig.Addresses) that a Sim
 // cannot hand out. It wraps ErrInvalidValue.
 type PlanError struct {
