@@ -15,7 +15,7 @@ import (
 
 const planMiB = 1 << 20
 
-var manySegmentsN = 40000
+const manySegmentsN = 40000
 
 func segAlloc(addr, size uint64) trace.Entry {
 	return trace.Entry{Action: trace.ActionSegmentAlloc, Addr: addr, Size: size}
@@ -107,8 +107,8 @@ func manySegments(n int) []trace.Entry {
 // (The whole replay takes longer: the allocator's segment directory is
 // copied on every new segment.)
 func TestReplayManySegmentsFast(t *testing.T) {
-	if testing.Short() {
-		t.Skip("-short")
+	if testing.Short() || raceEnabled {
+		t.Skip("-short or -race: the allocator's directory copies make the whole replay take 20 s, 8 min under -race (cudart.TestSimManyPlannedSegmentsFast checks the device alone)")
 	}
 	n := int64(manySegmentsN)
 	tr := NewTrace("many segments", manySegments(int(n)))
