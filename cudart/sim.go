@@ -64,20 +64,22 @@ type SimCounters struct {
 }
 
 // The simulated address space. Device i owns the addresses
-// [i×SimDeviceSpan + simFloor, (i+1)×SimDeviceSpan) (SimRange): 112 TiB, so
-// that several Sims in one process never hand out the same address, a
-// pointer freed on the wrong device's allocator is recognised as foreign,
-// and a device's range holds the expandable segments' reservations
-// (1.125 × capacity each, per stream and pool) of many streams. Device 0's
+// [i×SimDeviceSpan + simFloor, (i+1)×SimDeviceSpan) (SimRange), almost
+// 64 PiB, so that several Sims in one process never hand out the same
+// address, a pointer freed on the wrong device's allocator is recognised as
+// foreign, and a device's range holds the expandable segments' reservations
+// (1.125 × capacity each, per stream and pool) of many streams, even on a
+// simulated device of petabytes. Every address stays below 2^63, so that
+// it survives a signed 64-bit integer (a pickle, a C intptr_t). Device 0's
 // range starts far from zero, so that a zero Ptr is never handed out, and
 // holds the range CUDA hands out on Linux (0x7f...), where recorded
 // (planned) addresses lie; fresh addresses start at its bottom, below them.
 const (
 	// SimDeviceSpan is the address space between the ranges of
-	// consecutive simulated devices (2^47 bytes, 128 TiB).
-	SimDeviceSpan uint64 = 1 << 47
+	// consecutive simulated devices (2^56 bytes, 64 PiB).
+	SimDeviceSpan uint64 = 1 << 56
 	// MaxSimIndex is the largest simulated device index.
-	MaxSimIndex = 1<<16 - 1
+	MaxSimIndex = 126
 
 	simFloor uint64 = 0x100000000000 // 16 TiB, the unused bottom of each span
 	simAlign uint64 = 2 << 20

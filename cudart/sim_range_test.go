@@ -22,7 +22,8 @@ func TestSimPlanRefused(t *testing.T) {
 		{"at zero", SimAddress{Addr: 0, Size: 2 * mib}, "outside"},
 		{"below the range", SimAddress{Addr: 0x200000, Size: 2 * mib}, "outside"},
 		{"above the range", SimAddress{Addr: 1 << 63, Size: 2 * mib}, "outside"},
-		{"runs past the range", SimAddress{Addr: 0x7fffffe00000, Size: 4 * mib}, "outside"},
+		{"in device 1's range", SimAddress{Addr: Ptr(SimDeviceSpan + 0x7f0000000000), Size: 2 * mib}, "outside"},
+		{"runs past the range", SimAddress{Addr: Ptr(SimDeviceSpan - 2*mib), Size: 4 * mib}, "outside"},
 		{"empty", SimAddress{Addr: 0x7f0000200000, Size: 0}, "size"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -121,8 +122,13 @@ func TestSimRangesDistinct(t *testing.T) {
 			t.Errorf("device 1's Malloc returned %#x, inside device 0's [%#x, +%d)", uint64(p1), uint64(r), uint64(reserve))
 		}
 	}
-	if _, err := NewSim(SimConfig{Capacity: 1 << 30, Index: -1}); err == nil {
-		t.Error("a Sim with index -1 was made")
+	for _, i := range []int{-1, MaxSimIndex + 1} {
+		if _, err := NewSim(SimConfig{Capacity: 1 << 30, Index: i}); err == nil {
+			t.Errorf("a Sim with index %d was made", i)
+		}
+	}
+	if _, hi, err := SimRange(MaxSimIndex); err != nil || hi > 1<<63 {
+		t.Errorf("SimRange(MaxSimIndex) ends at %#x, %v; want at most 2^63", uint64(hi), err)
 	}
 }
 
@@ -136,9 +142,9 @@ func TestSimAddressSpaceReused(t *testing.T) {
 	}
 	lo, hi, _ := SimRange(0)
 	span := uint64(hi - lo)
-	const chunk = 1 << 44 // 16 TiB of address space per reservation
+	chunk := span / 8 &^ (simAlign - 1) // eight reservations fill the range
 	var got []Ptr
-	for range span / chunk {
+	for range 8 {
 		r, err := s.Reserve(chunk)
 		if err != nil {
 			t.Fatal(err)
