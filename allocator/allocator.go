@@ -1214,6 +1214,7 @@ func (n native) check() error {
 		}
 	}
 	want("pending events", int64(a.pending), int64(events))
+	errs = append(errs, a.checkPoolCounts(st)...)
 	errs = append(errs, a.src.check()...)
 	for _, sh := range a.shards {
 		for i, p := range []*pool{&sh.small, &sh.large} {

@@ -80,7 +80,18 @@ func (e *WrongDeviceError) Unwrap() error { return e.Err }
 type Devices struct {
 	allocs  []*Allocator // ascending device index
 	indexes []int        // parallel to allocs
+	ranges  []addrRange  // parallel to allocs
 }
+
+// addrRange is a device's address range (cudart.AddressRanger); ok is
+// false for a device that reports none (a CUDA device: its addresses are
+// unique in the process, but not known in advance).
+type addrRange struct {
+	lo, hi cudart.Ptr
+	ok     bool
+}
+
+func (r addrRange) holds(p cudart.Ptr) bool { return r.ok && p >= r.lo && p < r.hi }
 
 // NewDevices returns an allocator for each of devs, all with the same
 // configuration and options. The devices must be non-nil and have
@@ -137,6 +148,12 @@ func NewDevices(devs []cudart.Device, cfg Config, opts ...Option) (*Devices, err
 		}
 		d.allocs = append(d.allocs, a)
 		d.indexes = append(d.indexes, e.index)
+		var r addrRange
+		if ar, ok := e.dev.(cudart.AddressRanger); ok {
+			r.lo, r.hi = ar.AddressRange()
+			r.ok = r.lo < r.hi
+		}
+		d.ranges = append(d.ranges, r)
 	}
 	return d, nil
 }
@@ -181,23 +198,47 @@ func (d *Devices) MallocOn(i int, size uint64, stream cudart.Stream) (cudart.Ptr
 
 // Owner returns the index of the device whose allocator holds p as a live
 // allocation (Malloc returned it and it has not been freed), and false
-// when none does.
+// when none does. Only the device whose address range holds p is asked
+// (cudart.AddressRanger), or every device without a range.
 func (d *Devices) Owner(p cudart.Ptr) (int, bool) {
-	for j, a := range d.allocs {
-		if a.holds(p) == holdLive {
-			return d.indexes[j], true
-		}
+	if pos, live := d.owner(p, -1); live {
+		return d.indexes[pos], true
 	}
 	return 0, false
 }
 
+// rangeOwner returns the position of the device whose address range holds
+// p, or -1.
+func (d *Devices) rangeOwner(p cudart.Ptr) int {
+	for j, r := range d.ranges {
+		if r.holds(p) {
+			return j
+		}
+	}
+	return -1
+}
+
 // owner finds the allocator that holds p, leaving out the one at position
 // skip (-1: none): one where p is live first, else one with a segment
-// containing p. It returns the position in allocs, or -1.
+// containing p. When a device's address range holds p, only that device
+// is asked; otherwise only the devices without a range are. It returns the
+// position in allocs, or -1.
 func (d *Devices) owner(p cudart.Ptr, skip int) (pos int, live bool) {
+	if j := d.rangeOwner(p); j >= 0 {
+		if j == skip {
+			return -1, false
+		}
+		switch d.allocs[j].holds(p) {
+		case holdLive:
+			return j, true
+		case holdSegment:
+			return j, false
+		}
+		return -1, false
+	}
 	pos = -1
 	for j, a := range d.allocs {
-		if j == skip {
+		if j == skip || d.ranges[j].ok {
 			continue
 		}
 		switch a.holds(p) {
@@ -213,11 +254,14 @@ func (d *Devices) owner(p cudart.Ptr, skip int) (pos int, live bool) {
 }
 
 // Free frees p on the device whose allocator handed it out, for a caller
-// that no longer knows which one did. It costs a lookup in each
-// allocator; a caller that knows the device should use its allocator (or
-// FreeOn). A pointer no allocator holds gets an error wrapping
-// ErrUnknownPointer (or ErrDoubleFree, when p lies in a device's segment
-// and is already free there), and changes nothing. Free(0) is a no-op.
+// that no longer knows which one did. The device whose address range holds
+// p (cudart.AddressRanger: every Sim has its own) is the only one that can
+// own it, so it alone frees p, and one device's pointer never frees
+// another's block; devices without a range are each asked in turn. A
+// caller that knows the device should use its allocator (or FreeOn). A
+// pointer no allocator holds gets an error wrapping ErrUnknownPointer (or
+// ErrDoubleFree, when p lies in a device's segment and is already free
+// there), and changes nothing. Free(0) is a no-op.
 func (d *Devices) Free(p cudart.Ptr) error {
 	if p == 0 {
 		return nil

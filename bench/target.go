@@ -22,7 +22,22 @@ type Trace struct {
 	// Addresses are the recorded segment addresses (SegmentAddresses),
 	// for a Sim to hand out again.
 	Addresses []cudart.SimAddress
+
+	planErr error // CheckSegments of the entries
 }
+
+// NewTrace builds the replay of one device trace's entries: its
+// operations (trace.BuildOps) and its recorded segment addresses
+// (SegmentAddresses), which CheckSegments checks; CheckPlan returns the
+// result.
+func NewTrace(name string, entries []trace.Entry) *Trace {
+	return &Trace{Name: name, Ops: trace.BuildOps(entries), Addresses: SegmentAddresses(entries), planErr: CheckSegments(entries)}
+}
+
+// CheckPlan returns why tr's recorded segment addresses cannot be given to
+// a simulated device (CheckSegments), or nil. A replay on a simulated
+// device refuses such a trace before it runs.
+func (tr *Trace) CheckPlan() error { return tr.planErr }
 
 // LoadTrace reads the memory snapshot at path (trace.ReadFile: a plain or
 // gzip pickle of torch.cuda.memory._dump_snapshot()), checks that it holds
@@ -36,8 +51,7 @@ func LoadTrace(path string) (*Trace, error) {
 	if len(snap.DeviceTraces) == 0 || len(snap.DeviceTraces[0]) == 0 {
 		return nil, fmt.Errorf("%s: the snapshot has no device trace (record with torch.cuda.memory._record_memory_history() before dumping it)", path)
 	}
-	entries := snap.DeviceTraces[0]
-	return &Trace{Name: filepath.Base(path), Ops: trace.BuildOps(entries), Addresses: SegmentAddresses(entries)}, nil
+	return NewTrace(filepath.Base(path), snap.DeviceTraces[0]), nil
 }
 
 // Target gives each replay or benchmark its device: a fresh simulated
@@ -105,8 +119,13 @@ func (t *Target) Close() error {
 // replayDevice is the device for a replay of tr: on a Sim, events that
 // complete only when the replay says (so deferred frees happen at the
 // trace's positions) and the trace's segment addresses (so that blocks
-// land where the recorded program's did).
+// land where the recorded program's did), once CheckPlan accepts them.
 func (t *Target) replayDevice(tr *Trace) (cudart.Device, error) {
+	if t.Sim() {
+		if err := tr.CheckPlan(); err != nil {
+			return nil, err
+		}
+	}
 	return t.Device(cudart.SimConfig{ManualEvents: true, Addresses: tr.Addresses})
 }
 
@@ -114,8 +133,10 @@ func (t *Target) replayDevice(tr *Trace) (cudart.Device, error) {
 // its row (Trace and Conf left for the caller). prepare, when set, is
 // called with the allocator before the replay, to attach observers to
 // opt. An allocator closed with live blocks is not an error: a trace may
-// end with memory in use. aopts are passed to allocator.New (for example
-// allocator.WithPyTorchExpandable).
+// end with memory in use. After the replay the allocator's Check must
+// pass: an allocator whose structures and statistics disagree is an
+// error, whatever the peaks say. aopts are passed to allocator.New (for
+// example allocator.WithPyTorchExpandable).
 func (t *Target) Replay(tr *Trace, cfg allocator.Config, opt ReplayOptions, prepare func(*allocator.Allocator, *ReplayOptions), aopts ...allocator.Option) (ReplayRow, error) {
 	dev, err := t.replayDevice(tr)
 	if err != nil {
@@ -129,6 +150,11 @@ func (t *Target) Replay(tr *Trace, cfg allocator.Config, opt ReplayOptions, prep
 		prepare(a, &opt)
 	}
 	r, err := Replay(&tr.Ops, a, opt)
+	if err == nil {
+		if cerr := a.Check(); cerr != nil {
+			err = fmt.Errorf("replay: the allocator's Check failed after the replay: %w", cerr)
+		}
+	}
 	if cerr := a.Close(); err == nil && cerr != nil && !errors.Is(cerr, allocator.ErrLiveBlocks) {
 		err = cerr
 	}

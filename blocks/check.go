@@ -1,8 +1,10 @@
 package blocks
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"slices"
 )
 
 // Totals are the byte and block counts Check derives by walking segments;
@@ -55,6 +57,8 @@ const maxReported = 32
 //     belongs to one of the segments;
 //   - no two free blocks are neighbours (they would have been merged);
 //   - the index's byte count equals the sum of its blocks;
+//   - no segment lies at address 0, wraps past 2^64 or overlaps another
+//     (checkRanges);
 //   - in an expandable segment, unmapped blocks are free, not indexed,
 //     start and end on page boundaries and never neighbour each other (a
 //     mapped free block beside an unmapped one is fine), and the mapped
@@ -70,6 +74,9 @@ func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
 		if len(errs) < maxReported {
 			errs = append(errs, fmt.Errorf(format, args...))
 		}
+	}
+	for _, e := range checkRanges(segments) {
+		report("%w", e)
 	}
 	owned := make(map[*Block]bool)
 	for i, s := range segments {
@@ -205,4 +212,29 @@ func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
 		report("indexes hold %d blocks, segments have %d free blocks", indexed, t.FreeCount)
 	}
 	return t, errors.Join(errs...)
+}
+
+// checkRanges reports the segments whose address ranges are impossible: at
+// address 0 (a block there could never be freed: a free of 0 does
+// nothing), wrapping past 2^64, or overlapping another segment.
+func checkRanges(segments []*Segment) []error {
+	var errs []error
+	sorted := make([]*Segment, 0, len(segments))
+	for _, s := range segments {
+		switch {
+		case s.Ptr == 0:
+			errs = append(errs, fmt.Errorf("segment [%#x, +%d) starts at address 0", s.Ptr, s.Size))
+		case s.Size > 0 && s.Ptr+s.Size-1 < s.Ptr:
+			errs = append(errs, fmt.Errorf("segment [%#x, +%d) wraps past 2^64", s.Ptr, s.Size))
+		default:
+			sorted = append(sorted, s)
+		}
+	}
+	slices.SortFunc(sorted, func(a, b *Segment) int { return cmp.Compare(a.Ptr, b.Ptr) })
+	for i := 1; i < len(sorted); i++ {
+		if a, b := sorted[i-1], sorted[i]; a.Ptr+a.Size > b.Ptr {
+			errs = append(errs, fmt.Errorf("segments [%#x, +%d) and [%#x, +%d) overlap", a.Ptr, a.Size, b.Ptr, b.Size))
+		}
+	}
+	return errs
 }

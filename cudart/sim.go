@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"sync"
 	"time"
+
+	"github.com/google/btree"
 )
 
 // SimConfig configures a simulated device.
@@ -35,7 +37,8 @@ type SimConfig struct {
 	// among the next few planned entries, when that range is free;
 	// otherwise it takes a fresh address. Best fit breaks ties by address,
 	// so replaying with the recorded addresses reproduces the recorded
-	// placement exactly.
+	// placement exactly. Every planned range must pass
+	// CheckPlannedAddress (inside SimRange(Index), aligned, not wrapping).
 	Addresses []SimAddress
 }
 
@@ -60,17 +63,111 @@ type SimCounters struct {
 	LiveAllocations, LiveEvents, LiveStream int64
 }
 
-// simBase is where the simulated address space starts: a plausible device
-// address, far from zero so that a zero Ptr is never handed out, and below
-// the range CUDA hands out on Linux (0x7f...), where planned addresses lie.
-// Each simulated device index gets its own 1 TiB of address space, so that
-// several Sims in one process never hand out the same address and a pointer
-// freed on the wrong device's allocator is recognised as foreign.
+// The simulated address space. Device i owns the addresses
+// [i×SimDeviceSpan + simFloor, (i+1)×SimDeviceSpan) (SimRange), almost
+// 64 PiB, so that several Sims in one process never hand out the same
+// address, a pointer freed on the wrong device's allocator is recognised as
+// foreign, and a device's range holds the expandable segments' reservations
+// (1.125 × capacity each, per stream and pool) of many streams, even on a
+// simulated device of petabytes. Every address stays below 2^63, so that
+// it survives a signed 64-bit integer (a pickle, a C intptr_t). Device 0's
+// range starts far from zero, so that a zero Ptr is never handed out, and
+// holds the range CUDA hands out on Linux (0x7f...), where recorded
+// (planned) addresses lie; fresh addresses start at its bottom, below them.
 const (
-	simBase        Ptr    = 0x100000000000
-	simAlign       uint64 = 2 << 20
-	simDeviceShift        = 40
+	// SimDeviceSpan is the address space between the ranges of
+	// consecutive simulated devices (2^56 bytes, 64 PiB).
+	SimDeviceSpan uint64 = 1 << 56
+	// MaxSimIndex is the largest simulated device index.
+	MaxSimIndex = 126
+
+	simFloor uint64 = 0x100000000000 // 16 TiB, the unused bottom of each span
+	simAlign uint64 = 2 << 20
 )
+
+// SimRange returns the addresses a simulated device of the given index owns,
+// [lo, hi): every address it hands out, and every planned address it
+// accepts, lies inside. An index outside [0, MaxSimIndex] is an error
+// wrapping ErrInvalidValue.
+func SimRange(index int) (lo, hi Ptr, err error) {
+	if index < 0 || index > MaxSimIndex {
+		return 0, 0, fmt.Errorf("cudart: sim index %d is outside [0, %d]: %w", index, MaxSimIndex, ErrInvalidValue)
+	}
+	base := uint64(index) * SimDeviceSpan
+	return Ptr(base + simFloor), Ptr(base + SimDeviceSpan), nil
+}
+
+// AddressRanger is a Device whose addresses all lie in one range, known
+// before it hands any out: a Sim is one (SimRange). Callers that hold
+// several devices find the owner of a pointer from it.
+type AddressRanger interface {
+	// AddressRange returns the range [lo, hi) that holds every address the
+	// device hands out.
+	AddressRange() (lo, hi Ptr)
+}
+
+var _ AddressRanger = (*Sim)(nil)
+
+// AddressRange implements AddressRanger: SimRange of the Sim's index.
+func (s *Sim) AddressRange() (lo, hi Ptr) { return s.lo, s.hi }
+
+// PlanError reports a planned address (SimConfig.Addresses) that a Sim
+// cannot hand out. It wraps ErrInvalidValue.
+type PlanError struct {
+	// Entry is the index of the planned address in the plan.
+	Entry int
+	// Addr and Size are the planned range.
+	Addr Ptr
+	Size uint64
+	// Reason says what is wrong with it.
+	Reason string
+}
+
+func (e *PlanError) Error() string {
+	return fmt.Sprintf("cudart: planned address entry %d, [%#x, +%d): %s", e.Entry, uint64(e.Addr), e.Size, e.Reason)
+}
+
+// Unwrap returns ErrInvalidValue.
+func (e *PlanError) Unwrap() error { return ErrInvalidValue }
+
+// CheckPlannedAddress checks one planned range for a Sim of the given index:
+// a positive size, an address aligned to 2 MiB (as every address a Sim hands
+// out), no wrap past 2^64, and inside SimRange(index). It returns a
+// *PlanError naming entry, or nil. Planned ranges may overlap one another:
+// a recorded program gets an address again once it has freed it, and a Sim
+// takes a planned range only while it is free.
+func CheckPlannedAddress(entry int, a SimAddress, index int) error {
+	lo, hi, err := SimRange(index)
+	if err != nil {
+		return err
+	}
+	bad := func(format string, args ...any) error {
+		return &PlanError{Entry: entry, Addr: a.Addr, Size: a.Size, Reason: fmt.Sprintf(format, args...)}
+	}
+	switch {
+	case a.Size == 0:
+		return bad("the size is 0")
+	case uint64(a.Addr)%simAlign != 0:
+		return bad("the address is not aligned to %d bytes", simAlign)
+	case uint64(a.Addr)+a.Size < uint64(a.Addr):
+		return bad("the range wraps past 2^64")
+	case a.Addr < lo || uint64(a.Addr)+a.Size > uint64(hi):
+		return bad("the range is outside simulated device %d's addresses [%#x, %#x)", index, uint64(lo), uint64(hi))
+	}
+	return nil
+}
+
+// simSpan is a range of a Sim's address space in use: a live allocation
+// or a reservation.
+type simSpan struct {
+	start   Ptr
+	size    uint64
+	reserve bool // a reservation (Reserve), not an allocation
+}
+
+func (r simSpan) end() uint64 { return uint64(r.start) + r.size }
+
+func simSpanLess(a, b simSpan) bool { return a.start < b.start }
 
 type simEvent struct {
 	stream   Stream
@@ -79,16 +176,20 @@ type simEvent struct {
 	seq      uint64 // copies queued on stream up to this one precede it (host_sim.go)
 }
 
-// Sim is a simulated Device. It is safe for concurrent use. Addresses come
-// from SimConfig.Addresses when planned, and otherwise from a bump pointer
-// aligned to 2 MiB that never reuses an address; two live allocations never
-// overlap.
+// Sim is a simulated Device. It is safe for concurrent use. Every address
+// lies in the device's own range (SimRange). Addresses come from
+// SimConfig.Addresses when planned, and otherwise are fresh: aligned to
+// 2 MiB, ascending, never reused until the range's end is reached. Two live
+// allocations or reservations never overlap; a range that is not free is
+// found in O(log n).
 type Sim struct {
 	cfg SimConfig
 
 	mu       sync.Mutex
 	closed   bool
-	next     Ptr
+	lo, hi   Ptr                    // the device's addresses (SimRange)
+	next     Ptr                    // where the search for fresh addresses starts
+	spans    *btree.BTreeG[simSpan] // live allocations and reservations, by address
 	used     uint64
 	allocs   map[Ptr]uint64
 	memory   map[Ptr][]byte
@@ -109,17 +210,31 @@ type Sim struct {
 var _ Device = (*Sim)(nil)
 
 // NewSim returns a simulated device with the given configuration.
-// A zero Capacity is an error.
+// A zero Capacity, an Index outside [0, MaxSimIndex] and a planned address
+// that CheckPlannedAddress refuses (a *PlanError) are errors wrapping
+// ErrInvalidValue.
 func NewSim(cfg SimConfig) (*Sim, error) {
 	if cfg.Capacity == 0 {
 		return nil, fmt.Errorf("cudart: sim capacity must be positive: %w", ErrInvalidValue)
+	}
+	lo, hi, err := SimRange(cfg.Index)
+	if err != nil {
+		return nil, err
+	}
+	for i, a := range cfg.Addresses {
+		if err := CheckPlannedAddress(i, a, cfg.Index); err != nil {
+			return nil, err
+		}
 	}
 	if cfg.Name == "" {
 		cfg.Name = "sim"
 	}
 	return &Sim{
 		cfg:      cfg,
-		next:     simBase + Ptr(cfg.Index)<<simDeviceShift,
+		lo:       lo,
+		hi:       hi,
+		next:     lo,
+		spans:    btree.NewG(16, simSpanLess),
 		allocs:   make(map[Ptr]uint64),
 		memory:   make(map[Ptr][]byte),
 		streams:  map[Stream]bool{DefaultStream: true},
@@ -184,11 +299,14 @@ func (s *Sim) Malloc(size uint64) (Ptr, error) {
 	}
 	p, ok := s.planned(size)
 	if !ok {
-		p = s.next
-		s.next += Ptr((size + simAlign - 1) / simAlign * simAlign)
+		if p, ok = s.fresh(size); !ok {
+			s.counters.FailedMallocs++
+			return 0, s.oom("cudaMalloc")
+		}
 	}
 	s.used += size
 	s.allocs[p] = size
+	s.spans.ReplaceOrInsert(simSpan{start: p, size: size})
 	if s.cfg.Backed {
 		s.memory[p] = make([]byte, size)
 	}
@@ -212,18 +330,67 @@ func (s *Sim) planned(size uint64) (Ptr, bool) {
 	return 0, false
 }
 
-// rangeFree reports whether [p, p+size) overlaps no live allocation and
-// no reservation.
+// rangeFree reports whether [p, p+size) lies inside the Sim's range and
+// overlaps no live allocation and no reservation, in O(log n): the spans do
+// not overlap, so only the last one starting below p+size can reach p.
 func (s *Sim) rangeFree(p Ptr, size uint64) bool {
-	if p == 0 || s.vmm.overlapsReservation(p, size) {
+	if size == 0 || p < s.lo || p >= s.hi || size > uint64(s.hi-p) {
 		return false
 	}
-	for base, n := range s.allocs {
-		if uint64(p) < uint64(base)+n && uint64(base) < uint64(p)+size {
+	free := true
+	s.spans.DescendLessOrEqual(simSpan{start: p + Ptr(size-1)}, func(r simSpan) bool {
+		free = r.end() <= uint64(p)
+		return false
+	})
+	return free
+}
+
+// fresh finds free address space for size bytes, aligned to 2 MiB: the
+// first free range at or past where the last one ended, then, once the
+// range's end is reached, the first free range from its bottom. Until the
+// end is first reached no address is handed out twice (the addresses are
+// those of a bump pointer); after it, address space freed is reused.
+func (s *Sim) fresh(size uint64) (Ptr, bool) {
+	span := uint64(s.hi - s.lo)
+	if size == 0 || size > span-simAlign {
+		return 0, false
+	}
+	n := (size + simAlign - 1) / simAlign * simAlign
+	p, ok := s.gapFrom(s.next, n)
+	if !ok {
+		p, ok = s.gapFrom(s.lo, n)
+	}
+	if ok {
+		s.next = p + Ptr(n)
+	}
+	return p, ok
+}
+
+// gapFrom returns the lowest 2 MiB-aligned address at or past from where n
+// bytes are free and inside the Sim's range.
+func (s *Sim) gapFrom(from Ptr, n uint64) (Ptr, bool) {
+	p := uint64(from)
+	up := func(e uint64) uint64 { return (e + simAlign - 1) / simAlign * simAlign }
+	s.spans.DescendLessOrEqual(simSpan{start: from}, func(r simSpan) bool {
+		p = max(p, up(r.end())) // the span holding from, if any
+		return false
+	})
+	found := false
+	s.spans.AscendGreaterOrEqual(simSpan{start: Ptr(p)}, func(r simSpan) bool {
+		if p > uint64(s.hi) || n > uint64(s.hi)-p {
 			return false
 		}
+		if uint64(r.start) >= p+n {
+			found = true
+			return false
+		}
+		p = max(p, up(r.end()))
+		return true
+	})
+	if !found && (p > uint64(s.hi) || n > uint64(s.hi)-p) {
+		return 0, false
 	}
-	return true
+	return Ptr(p), true
 }
 
 // injectedFault counts a malloc-like call and reports whether FailMalloc
@@ -255,6 +422,7 @@ func (s *Sim) Free(p Ptr) error {
 	s.completeAllLocked()
 	delete(s.allocs, p)
 	delete(s.memory, p)
+	s.spans.Delete(simSpan{start: p})
 	s.used -= size
 	s.counters.Frees++
 	return nil
@@ -502,14 +670,18 @@ func (s *Sim) region(op string, p Ptr, n uint64) ([]byte, error) {
 	if s.closed {
 		return nil, fmt.Errorf("cudart: sim %s: %w", op, ErrClosed)
 	}
-	for base, size := range s.allocs {
-		if p >= base && uint64(p-base)+n <= size {
-			if !s.cfg.Backed {
-				return nil, nil
-			}
-			off := uint64(p - base)
-			return s.memory[base][off : off+n], nil
+	var in simSpan
+	found := false
+	s.spans.DescendLessOrEqual(simSpan{start: p}, func(r simSpan) bool {
+		in, found = r, !r.reserve && n <= r.size && uint64(p-r.start) <= r.size-n
+		return false
+	})
+	if found {
+		if !s.cfg.Backed {
+			return nil, nil
 		}
+		off := uint64(p - in.start)
+		return s.memory[in.start][off : off+n], nil
 	}
 	return nil, fmt.Errorf("cudart: sim %s: [%#x, +%d) is not inside a live allocation: %w", op, uint64(p), n, ErrInvalidValue)
 }

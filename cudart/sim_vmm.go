@@ -79,24 +79,16 @@ func (v *simVMM) init() {
 	}
 }
 
-// overlapsReservation reports whether [p, p+size) overlaps a reservation.
-func (v *simVMM) overlapsReservation(p Ptr, size uint64) bool {
-	for base, n := range v.reservations {
-		if uint64(p) < uint64(base)+n && uint64(base) < uint64(p)+size {
-			return true
-		}
-	}
-	return false
-}
-
-// reservationOf returns the reservation holding [p, p+size), if one does.
-func (v *simVMM) reservationOf(p Ptr, size uint64) (Ptr, bool) {
-	for base, n := range v.reservations {
-		if p >= base && uint64(p-base)+size <= n {
-			return base, true
-		}
-	}
-	return 0, false
+// reservationOf returns the reservation holding [p, p+size), if one does,
+// in O(log n) (s.spans).
+func (s *Sim) reservationOf(p Ptr, size uint64) (Ptr, bool) {
+	var base Ptr
+	found := false
+	s.spans.DescendLessOrEqual(simSpan{start: p}, func(r simSpan) bool {
+		base, found = r.start, r.reserve && size <= r.size && uint64(p-r.start) <= r.size-size
+		return false
+	})
+	return base, found
 }
 
 var _ VirtualMemory = (*Sim)(nil)
@@ -122,18 +114,23 @@ func (s *Sim) Granularity() (uint64, error) {
 	return simGranularity, nil
 }
 
-// Reserve implements VirtualMemory. The range comes from the bump pointer
-// that Malloc uses, aligned to 2 MiB; it never overlaps an allocation or
-// another reservation, and costs nothing against Capacity.
+// Reserve implements VirtualMemory. The range comes from the Sim's address
+// range as Malloc's fresh addresses do, aligned to 2 MiB; it never overlaps
+// an allocation or another reservation, and costs nothing against
+// Capacity. With no free range of size left it fails with an error wrapping
+// ErrOutOfMemory.
 func (s *Sim) Reserve(size uint64) (Ptr, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.vmmCheck("reserve", size); err != nil {
 		return 0, err
 	}
-	p := s.next
-	s.next += Ptr((size + simAlign - 1) / simAlign * simAlign)
+	p, ok := s.fresh(size)
+	if !ok {
+		return 0, fmt.Errorf("cudart: sim reserve of %d bytes: no free range of that size in the device's addresses [%#x, %#x): %w", size, uint64(s.lo), uint64(s.hi), ErrOutOfMemory)
+	}
 	s.vmm.reservations[p] = size
+	s.spans.ReplaceOrInsert(simSpan{start: p, size: size, reserve: true})
 	s.vmm.counters.Reserves++
 	return p, nil
 }
@@ -156,6 +153,7 @@ func (s *Sim) ReleaseRange(p Ptr, size uint64) error {
 		}
 	}
 	delete(s.vmm.reservations, p)
+	s.spans.Delete(simSpan{start: p})
 	s.vmm.counters.ReleaseRanges++
 	return nil
 }
@@ -275,7 +273,7 @@ func (s *Sim) mapLocked(p Ptr, size uint64, h Handle) error {
 	case uint64(p)%simGranularity != 0:
 		return fmt.Errorf("cudart: sim map at %#x, which is not %d-byte aligned: %w", uint64(p), simGranularity, ErrInvalidValue)
 	}
-	if _, ok := v.reservationOf(p, size); !ok {
+	if _, ok := s.reservationOf(p, size); !ok {
 		return fmt.Errorf("cudart: sim map at [%#x, +%d): not inside one reservation: %w", uint64(p), size, ErrInvalidValue)
 	}
 	for g := p; uint64(g-p) < size; g += Ptr(simGranularity) {

@@ -36,14 +36,14 @@ import (
 // allocd tool: an H200's 141 GiB.
 const DefaultSimCapacity = 141 << 30
 
-// MaxSimDevices bounds sim:N. Each simulated device gets its own 1 TiB of
-// address space (SimDeviceSpan); 64 keeps them well apart.
+// MaxSimDevices bounds sim:N. Each simulated device gets its own range of
+// addresses (cudart.SimRange), SimDeviceSpan apart.
 const MaxSimDevices = 64
 
 // SimDeviceSpan is how far planned Sim addresses move for each simulated
 // device past the first (PlanFor), so that no two simulated devices hand
 // out the same address, as no two GPUs of one process do.
-const SimDeviceSpan = 1 << 40
+const SimDeviceSpan = cudart.SimDeviceSpan
 
 // ErrSpec is wrapped by every error of Parse and ParseOne.
 var ErrSpec = errors.New("bad device spec")
@@ -192,7 +192,7 @@ func PlanFor(plan []cudart.SimAddress, i int) []cudart.SimAddress {
 	}
 	out := make([]cudart.SimAddress, len(plan))
 	for j, a := range plan {
-		out[j] = cudart.SimAddress{Addr: a.Addr + cudart.Ptr(i)*SimDeviceSpan, Size: a.Size}
+		out[j] = cudart.SimAddress{Addr: a.Addr + cudart.Ptr(uint64(i)*SimDeviceSpan), Size: a.Size}
 	}
 	return out
 }

@@ -92,8 +92,8 @@ func TestOpenSim(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		// Device i hands out the plan moved by i TiB.
-		if want := plan[0].Addr + cudart.Ptr(i)<<40; p != want {
+		// Device i hands out the plan moved by i × SimDeviceSpan.
+		if want := plan[0].Addr + cudart.Ptr(uint64(i)*SimDeviceSpan); p != want {
 			t.Errorf("device %d: first Malloc = %#x, want %#x", i, uint64(p), uint64(want))
 		}
 		if j, dup := seen[p]; dup {

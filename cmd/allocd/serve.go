@@ -249,6 +249,9 @@ func checkFloatFlag(flag string, v, lo, hi float64, what string) error {
 func openServeDevices(spec devspec.Spec, setting string, capacity uint64, load *bench.Load, log *zap.Logger) ([]cudart.Device, error) {
 	o := devspec.Opener{Sim: cudart.SimConfig{Capacity: capacity}, DeviceCount: cudaDeviceCount, OpenCUDA: openCUDAIndex}
 	if load != nil && load.Trace != nil {
+		if err := load.Trace.CheckPlan(); spec.Sim && err != nil {
+			return nil, fmt.Errorf("--replay: %w", err)
+		}
 		o.Sim.ManualEvents, o.Sim.Addresses = true, load.Trace.Addresses
 	}
 	devs, err := o.Open(spec)

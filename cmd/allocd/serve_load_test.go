@@ -172,7 +172,8 @@ func TestServeReplayDevice(t *testing.T) {
 	}
 
 	// On sim:3 every device replays with manual events, and device i gets
-	// the trace's addresses moved by i TiB: no two devices share one.
+	// the trace's addresses moved by i × SimDeviceSpan: no two devices
+	// share one.
 	spec3, _, err := checkServeFlags(serveFlags{device: "sim:3", simCapacity: "141GiB", replay: serveTestTrace,
 		maxConns: 64, writeTimeout: time.Minute, idleTimeout: time.Minute})
 	if err != nil {
@@ -191,7 +192,7 @@ func TestServeReplayDevice(t *testing.T) {
 		if dev.Info().Index != i || !sim.ManualEvents() {
 			t.Errorf("device %d: index %d, manual events %v", i, dev.Info().Index, sim.ManualEvents())
 		}
-		want := first.Addr + cudart.Ptr(i)<<40
+		want := first.Addr + cudart.Ptr(uint64(i)*devspec.SimDeviceSpan)
 		if p, err := dev.Malloc(first.Size); err != nil || p != want {
 			t.Errorf("device %d: first Malloc = %#x, %v; want %#x", i, uint64(p), err, uint64(want))
 		}

@@ -1,0 +1,66 @@
+package bench
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/google/btree"
+
+	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/trace"
+)
+
+// recordedSegment is a segment a trace holds: allocated by the entry at
+// index entry and not yet freed.
+type recordedSegment struct {
+	addr, size uint64
+	entry      int
+}
+
+func (s recordedSegment) end() uint64 { return s.addr + s.size }
+
+// CheckSegments checks the segment_alloc entries of a device trace as the
+// plan of a simulated device's addresses (device 0; SimConfig.Addresses):
+// each segment must pass cudart.CheckPlannedAddress (a positive size, an
+// address aligned to 2 MiB, no wrap past 2^64, inside the device's range),
+// and overlap no segment the trace still holds at that point (allocated
+// by an earlier segment_alloc and not freed by a segment_free at its
+// address). An address freed and then allocated again is fine. The error
+// names the entry (its index in entries) and its address; nil when every
+// segment passes. It costs O(log n) per segment.
+func CheckSegments(entries []trace.Entry) error {
+	live := btree.NewG(16, func(a, b recordedSegment) bool { return a.addr < b.addr })
+	plan := 0
+	for i, e := range entries {
+		switch e.Action {
+		case trace.ActionSegmentFree:
+			if s, ok := live.Get(recordedSegment{addr: e.Addr}); ok && s.size == e.Size {
+				live.Delete(s)
+			}
+		case trace.ActionSegmentAlloc:
+			seg := recordedSegment{addr: e.Addr, size: e.Size, entry: i}
+			err := cudart.CheckPlannedAddress(plan, cudart.SimAddress{Addr: cudart.Ptr(e.Addr), Size: e.Size}, 0)
+			if pe := (*cudart.PlanError)(nil); errors.As(err, &pe) {
+				return fmt.Errorf("trace entry %d, segment_alloc of %d bytes at %#x: %s: %w", i, e.Size, e.Addr, pe.Reason, cudart.ErrInvalidValue)
+			} else if err != nil {
+				return err
+			}
+			plan++
+			var over *recordedSegment
+			// The segments held do not overlap one another, so only the
+			// last one starting below seg's end can reach it.
+			live.DescendLessOrEqual(recordedSegment{addr: seg.end() - 1}, func(s recordedSegment) bool {
+				if s.end() > seg.addr {
+					over = &s
+				}
+				return false
+			})
+			if over != nil {
+				return fmt.Errorf("trace entry %d, segment_alloc of %d bytes at %#x: overlaps [%#x, +%d), the segment of entry %d, which the trace has not freed: %w",
+					i, e.Size, e.Addr, over.addr, over.size, over.entry, cudart.ErrInvalidValue)
+			}
+			live.ReplaceOrInsert(seg)
+		}
+	}
+	return nil
+}

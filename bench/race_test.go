@@ -1,0 +1,8 @@
+//go:build race
+
+package bench
+
+// raceEnabled is set under -race, which slows the allocator's segment
+// directory copies (O(segments) per new segment) too far for the
+// 40,000-segment replay.
+const raceEnabled = true
