@@ -62,7 +62,10 @@
 // order, and sees one consistent whole. Statistics stay exact: counts are
 // folded from the shards when read, and a peak is never passed on the hot
 // path, whose increases stay within per-shard caps that add up to no more
-// than the peak (shard.go). A cached Malloc and Free allocate nothing on
+// than the peak (shard.go). A shard lives only while its stream has live
+// blocks or was used lately: ReleaseStream, EmptyCache and idle sweeps
+// release the rest, so the whole costs O(live streams) (streams.go). A
+// cached Malloc and Free allocate nothing on
 // the Go heap, make no device call, read no clock and log nothing; the
 // device is reached only to grow or release a segment, and to poll events
 // while RecordStream'd blocks are pending.

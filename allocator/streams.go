@@ -260,17 +260,22 @@ func (a *Allocator) sweep(all bool) {
 }
 
 // makeRoom runs the idle sweep before a new shard is added when it is
-// due, and fails when maxStreams shards stay live after a sweep of every
-// idle stream (world mode).
+// due, and fails when maxStreams shards are live and none is idle (world
+// mode).
+// It changes nothing when it fails.
 func (a *Allocator) makeRoom(s cudart.Stream) error {
+	if len(a.shards) >= a.maxStreams && !slices.ContainsFunc(a.shards, a.idle) {
+		return fmt.Errorf("allocator: stream %#x: %d streams have live blocks, pending events or calls under way (the limit; WithMaxStreams): %w",
+			uint64(s), len(a.shards), ErrTooManyStreams)
+	}
 	if a.newShards >= a.sweepEvery {
 		a.sweep(false)
 	}
 	if len(a.shards) >= a.maxStreams {
 		a.sweep(true)
 	}
-	if len(a.shards) >= a.maxStreams {
-		return fmt.Errorf("allocator: stream %#x: %d streams have live blocks, pending events or calls under way (the limit; WithMaxStreams): %w",
+	if len(a.shards) >= a.maxStreams { // an idle stream's device free failed
+		return fmt.Errorf("allocator: stream %#x: %d streams live, and releasing the idle ones failed (the limit; WithMaxStreams): %w",
 			uint64(s), len(a.shards), ErrTooManyStreams)
 	}
 	return nil

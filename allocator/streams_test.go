@@ -190,8 +190,13 @@ func TestMaxStreams(t *testing.T) {
 		live = append(live, mustMalloc(t, a, 1*miB, s))
 	}
 	s, _ := sim.StreamCreate()
+	before := a.Stats()
 	if _, err := a.Malloc(1*miB, s); !errors.Is(err, ErrTooManyStreams) {
 		t.Fatalf("Malloc on a fifth stream: %v, want ErrTooManyStreams", err)
+	}
+	if after := a.Stats(); liveShards(a) != 4 || after.NumDeviceAlloc != before.NumDeviceAlloc || after.NumDeviceFree != before.NumDeviceFree {
+		t.Errorf("the refused Malloc changed the allocator: %d shards, device mallocs %d→%d, frees %d→%d",
+			liveShards(a), before.NumDeviceAlloc, after.NumDeviceAlloc, before.NumDeviceFree, after.NumDeviceFree)
 	}
 	if err := a.Check(); err != nil {
 		t.Fatal(err)
