@@ -86,6 +86,9 @@ func (s *Stats) hotArrays() [numHot]*StatArray {
 type shard struct {
 	mu     sync.Mutex
 	stream cudart.Stream
+	// doomed: the hot path must not use the shard (streams.go): it is
+	// released, or will be once idle. Written in world mode only.
+	doomed bool
 	small  pool
 	large  pool
 	active ptrMap        // allocated blocks of this stream by address
@@ -106,10 +109,7 @@ type shard struct {
 	// since.
 	capsZero bool
 	repays   uint8 // frees since repay last looked, up to repayEvery
-	// doomed: the hot path must not use the shard (streams.go): it is
-	// released, or will be once idle. Written in world mode only.
-	doomed   bool
-	released bool // dropped from the allocator (streams.go)
+	released bool  // dropped from the allocator (streams.go)
 	// World-mode state of the stream's life (streams.go): its segments,
 	// the events its blocks wait for, the world-mode calls under way on
 	// it, and its allocation count at the last idle sweep.
