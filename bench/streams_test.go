@@ -47,7 +47,8 @@ func manyStreamOps(n int) *trace.Ops {
 // TestReplayManyStreams replays a trace of 20,000 streams, each used
 // briefly, in under 5 s (it took 135 s when every stream ever seen kept
 // its shard and every slow path walked them all), in both segment
-// sources, and checks the allocator's invariants after.
+// sources, and checks the allocator's invariants after. Under the race
+// detector the bound is raceSlowdown times longer.
 func TestReplayManyStreams(t *testing.T) {
 	ops := manyStreamOps(20000)
 	for _, conf := range []string{"", "expandable_segments:True"} {
@@ -59,8 +60,8 @@ func TestReplayManyStreams(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if d > 5*time.Second {
-				t.Errorf("replay of %d streams took %v, want under 5 s", len(ops.Streams), d)
+			if limit := raceSlowdown * 5 * time.Second; d > limit {
+				t.Errorf("replay of %d streams took %v, want under %v", len(ops.Streams), d, limit)
 			}
 			if r.FailedAllocs != 0 || r.OOMs != 0 {
 				t.Errorf("%d failed allocations, %d OOMs", r.FailedAllocs, r.OOMs)
