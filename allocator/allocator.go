@@ -250,11 +250,15 @@ type Allocator struct {
 	byStream map[cudart.Stream]*shard
 	shardTab atomic.Pointer[shardTable]
 	// doomed are shards released by ReleaseStream that wait to be idle;
-	// the next idle sweep runs once newShards reaches sweepEvery;
-	// maxStreams is the most shards at once (streams.go).
+	// the next idle sweep runs once newShards reaches sweepEvery; swept
+	// are streams recent sweeps released and misses the new shards of
+	// those since the last sweep; maxStreams is the most shards at once
+	// (streams.go).
 	doomed     []*shard
 	newShards  int
 	sweepEvery int
+	swept      map[cudart.Stream]struct{}
+	misses     int
 	maxStreams int
 	dir        atomic.Pointer[directory] // segments by address, for Free
 	segments   []*blocks.Segment

@@ -446,6 +446,9 @@ func (a *Allocator) addShard(s cudart.Stream) *shard {
 	}
 	a.byStream[s] = sh
 	a.newShards++
+	if _, ok := a.swept[s]; ok {
+		a.misses++
+	}
 	a.publishShards()
 	return sh
 }

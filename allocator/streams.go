@@ -15,15 +15,21 @@ package allocator
 //     (ReleaseStream), or, for a stream with live blocks or pending
 //     events, once the last of them is gone;
 //   - at once on EmptyCache, which leaves no cached segment behind;
-//   - after a bounded time otherwise: a sweep runs after each period of
-//     P new streams, P being idleSweepMin or the number of streams that
-//     were not idle at the last sweep if more, and releases every idle
-//     stream that allocated nothing since the sweep before. A program
-//     that keeps using its streams is never swept (its peaks, and its
-//     device mallocs and frees, stay exactly PyTorch's), and one that
-//     drops streams keeps at most the streams of two periods besides
-//     those in use. A sweep costs O(shards), which are at most about
-//     3P, once per P new streams: O(1) per new stream.
+//   - after a bounded time otherwise: a sweep runs once P new shards
+//     were made since the last sweep or EmptyCache, P being idleSweepMin
+//     or the number of streams that were not idle at the last sweep if
+//     more, and releases every idle stream that allocated nothing since
+//     the sweep before. A program with at most idleSweepMin streams
+//     besides the default one is never swept (its peaks, and its device
+//     mallocs and frees, stay exactly PyTorch's), nor is a stream in
+//     steady use; a program that drops streams keeps at most the streams
+//     of two periods besides those in use. A sweep costs O(shards), which
+//     are at most about 3P, once per P new streams: O(1) per new stream.
+//     When a quarter of a period's new shards are of streams that recent
+//     sweeps released, the program cycles through more streams than a
+//     period holds (a pool of streams used in turn): P doubles, up to
+//     maxSweepPeriod, so that its streams keep their cached segments from
+//     then on.
 //
 // The default stream's shard is never released. A Malloc on a released
 // stream starts it again with a new shard. The hot path never uses a
@@ -56,8 +62,11 @@ var ErrTooManyStreams = errors.New("too many streams")
 const DefaultMaxStreams = 65536
 
 // idleSweepMin is the least number of new streams between two idle
-// sweeps (see above).
-const idleSweepMin = 32
+// sweeps, maxSweepPeriod the most that misses make it (see above).
+const (
+	idleSweepMin   = 32
+	maxSweepPeriod = 256
+)
 
 // WithMaxStreams sets how many streams, the default stream included, may
 // have live state in the allocator at once (DefaultMaxStreams by
@@ -81,6 +90,7 @@ func (a *Allocator) ReleaseStream(s cudart.Stream) error {
 		return fmt.Errorf("allocator: release stream %#x: %w", uint64(s), ErrClosed)
 	}
 	sh := a.byStream[s]
+	delete(a.swept, s) // destroyed: a new stream with its handle is no miss
 	if sh == nil || s == cudart.DefaultStream {
 		return nil
 	}
@@ -241,14 +251,22 @@ func (a *Allocator) sweep(all bool) {
 		sh := a.shards[i]
 		n := sh.stats.Allocation[PoolAll].Allocated
 		if a.idle(sh) && (all || n == sh.stamp) {
+			s := sh.stream
 			if err := a.releaseShard(sh); err == nil {
+				if !all {
+					a.noteSwept(s)
+				}
 				continue
 			} else {
-				a.log.Warn("releasing an idle stream's segments failed", zap.Uint64("stream", uint64(sh.stream)), zap.Error(err))
+				a.log.Warn("releasing an idle stream's segments failed", zap.Uint64("stream", uint64(s)), zap.Error(err))
 			}
 		}
 		sh.stamp = n
 		i++
+	}
+	if all { // EmptyCache: what comes back now is no miss
+		a.newShards, a.swept, a.misses = 0, nil, 0
+		return
 	}
 	busy := 0
 	for _, sh := range a.shards {
@@ -256,7 +274,21 @@ func (a *Allocator) sweep(all bool) {
 			busy++
 		}
 	}
-	a.newShards, a.sweepEvery = 0, max(idleSweepMin, busy)
+	next := max(idleSweepMin, busy)
+	if a.misses > 0 && 4*a.misses >= a.newShards {
+		next = max(next, min(2*a.sweepEvery, maxSweepPeriod))
+	}
+	a.sweepEvery, a.newShards, a.misses = next, 0, 0
+}
+
+// noteSwept remembers that a sweep released stream s, so that a new
+// shard for s counts as a miss. It remembers at most 4·maxSweepPeriod
+// streams, forgetting them all when full.
+func (a *Allocator) noteSwept(s cudart.Stream) {
+	if a.swept == nil || len(a.swept) >= 4*maxSweepPeriod {
+		a.swept = make(map[cudart.Stream]struct{})
+	}
+	a.swept[s] = struct{}{}
 }
 
 // makeRoom runs the idle sweep before a new shard is added when it is

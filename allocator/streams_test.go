@@ -3,6 +3,7 @@ package allocator
 import (
 	"errors"
 	"runtime"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -290,6 +291,51 @@ func TestStreamsConcurrent(t *testing.T) {
 			}
 			if n := liveShards(a); n > 4 {
 				t.Errorf("%d shards after EmptyCache with nothing live, want at most 4", n)
+			}
+		})
+	}
+}
+
+// TestStreamPoolsKeepSegments: a program with idleSweepMin streams
+// besides the default one keeps PyTorch's device mallocs and frees: no
+// sweep ever releases a cached segment, across EmptyCache calls too, even
+// of a stream left unused for many rounds. A program that uses a larger
+// pool of streams in turn loses cached segments to sweeps only in its
+// first rounds: the sweep period grows to hold its pool.
+func TestStreamPoolsKeepSegments(t *testing.T) {
+	for _, tc := range []struct {
+		streams, settled int // no device frees from round settled on
+	}{
+		{idleSweepMin, 0},
+		{2*idleSweepMin + 8, 3},
+		{200, 4},
+	} {
+		t.Run(strconv.Itoa(tc.streams), func(t *testing.T) {
+			a, sim := newTestAllocator(t, 80*giB, "")
+			var streams []cudart.Stream
+			for range tc.streams {
+				s, err := sim.StreamCreate()
+				if err != nil {
+					t.Fatal(err)
+				}
+				streams = append(streams, s)
+			}
+			for round := range 16 {
+				before := a.Stats()
+				for i, s := range streams {
+					if i == 0 && tc.streams == idleSweepMin && round%4 != 0 {
+						continue // left unused most rounds, its segment cached
+					}
+					mustFree(t, a, mustMalloc(t, a, 3*miB, s))
+				}
+				if n := a.Stats().NumDeviceFree - before.NumDeviceFree; round >= tc.settled && n != 0 {
+					t.Fatalf("round %d: %d device frees without EmptyCache or OOM", round, n)
+				}
+				if tc.streams == idleSweepMin && round%3 == 2 {
+					if err := a.EmptyCache(); err != nil {
+						t.Fatal(err)
+					}
+				}
 			}
 		})
 	}
