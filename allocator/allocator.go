@@ -64,7 +64,10 @@
 // order, and sees one consistent whole. Statistics stay exact: counts are
 // folded from the shards when read, and a peak is never passed on the hot
 // path, whose increases stay within per-shard caps that add up to no more
-// than the peak (shard.go). A cached Malloc and Free allocate nothing on
+// than the peak (shard.go). A shard lives only while its stream has live
+// blocks or was used lately: ReleaseStream, EmptyCache and idle sweeps
+// release the rest, so the whole costs O(live streams) (streams.go). A
+// cached Malloc and Free allocate nothing on
 // the Go heap, make no device call, read no clock and log nothing; the
 // device is reached only to grow or release a segment, and to poll events
 // while RecordStream'd blocks are pending.
@@ -76,6 +79,7 @@ import (
 	"fmt"
 	"math"
 	"math/bits"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -193,6 +197,7 @@ type options struct {
 	history           HistoryOptions
 	cfg               *Config // WithConfig: used by Open instead of ALLOCD_CONF
 	pytorchExpandable bool    // WithPyTorchExpandable
+	maxStreams        int     // WithMaxStreams
 	expLargePage      uint64  // pageOf20MiB (tests)
 }
 
@@ -243,11 +248,23 @@ type Allocator struct {
 	log       *zap.Logger
 	closed    bool
 
-	shards   []*shard // one per stream seen, in stream order
+	shards   []*shard // one per live stream, in stream order (streams.go)
+	byStream map[cudart.Stream]*shard
 	shardTab atomic.Pointer[shardTable]
-	dir      atomic.Pointer[directory] // segments by address, for Free
-	segments []*blocks.Segment
-	scratch  []*blocks.Block // reused by release paths
+	// doomed are shards released by ReleaseStream that wait to be idle;
+	// the next idle sweep runs once newShards reaches sweepEvery; swept
+	// are streams recent sweeps released and misses the new shards of
+	// those since the last sweep; maxStreams is the most shards at once
+	// (streams.go).
+	doomed     []*shard
+	newShards  int
+	sweepEvery int
+	swept      map[cudart.Stream]struct{}
+	misses     int
+	maxStreams int
+	dir        atomic.Pointer[directory] // segments by address, for Free
+	segments   []*blocks.Segment
+	scratch    []*blocks.Block // reused by release paths
 	// gcSearches counts searches of each pool while garbage collection is
 	// on; blocks age by it (PyTorch's get_free_blocks_call_count).
 	gcSearches [numPools]uint64
@@ -282,9 +299,12 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	o := options{log: zap.NewNop()}
+	o := options{log: zap.NewNop(), maxStreams: DefaultMaxStreams}
 	for _, opt := range opts {
 		opt(&o)
+	}
+	if o.maxStreams < 1 {
+		return nil, fmt.Errorf("allocator: WithMaxStreams(%d): at least 1 stream (the default stream) is needed: %w", o.maxStreams, cudart.ErrInvalidValue)
 	}
 	if err := o.history.validate(); err != nil {
 		return nil, err
@@ -307,6 +327,9 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		log:   o.log,
 		total: total,
 		exp:   exp,
+
+		maxStreams: o.maxStreams,
+		sweepEvery: idleSweepMin,
 	}
 	a.res = new(reservoir)
 	a.dir.Store(&directory{})
@@ -401,18 +424,25 @@ func (a *Allocator) poolOf(b *blocks.Block) *pool {
 	return &sh.large
 }
 
-// checkStream admits s if it is known, or the device vouches for it, and
-// returns its shard (world mode).
+// checkStream admits s if it is known, or the device vouches for it and
+// there is room for it (makeRoom), and returns its shard (world mode). A
+// stream in use is no longer doomed (ReleaseStream): its handle may
+// belong to a new stream.
 func (a *Allocator) checkStream(s cudart.Stream) (*shard, error) {
-	for _, sh := range a.shards {
-		if sh.stream == s {
-			return sh, nil
+	if sh := a.byStream[s]; sh != nil {
+		if sh.doomed {
+			sh.doomed = false
+			a.doomed = slices.DeleteFunc(a.doomed, func(x *shard) bool { return x == sh })
 		}
+		return sh, nil
 	}
 	if c, ok := a.dev.(cudart.StreamChecker); ok {
 		if err := c.CheckStream(s); err != nil {
 			return nil, fmt.Errorf("allocator: stream %#x: %w: %w", uint64(s), ErrInvalidStream, err)
 		}
+	}
+	if err := a.makeRoom(s); err != nil {
+		return nil, err
 	}
 	return a.addShard(s), nil
 }
@@ -445,7 +475,7 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 // shard's caps escalates (shard.go). It returns 0 when the call needs world
 // mode, having changed nothing but, perhaps, flushed the front cache.
 func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
-	if a.closed || a.pending > 0 || a.history != nil || a.async != nil ||
+	if a.closed || sh.doomed || a.pending > 0 || a.history != nil || a.async != nil ||
 		size > a.allowed || size > maxRequestSize || a.gcEnabled() {
 		return 0
 	}
@@ -496,6 +526,9 @@ func (a *Allocator) slowMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, e
 	if err != nil {
 		return 0, err
 	}
+	// sh stays while a device malloc runs unlocked (release_lock_on_cudamalloc).
+	sh.busy++
+	defer func() { sh.busy-- }()
 	if h := a.history; h != nil && h.depth > 0 {
 		a.curStack = h.capture()
 		defer a.endCall()
@@ -670,7 +703,7 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 // escalates (shard.go). It reports false when the call needs world mode,
 // having changed nothing but, perhaps, flushed the front cache.
 func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
-	if a.closed || a.history != nil || a.async != nil {
+	if a.closed || sh.doomed || a.history != nil || a.async != nil {
 		return false
 	}
 	if sh.parked != nil {
@@ -891,6 +924,7 @@ func (a *Allocator) insertEvents(b *blocks.Block) error {
 		}
 		b.EventCount++
 		a.pending++
+		a.shardOf(cudart.Stream(b.Segment.Stream)).pendingEv++
 		q := a.queue(cudart.Stream(s))
 		q.items = append(q.items, pendingEvent{event: ev, block: b})
 	}
@@ -940,6 +974,7 @@ func (a *Allocator) processEvents() error {
 			a.retire(pe)
 		}
 	}
+	a.dropEmptyQueues()
 	return nil
 }
 
@@ -947,9 +982,17 @@ func (a *Allocator) retire(pe pendingEvent) {
 	a.spareEvents = append(a.spareEvents, pe.event)
 	a.pending--
 	pe.block.EventCount--
+	pl := a.poolOf(pe.block)
+	pl.sh.pendingEv--
 	if pe.block.EventCount == 0 {
-		a.freeBlock(a.poolOf(pe.block), pe.block)
+		a.freeBlock(pl, pe.block)
 	}
+}
+
+// dropEmptyQueues removes the event queues of streams with no pending
+// event, so that the queues stay as many as the streams waited for.
+func (a *Allocator) dropEmptyQueues() {
+	a.queues = slices.DeleteFunc(a.queues, func(q eventQueue) bool { return len(q.items) == 0 })
 }
 
 // synchronizeAndFreeEvents waits for every pending event and returns their
@@ -971,6 +1014,7 @@ func (a *Allocator) synchronizeAndFreeEvents() error {
 			a.retire(pe)
 		}
 	}
+	a.dropEmptyQueues()
 	return nil
 }
 
@@ -993,7 +1037,11 @@ func (a *Allocator) EmptyCache() error {
 		return fmt.Errorf("allocator: empty cache: %w", ErrClosed)
 	}
 	a.stats.NumEmptyCache++
-	return a.be.emptyCache()
+	if err := a.be.emptyCache(); err != nil {
+		return err
+	}
+	a.dropIdle()
+	return nil
 }
 
 // emptyCache is the native policy's EmptyCache: release_cached_blocks.
@@ -1037,6 +1085,7 @@ func (a *Allocator) Close() error {
 		sh.stats.OversizeAllocations.sub(sh.stats.OversizeAllocations.Current)
 		sh.small.free, sh.large.free = blocks.NewStreamFreeIndex(uint64(sh.stream)), blocks.NewStreamFreeIndex(uint64(sh.stream))
 		sh.active = newPtrMap(0)
+		sh.segments, sh.pendingEv = 0, 0
 	}
 	a.segments, a.spareEvents, a.queues = nil, nil, nil
 	a.res = new(reservoir)
@@ -1165,7 +1214,7 @@ func (a *Allocator) Check() error {
 	defer a.unlockWorld()
 	parked := a.checkParked()
 	a.flushAll()
-	return errors.Join(append(parked, a.be.check())...)
+	return errors.Join(append(append(parked, a.be.check()), a.checkStreams()...)...)
 }
 
 // check is the native policy's Check, after the front cache was checked

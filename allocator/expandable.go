@@ -857,7 +857,15 @@ func (a *Allocator) syncStreams(list []*blocks.Block) error {
 			continue
 		}
 		if err := a.dev.StreamSynchronize(cudart.Stream(s)); err != nil {
-			return fmt.Errorf("allocator: synchronising stream %#x before unmapping: %w", s, err)
+			if !errors.Is(err, cudart.ErrInvalidValue) {
+				return fmt.Errorf("allocator: synchronising stream %#x before unmapping: %w", s, err)
+			}
+			// The stream was destroyed and the allocator not told
+			// (ReleaseStream): wait for the whole device instead.
+			if err := a.dev.Synchronize(); err != nil {
+				return fmt.Errorf("allocator: synchronising the device before unmapping (stream %#x is gone): %w", s, err)
+			}
+			return nil
 		}
 		synced = append(synced, s)
 	}

@@ -48,6 +48,7 @@ import (
 	"fmt"
 	"math/bits"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -85,6 +86,9 @@ func (s *Stats) hotArrays() [numHot]*StatArray {
 type shard struct {
 	mu     sync.Mutex
 	stream cudart.Stream
+	// doomed: the hot path must not use the shard (streams.go): it is
+	// released, or will be once idle. Written in world mode only.
+	doomed bool
 	small  pool
 	large  pool
 	active ptrMap        // allocated blocks of this stream by address
@@ -100,9 +104,20 @@ type shard struct {
 	share [numHot][numPools]int64
 	// lend: other shards are in use, so repay gives excess caps back (with
 	// one shard in use, what it gave back it would only borrow again).
-	lend     bool
-	repays   uint8    // frees since repay last looked, up to repayEvery
-	_padding [64]byte // keep shards on their own cache lines
+	lend bool
+	// capsZero: shareCaps left every cap 0 and borrow has not raised one
+	// since.
+	capsZero bool
+	repays   uint8 // frees since repay last looked, up to repayEvery
+	released bool  // dropped from the allocator (streams.go)
+	// World-mode state of the stream's life (streams.go): its segments,
+	// the events its blocks wait for, the world-mode calls under way on
+	// it, and its allocation count at the last idle sweep.
+	segments  int
+	pendingEv int
+	busy      int
+	stamp     int64
+	_padding  [64]byte // keep shards on their own cache lines
 }
 
 // reservoir is slack that no shard holds as cap: a hot path whose change
@@ -171,6 +186,7 @@ func (a *Allocator) borrow(sh *shard, p Pool, count, size, req, splitCount, spli
 			c[k][q] += t
 			loans[n] = loan{k, int(q), t}
 			n++
+			sh.capsZero = false
 		}
 	}
 	if over > 0 {
@@ -181,6 +197,7 @@ func (a *Allocator) borrow(sh *shard, p Pool, count, size, req, splitCount, spli
 				return false
 			}
 			sh.capOver += t
+			sh.capsZero = false
 		}
 	}
 	return true
@@ -225,7 +242,11 @@ func (a *Allocator) repay(sh *shard, p Pool) {
 }
 
 func newShard(s cudart.Stream) *shard {
-	sh := &shard{stream: s, active: newPtrMap(1024)}
+	n := 1024
+	if s != cudart.DefaultStream {
+		n = 32 // most streams besides the default are short-lived (streams.go); the map grows
+	}
+	sh := &shard{stream: s, active: newPtrMap(n)}
 	sh.small = pool{free: blocks.NewStreamFreeIndex(uint64(s)), small: true, stat: PoolSmall, sh: sh}
 	sh.large = pool{free: blocks.NewStreamFreeIndex(uint64(s)), stat: PoolLarge, sh: sh}
 	return sh
@@ -319,17 +340,25 @@ func newDirectory(d []dirEntry) *directory {
 }
 
 // shardTable is the published list of shards, for the hot path, with
-// their streams beside them: looking a stream up reads no shard, whose
-// cache lines its own goroutine keeps writing.
+// their streams beside them, in stream order: looking a stream up reads
+// no shard, whose cache lines its own goroutine keeps writing. From
+// shardSearchMin shards on, the lookup is a binary search.
 type shardTable struct {
 	streams []cudart.Stream
 	list    []*shard
 }
 
 // lookupShard returns the shard of stream s without locking, or nil when
-// s has none yet.
+// s has none. The shard may have been released since (doomed says so
+// under its lock).
 func (a *Allocator) lookupShard(s cudart.Stream) *shard {
 	t := a.shardTab.Load()
+	if len(t.streams) >= shardSearchMin {
+		if i, ok := slices.BinarySearch(t.streams, s); ok {
+			return t.list[i]
+		}
+		return nil
+	}
 	for i, st := range t.streams {
 		if st == s {
 			return t.list[i]
@@ -374,9 +403,11 @@ func (a *Allocator) dirAdd(seg *blocks.Segment) {
 	for i < len(old) && old[i].start < seg.Ptr {
 		i++
 	}
+	sh := a.shardOf(cudart.Stream(seg.Stream))
+	sh.segments++
 	d := make([]dirEntry, 0, len(old)+1)
 	d = append(d, old[:i]...)
-	d = append(d, dirEntry{seg.Ptr, seg.Ptr + seg.Size, a.shardOf(cudart.Stream(seg.Stream))})
+	d = append(d, dirEntry{seg.Ptr, seg.Ptr + seg.Size, sh})
 	d = append(d, old[i:]...)
 	a.dir.Store(newDirectory(d))
 }
@@ -387,6 +418,8 @@ func (a *Allocator) dirRemove(seg *blocks.Segment) {
 	for _, e := range old {
 		if e.start != seg.Ptr {
 			d = append(d, e)
+		} else {
+			e.sh.segments--
 		}
 	}
 	a.dir.Store(newDirectory(d))
@@ -394,10 +427,8 @@ func (a *Allocator) dirRemove(seg *blocks.Segment) {
 
 // shardOf returns the shard of stream s (world mode; s must have one).
 func (a *Allocator) shardOf(s cudart.Stream) *shard {
-	for _, sh := range a.shards {
-		if sh.stream == s {
-			return sh
-		}
+	if sh := a.byStream[s]; sh != nil {
+		return sh
 	}
 	panic("allocator: no shard for a segment's stream")
 }
@@ -409,18 +440,16 @@ func (a *Allocator) addShard(s cudart.Stream) *shard {
 	sh := newShard(s)
 	sh.mu.Lock()
 	a.capsDirty = true
-	i := 0
-	for i < len(a.shards) && a.shards[i].stream < s {
-		i++
+	a.shards = slices.Insert(a.shards, a.shardIndex(s), sh)
+	if a.byStream == nil {
+		a.byStream = make(map[cudart.Stream]*shard)
 	}
-	a.shards = append(a.shards, nil)
-	copy(a.shards[i+1:], a.shards[i:])
-	a.shards[i] = sh
-	t := &shardTable{list: append([]*shard(nil), a.shards...)}
-	for _, x := range t.list {
-		t.streams = append(t.streams, x.stream)
+	a.byStream[s] = sh
+	a.newShards++
+	if _, ok := a.swept[s]; ok {
+		a.misses++
 	}
-	a.shardTab.Store(t)
+	a.publishShards()
 	return sh
 }
 
@@ -443,6 +472,9 @@ func (a *Allocator) lockAll() {
 // unlockWorld shares out the caps again when a statistic changed, and
 // unlocks.
 func (a *Allocator) unlockWorld() {
+	if len(a.doomed) > 0 {
+		a.reapDoomed()
+	}
 	if a.capsDirty {
 		a.shareCaps()
 	}
@@ -465,6 +497,9 @@ func (a *Allocator) hotSums() (sums [numHot][numPools]int64, over int64) {
 	}
 	over = a.stats.OversizeAllocations.Current
 	for _, sh := range a.shards {
+		if sh.zeroHot() {
+			continue
+		}
 		h := sh.stats.arrays()
 		for k := range numHot {
 			for p := range numPools {
@@ -474,6 +509,16 @@ func (a *Allocator) hotSums() (sums [numHot][numPools]int64, over int64) {
 		over += sh.stats.OversizeAllocations.Current
 	}
 	return sums, over
+}
+
+// zeroHot reports whether every hot statistic's Current of sh is 0:
+// these two are 0 only when every other one is (the allocated and
+// requested figures are within the active ones, every pool's within all
+// pools', the oversize count within the allocation count, and a count and
+// its bytes are 0 together). hotSums and shareCaps skip such shards, so
+// that streams with nothing live cost them little.
+func (sh *shard) zeroHot() bool {
+	return sh.stats.Active[PoolAll].Current == 0 && sh.stats.InactiveSplit[PoolAll].Current == 0
 }
 
 // settleShard is settle after a change of sh's hot statistics: while
@@ -599,7 +644,11 @@ func (a *Allocator) shareCaps() {
 		case sh.stats.Active[PoolAll].Current > 0:
 			part, whole = 1, 4*n
 		}
+		if part == 0 && sh.capsZero && sh.zeroHot() {
+			continue // its caps stay 0, as the code below would set them
+		}
 		sh.lend = n > 1
+		sh.capsZero = part == 0 && sh.zeroHot()
 		h := sh.stats.arrays()
 		for k := range numHot {
 			for p := range numPools {

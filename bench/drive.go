@@ -171,13 +171,14 @@ func (l *Load) Run(ctx context.Context, a *allocator.Allocator, gpu int, log *za
 		zap.Int("streams", len(ops.Streams)), zap.Int("unmatched_frees", ops.UnmatchedFrees),
 		zap.Bool("loop", l.Loop), zap.Float64("ops_per_second", l.Rate))
 	// One set of streams serves every pass, so that the allocator sees the
-	// same streams again rather than new ones each pass; they are destroyed
-	// when the workload ends.
+	// same streams again rather than new ones each pass; they are destroyed,
+	// and released from the allocator, when the workload ends.
 	streams := map[uint64]cudart.Stream{}
 	defer func() {
 		for ts, s := range streams {
 			if ts != 0 {
 				_ = a.Device().StreamDestroy(s)
+				_ = a.ReleaseStream(s)
 			}
 		}
 	}()

@@ -196,6 +196,8 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 	if useEvents {
 		side = make(map[int32]cudart.Stream)
 	}
+	// A trace's few streams are found by a linear search, faster than the
+	// map, which serves traces of many streams.
 	streamOf := make([]cudart.Stream, 0, 4)
 	keyOf := make([]uint64, 0, 4)
 	lookup := func(s uint64) cudart.Stream {
@@ -205,7 +207,9 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 			}
 		}
 		ds := r.streams[s]
-		keyOf, streamOf = append(keyOf, s), append(streamOf, ds)
+		if len(keyOf) < 8 {
+			keyOf, streamOf = append(keyOf, s), append(streamOf, ds)
+		}
 		return ds
 	}
 	n := len(ops.Ops)
