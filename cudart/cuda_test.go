@@ -123,15 +123,6 @@ func TestTryLibrariesNamesEveryCandidate(t *testing.T) {
 	t.Logf("libc.so.6 resolved to %s", path)
 }
 
-func TestNoCgoOpen(t *testing.T) {
-	if builtWithCgo {
-		t.Skip("built with cgo")
-	}
-	if _, err := Open(0); !errors.Is(err, ErrNoDriver) || !strings.Contains(err.Error(), "CGO_ENABLED=0") {
-		t.Fatalf("Open(0) = %v, want ErrNoDriver saying the binary was built without cgo", err)
-	}
-}
-
 func TestOpenNegativeIndex(t *testing.T) {
 	if _, err := Open(-1); !errors.Is(err, ErrInvalidValue) {
 		t.Fatalf("Open(-1) = %v, want ErrInvalidValue", err)
