@@ -132,11 +132,10 @@ import (
 	"sort"
 	"time"
 
-	"go.uber.org/zap"
-
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
+	"go.uber.org/zap"
 )
 
 // expandable is the allocator's expandable-segment state and its segment
@@ -988,9 +987,9 @@ func (a *Allocator) closeExpandable() []error {
 	return errs
 }
 
-// appendExpandableInfo adds one trace.Segment per contiguous mapped range
+// appendExpandableInfo adds one snapshot.Segment per contiguous mapped range
 // of the expandable segment s, as PyTorch's snapshot does.
-func (a *Allocator) appendExpandableInfo(out []trace.Segment, s *blocks.Segment) []trace.Segment {
+func (a *Allocator) appendExpandableInfo(out []snapshot.Segment, s *blocks.Segment) []snapshot.Segment {
 	open := false
 	for b := s.Head; b != nil; b = b.Next {
 		if b.Unmapped {

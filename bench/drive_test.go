@@ -9,11 +9,10 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/zap"
-
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
+	"go.uber.org/zap"
 )
 
 // loadTestTrace is the small trace in the repository, loaded for replay.
@@ -250,7 +249,7 @@ func TestLoadTraceErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := trace.WritePickle(f, &trace.Snapshot{}); err != nil {
+	if err := snapshot.WritePickle(f, &snapshot.Snapshot{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := f.Close(); err != nil {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -60,7 +61,7 @@ type NewAllocatorFunc func(history bool) (*allocator.Allocator, error)
 // that operation and returns the allocator's snapshot there, with the
 // operation's index. Replay on a Sim is deterministic, so the second replay
 // reaches the same state. Both allocators are closed.
-func SnapshotAtPeak(ops *trace.Ops, newAlloc NewAllocatorFunc) (*trace.Snapshot, int, error) {
+func SnapshotAtPeak(ops *trace.Ops, newAlloc NewAllocatorFunc) (*snapshot.Snapshot, int, error) {
 	a, err := newAlloc(false)
 	if err != nil {
 		return nil, 0, err

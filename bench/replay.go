@@ -23,6 +23,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -59,10 +60,10 @@ type ReplayResult struct {
 // planned Sim addresses. A Sim given them hands out the addresses the
 // recorded program got, so best fit, which breaks ties by address, places
 // blocks exactly as the recorded allocator did.
-func SegmentAddresses(entries []trace.Entry) []cudart.SimAddress {
+func SegmentAddresses(entries []snapshot.Entry) []cudart.SimAddress {
 	var out []cudart.SimAddress
 	for _, e := range entries {
-		if e.Action == trace.ActionSegmentAlloc {
+		if e.Action == snapshot.ActionSegmentAlloc {
 			out = append(out, cudart.SimAddress{Addr: cudart.Ptr(e.Addr), Size: e.Size})
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -30,7 +31,7 @@ type Trace struct {
 // operations (trace.BuildOps) and its recorded segment addresses
 // (SegmentAddresses), which CheckSegments checks; CheckPlan returns the
 // result.
-func NewTrace(name string, entries []trace.Entry) *Trace {
+func NewTrace(name string, entries []snapshot.Entry) *Trace {
 	return &Trace{Name: name, Ops: trace.BuildOps(entries), Addresses: SegmentAddresses(entries), planErr: CheckSegments(entries)}
 }
 
@@ -168,7 +169,7 @@ func (t *Target) Replay(tr *Trace, cfg allocator.Config, opt ReplayOptions, prep
 // memory with cfg (SnapshotAtPeak), its history bounded by
 // historyEntries. It needs a simulated target, whose replays are
 // deterministic. aopts are passed to allocator.New, as in Replay.
-func (t *Target) SnapshotAtPeak(tr *Trace, cfg allocator.Config, historyEntries int, aopts ...allocator.Option) (*trace.Snapshot, error) {
+func (t *Target) SnapshotAtPeak(tr *Trace, cfg allocator.Config, historyEntries int, aopts ...allocator.Option) (*snapshot.Snapshot, error) {
 	if !t.Sim() {
 		return nil, errors.New("a snapshot at peak needs the simulated device, whose replays are deterministic")
 	}

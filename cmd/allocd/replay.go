@@ -9,13 +9,12 @@ import (
 	"strings"
 	"time"
 
-	"github.com/spf13/cobra"
-
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
+	"github.com/spf13/cobra"
 )
 
 // replayFlags are the flags of `allocd replay`.
@@ -218,7 +217,7 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 				return fmt.Errorf("--snapshot-out: %w", err)
 			}
 			err = writeFile("--snapshot-out", outName(f.snapshotOut, file, len(files)), func(w io.Writer) error {
-				return trace.WritePickle(w, snap)
+				return snapshot.WritePickle(w, snap)
 			})
 			if err != nil {
 				return err

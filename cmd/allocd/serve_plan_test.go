@@ -6,15 +6,15 @@ import (
 
 	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/devspec"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
 	"go.uber.org/zap"
 )
 
 // TestServeReplayRefusesBadPlan: serve --replay on simulated devices
 // refuses a trace whose recorded segments overlap, naming the entry.
 func TestServeReplayRefusesBadPlan(t *testing.T) {
-	seg := trace.Entry{Action: trace.ActionSegmentAlloc, Addr: 0x7f0000000000, Size: 2 << 20}
-	tr := bench.NewTrace("dup", []trace.Entry{seg, seg})
+	seg := snapshot.Entry{Action: snapshot.ActionSegmentAlloc, Addr: 0x7f0000000000, Size: 2 << 20}
+	tr := bench.NewTrace("dup", []snapshot.Entry{seg, seg})
 	spec, err := devspec.Parse("sim:2")
 	if err != nil {
 		t.Fatal(err)
