@@ -8,6 +8,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/snapshot"
+	"github.com/allocd/allocd/workload"
 )
 
 // fuzzTrace turns data into a device trace, four bytes an entry: what it
@@ -67,7 +68,7 @@ func fuzzTrace(data []byte) []snapshot.Entry {
 }
 
 // FuzzReplayPlan replays traces whose recorded segment addresses are
-// fuzzed: a plan CheckSegments refuses is refused by the replay with an
+// fuzzed: a plan workload.CheckSegments refuses is refused by the replay with an
 // error naming the entry; any other replays with the recorded addresses
 // planned on a simulated device, and the allocator's Check passes after
 // it (Target.Replay runs it), with and without expandable segments.
@@ -86,10 +87,10 @@ func FuzzReplayPlan(f *testing.F) {
 		if len(data) > 4*256 {
 			return
 		}
-		tr := NewTrace("fuzz", fuzzTrace(data))
+		tr := workload.NewTrace("fuzz", fuzzTrace(data))
 		cfg := allocator.DefaultConfig()
 		cfg.ExpandableSegments = expandable
-		_, err := target.Replay(tr, cfg, ReplayOptions{}, nil)
+		_, err := target.Replay(tr, cfg, workload.ReplayOptions{}, nil)
 		if perr := tr.CheckPlan(); perr != nil {
 			if err == nil || !strings.Contains(err.Error(), "trace entry") {
 				t.Fatalf("plan refused (%v) but the replay said %v", perr, err)

@@ -11,6 +11,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/snapshot"
+	"github.com/allocd/allocd/workload"
 )
 
 const planMiB = 1 << 20
@@ -70,8 +71,8 @@ func TestReplayRefusesBadSegmentAddresses(t *testing.T) {
 			segFree(a, 2*planMiB), segAlloc(a, 2*planMiB), allocEntry(a, 2*planMiB)), -1, 0, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			tr := NewTrace(tc.name, tc.entries)
-			_, err := simTarget(t).Replay(tr, allocator.DefaultConfig(), ReplayOptions{}, nil)
+			tr := workload.NewTrace(tc.name, tc.entries)
+			_, err := simTarget(t).Replay(tr, allocator.DefaultConfig(), workload.ReplayOptions{}, nil)
 			if tc.entry < 0 {
 				if err != nil {
 					t.Fatalf("refused: %v", err)
@@ -111,9 +112,9 @@ func TestReplayManySegmentsFast(t *testing.T) {
 		t.Skip("-short or -race: the allocator's directory copies make the whole replay take 20 s, 8 min under -race (cudart.TestSimManyPlannedSegmentsFast checks the device alone)")
 	}
 	n := int64(manySegmentsN)
-	tr := NewTrace("many segments", manySegments(int(n)))
+	tr := workload.NewTrace("many segments", manySegments(int(n)))
 	t0 := time.Now()
-	row, err := simTarget(t).Replay(tr, allocator.DefaultConfig(), ReplayOptions{}, nil)
+	row, err := simTarget(t).Replay(tr, allocator.DefaultConfig(), workload.ReplayOptions{}, nil)
 	took := time.Since(t0)
 	if err != nil {
 		t.Fatal(err)
@@ -157,7 +158,7 @@ func TestReplayFailsWhenCheckFails(t *testing.T) {
 	}
 	target := &Target{cuda: &dupDevice{Sim: sim}, Desc: "a device that hands out one address twice"}
 	entries := []snapshot.Entry{allocEntry(0x7f0000000000, 30*planMiB), allocEntry(0x7f0002000000, 30*planMiB)}
-	_, err = target.Replay(NewTrace("dup", entries), allocator.DefaultConfig(), ReplayOptions{}, nil)
+	_, err = target.Replay(workload.NewTrace("dup", entries), allocator.DefaultConfig(), workload.ReplayOptions{}, nil)
 	if err == nil || !strings.Contains(err.Error(), "Check") {
 		t.Fatalf("replay: %v, want an error saying Check failed", err)
 	}

@@ -98,5 +98,5 @@
 // BuildOps turns one device trace into Ops: dense allocation IDs instead of
 // reused addresses, frees matched to their allocations, unmatched frees
 // counted instead of fatal, and a Deferred flag on frees whose block was held
-// by another stream until a later free_completed. bench.Replay replays them.
+// by another stream until a later free_completed. workload.Replay replays them.
 package trace

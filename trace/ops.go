@@ -95,7 +95,7 @@ type pendingFree struct {
 	primary int // alloc and free ops emitted before it
 }
 
-// BuildOps turns one device trace into replayable Ops (bench.Replay). Each
+// BuildOps turns one device trace into replayable Ops (workload.Replay). Each
 // alloc gets a fresh dense ID (addresses are reused over time). A
 // free_requested of a live address becomes an OpFree of its ID; its
 // free_completed is dropped when no alloc or free of another ID came in

@@ -14,6 +14,7 @@ import (
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/snapshot"
+	"github.com/allocd/allocd/workload"
 	"github.com/spf13/cobra"
 )
 
@@ -158,7 +159,7 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 	var rows []bench.ReplayRow
 	for _, file := range files {
 		t0 := time.Now()
-		tr, err := bench.LoadTrace(file)
+		tr, err := workload.LoadTrace(file)
 		if err != nil {
 			return err // names the file
 		}
@@ -172,14 +173,14 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 		var series []bench.ChartSeries
 		for i, cfg := range cfgs {
 			var sampler *bench.Sampler
-			var opt bench.ReplayOptions
+			var opt workload.ReplayOptions
 			finish := func() {}
 			if f.progress && len(tr.Ops.Ops) >= progressMinOps {
 				bar := newProgressBar(stderr, len(tr.Ops.Ops), fmt.Sprintf("%s %s", tr.Name, bench.ConfLabel(f.confs[i])))
 				opt.Progress, opt.ProgressEvery = func(done int) { _ = bar.Set(done) }, len(tr.Ops.Ops)/200+1
 				finish = func() { _ = bar.Finish() }
 			}
-			prepare := func(a *allocator.Allocator, opt *bench.ReplayOptions) {
+			prepare := func(a *allocator.Allocator, opt *workload.ReplayOptions) {
 				if f.svg != "" {
 					sampler = bench.NewSampler(a, len(tr.Ops.Ops), 1500)
 					opt.Observe = sampler.Observe

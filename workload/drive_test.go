@@ -1,4 +1,4 @@
-package bench
+package workload
 
 import (
 	"context"
@@ -15,10 +15,14 @@ import (
 	"go.uber.org/zap"
 )
 
+// testTrace is the small trace in the repository
+// (testdata/traces/README.md).
+const testTrace = "../testdata/traces/resnet50_train.pickle.gz"
+
 // loadTestTrace is the small trace in the repository, loaded for replay.
 func loadTestTrace(t *testing.T) *Trace {
 	t.Helper()
-	tr, err := LoadTrace(traceFile(t, "resnet50_train"))
+	tr, err := LoadTrace(testTrace)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -206,35 +210,6 @@ func TestPacerTinyRate(t *testing.T) {
 		if d := time.Since(t0); done > 1 || d < 100*time.Millisecond || d > 5*time.Second {
 			t.Errorf("rate %g: %d operations before the context ended, %v in all; want 1, then a wait until the context ended (150ms)", rate, done, d)
 		}
-	}
-}
-
-// TestMixedStepperIsTheBenchmarkLoop: the stepper takes the mixed
-// benchmark's steps: the same seed and window give the same allocations
-// and the same peaks as one goroutine of Mixed.
-func TestMixedStepperIsTheBenchmarkLoop(t *testing.T) {
-	const steps, window = 20_000, 512
-	a := newLoadAllocator(t, false)
-	if err := mixedRun(a, cudart.DefaultStream, 42, steps, window); err != nil {
-		t.Fatal(err)
-	}
-	b := newLoadAllocator(t, false)
-	m := NewMixedStepper(42, window)
-	for range steps {
-		if err := m.Step(b, cudart.DefaultStream); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := m.FreeAll(b); err != nil {
-		t.Fatal(err)
-	}
-	sa, sb := a.Stats(), b.Stats()
-	if sa.Allocation[allocator.PoolAll] != sb.Allocation[allocator.PoolAll] ||
-		sa.AllocatedBytes[allocator.PoolAll] != sb.AllocatedBytes[allocator.PoolAll] ||
-		sa.ReservedBytes[allocator.PoolAll] != sb.ReservedBytes[allocator.PoolAll] {
-		t.Errorf("stepper: allocations %+v, bytes %+v; benchmark loop: %+v, %+v",
-			sb.Allocation[allocator.PoolAll], sb.AllocatedBytes[allocator.PoolAll],
-			sa.Allocation[allocator.PoolAll], sa.AllocatedBytes[allocator.PoolAll])
 	}
 }
 

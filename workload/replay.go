@@ -1,18 +1,4 @@
-// Package bench holds allocd's benchmarks and its trace replay harness, so
-// that `go test -bench` and `allocd bench` / `allocd replay` / `allocd
-// serve` run the same code on the same work:
-//
-//   - the micro benchmarks: Pair (malloc+free of one size) and Mixed (T
-//     goroutines, each on its own stream, over a random window of sizes
-//     from 512 B to 256 MiB), with RunSuite running them all into a
-//     Report;
-//   - trace replay: LoadTrace reads and checks a PyTorch memory snapshot
-//     and builds its operations, Replay runs them through an allocator,
-//     and Target gives each replay a fresh simulated device (or one CUDA
-//     device); Sampler, WriteChart and WriteReplayTable show the result;
-//   - Load, which drives an allocator with a trace or the mixed steps
-//     (MixedStepper), paced (Pacer), so that a daemon's metrics move.
-package bench
+package workload
 
 import (
 	"context"
