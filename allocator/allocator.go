@@ -84,9 +84,10 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"go.uber.org/zap"
+
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
-	"go.uber.org/zap"
 )
 
 // Sizes of PyTorch's policy.

@@ -7,9 +7,10 @@ import (
 	"io"
 	"slices"
 
+	"go.uber.org/zap"
+
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/snapshot"
-	"go.uber.org/zap"
 )
 
 // Errors of Devices; test with errors.Is.

@@ -132,10 +132,11 @@ import (
 	"sort"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/snapshot"
-	"go.uber.org/zap"
 )
 
 // expandable is the allocator's expandable-segment state and its segment

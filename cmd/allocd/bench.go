@@ -7,10 +7,11 @@ import (
 	"io"
 	"os"
 
+	"github.com/spf13/cobra"
+
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/workload"
-	"github.com/spf13/cobra"
 )
 
 type benchFlags struct {

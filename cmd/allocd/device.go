@@ -8,10 +8,11 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/spf13/cobra"
+
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
-	"github.com/spf13/cobra"
 )
 
 // The CUDA calls serve's devices open with; tests replace them.

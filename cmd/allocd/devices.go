@@ -6,9 +6,10 @@ import (
 	"io"
 	"text/tabwriter"
 
+	"github.com/spf13/cobra"
+
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
-	"github.com/spf13/cobra"
 )
 
 func newDevicesCmd() *cobra.Command {

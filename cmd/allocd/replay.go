@@ -9,13 +9,14 @@ import (
 	"strings"
 	"time"
 
+	"github.com/spf13/cobra"
+
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/workload"
-	"github.com/spf13/cobra"
 )
 
 // replayFlags are the flags of `allocd replay`.

@@ -13,13 +13,14 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/server"
 	"github.com/allocd/allocd/workload"
-	"github.com/spf13/cobra"
-	"go.uber.org/zap"
 )
 
 // defaultListen is serve's address: loopback only, so that nothing is

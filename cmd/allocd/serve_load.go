@@ -5,9 +5,10 @@ import (
 	"fmt"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/allocd/allocd/server"
 	"github.com/allocd/allocd/workload"
-	"go.uber.org/zap"
 )
 
 // newServeWorkload reads the trace of --replay, or sets up --synthetic.

@@ -8,10 +8,11 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/workload"
-	"go.uber.org/zap"
 )
 
 // serveTestTrace is the trace the serve tests replay.

@@ -17,8 +17,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/allocd/allocd/snapshot"
 	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
+
+	"github.com/allocd/allocd/snapshot"
 )
 
 // serveLogBuffer is a bytes buffer safe for a writer and a reader at once.

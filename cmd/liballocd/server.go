@@ -12,12 +12,13 @@ import (
 	"sync"
 	"time"
 
-	"github.com/allocd/allocd/server"
-	"github.com/allocd/allocd/snapshot"
-	"github.com/allocd/allocd/stats"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
+
+	"github.com/allocd/allocd/server"
+	"github.com/allocd/allocd/snapshot"
+	"github.com/allocd/allocd/stats"
 )
 
 // This file is the in-process HTTP surface: /metrics, /healthz and minimal
