@@ -28,7 +28,7 @@
 //
 // # Snapshots and history
 //
-// Snapshot returns the state as a *trace.Snapshot, the shape of
+// Snapshot returns the state as a *snapshot.Snapshot, the shape of
 // torch.cuda.memory._snapshot(); encoding/json renders it with PyTorch's
 // keys and WriteSnapshot writes the pickle memory_viz opens.
 // RecordHistory switches the event history on and off at run time, with

@@ -10,7 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // Errors of Devices; test with errors.Is.
@@ -313,20 +313,20 @@ func (d *Devices) EmptyCache() error {
 // torch.cuda.memory._snapshot() covers them all: the segments of each
 // device in ascending index (each segment names its device), and
 // DeviceTraces indexed by device index, each device's history at its
-// index (trace.Merge of each allocator's Snapshot). Each device's part is
+// index (snapshot.Merge of each allocator's Snapshot). Each device's part is
 // consistent as of one moment; the devices are not stopped together.
-func (d *Devices) Snapshot() *trace.Snapshot {
-	snaps := make([]*trace.Snapshot, len(d.allocs))
+func (d *Devices) Snapshot() *snapshot.Snapshot {
+	snaps := make([]*snapshot.Snapshot, len(d.allocs))
 	for i, a := range d.allocs {
 		snaps[i] = a.Snapshot()
 	}
-	return trace.Merge(snaps...)
+	return snapshot.Merge(snaps...)
 }
 
 // WriteSnapshot writes Snapshot() to w as PyTorch's snapshot pickle
-// (trace.WritePickle), which memory_viz opens.
+// (snapshot.WritePickle), which memory_viz opens.
 func (d *Devices) WriteSnapshot(w io.Writer) error {
-	if err := trace.WritePickle(w, d.Snapshot()); err != nil {
+	if err := snapshot.WritePickle(w, d.Snapshot()); err != nil {
 		return fmt.Errorf("allocator: writing a snapshot: %w", err)
 	}
 	return nil

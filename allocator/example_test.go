@@ -9,6 +9,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -57,8 +58,8 @@ func newSim(capacity uint64) (*allocator.Allocator, *cudart.Sim) {
 	return a, sim
 }
 
-func states(a *allocator.Allocator) []trace.BlockState {
-	var out []trace.BlockState
+func states(a *allocator.Allocator) []snapshot.BlockState {
+	var out []snapshot.BlockState
 	for _, s := range a.Snapshot().Segments {
 		for _, b := range s.Blocks {
 			out = append(out, b.State)

@@ -136,7 +136,7 @@ import (
 
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // expandable is the allocator's expandable-segment state and its segment
@@ -988,9 +988,9 @@ func (a *Allocator) closeExpandable() []error {
 	return errs
 }
 
-// appendExpandableInfo adds one trace.Segment per contiguous mapped range
+// appendExpandableInfo adds one snapshot.Segment per contiguous mapped range
 // of the expandable segment s, as PyTorch's snapshot does.
-func (a *Allocator) appendExpandableInfo(out []trace.Segment, s *blocks.Segment) []trace.Segment {
+func (a *Allocator) appendExpandableInfo(out []snapshot.Segment, s *blocks.Segment) []snapshot.Segment {
 	open := false
 	for b := s.Head; b != nil; b = b.Next {
 		if b.Unmapped {

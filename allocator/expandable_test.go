@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // newExpOn returns an allocator with expandable_segments:True (and conf)
@@ -79,7 +79,7 @@ func expect(t *testing.T, a *Allocator, sim *cudart.Sim, reserved uint64, maps, 
 
 // blockStates lists a snapshot segment's blocks as "5a" (5 MiB allocated)
 // and "15f" (15 MiB free).
-func blockStates(s trace.Segment) string {
+func blockStates(s snapshot.Segment) string {
 	var out []string
 	for _, b := range s.Blocks {
 		st := "f"
@@ -320,7 +320,7 @@ func TestExpandableSnapshotAndHistory(t *testing.T) {
 	var got []string
 	for _, e := range snap.DeviceTraces[0] {
 		switch e.Action {
-		case trace.ActionSegmentMap, trace.ActionSegmentUnmap:
+		case snapshot.ActionSegmentMap, snapshot.ActionSegmentUnmap:
 			got = append(got, string(e.Action)+"@"+itoa((e.Addr-base)/miB)+"+"+itoa(e.Size/miB))
 		}
 	}
@@ -866,7 +866,7 @@ func TestExpandableCrossStreamPages(t *testing.T) {
 
 // mapped reports whether the snapshot lists a block of at least size bytes
 // at ptr (snapshots list mapped blocks only).
-func mapped(segs []trace.Segment, ptr cudart.Ptr, size uint64) bool {
+func mapped(segs []snapshot.Segment, ptr cudart.Ptr, size uint64) bool {
 	for _, s := range segs {
 		for _, b := range s.Blocks {
 			if b.Address == uint64(ptr) && b.Size >= size {

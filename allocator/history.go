@@ -8,7 +8,7 @@ import (
 	"unsafe"
 
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // Bounds of RecordHistory.
@@ -56,15 +56,15 @@ const (
 	actionOOM
 )
 
-var actionNames = [...]trace.Action{
-	actionAlloc:         trace.ActionAlloc,
-	actionFreeRequested: trace.ActionFreeRequested,
-	actionFreeCompleted: trace.ActionFreeCompleted,
-	actionSegmentAlloc:  trace.ActionSegmentAlloc,
-	actionSegmentFree:   trace.ActionSegmentFree,
-	actionSegmentMap:    trace.ActionSegmentMap,
-	actionSegmentUnmap:  trace.ActionSegmentUnmap,
-	actionOOM:           trace.ActionOOM,
+var actionNames = [...]snapshot.Action{
+	actionAlloc:         snapshot.ActionAlloc,
+	actionFreeRequested: snapshot.ActionFreeRequested,
+	actionFreeCompleted: snapshot.ActionFreeCompleted,
+	actionSegmentAlloc:  snapshot.ActionSegmentAlloc,
+	actionSegmentFree:   snapshot.ActionSegmentFree,
+	actionSegmentMap:    snapshot.ActionSegmentMap,
+	actionSegmentUnmap:  snapshot.ActionSegmentUnmap,
+	actionOOM:           snapshot.ActionOOM,
 }
 
 // historyEntry is one recorded event; stack is 1 + the index of its
@@ -88,7 +88,7 @@ type history struct {
 	key      []byte            // scratch for the interning key
 	stackIDs map[string]uint32 // stack key → 1 + index in stacks
 	stacks   [][]uintptr
-	frames   [][]trace.Frame // resolved stacks, filled by snapshots
+	frames   [][]snapshot.Frame // resolved stacks, filled by snapshots
 	live     map[uint64]uint32
 }
 
@@ -154,7 +154,7 @@ func (h *history) capture() uint32 {
 // resolve returns the frames of stack id (1-based), resolving them on
 // first use: innermost first, without this package's own frames, at most
 // depth of them.
-func (h *history) resolve(id uint32) []trace.Frame {
+func (h *history) resolve(id uint32) []snapshot.Frame {
 	if id == 0 || int(id) > len(h.stacks) {
 		return nil
 	}
@@ -164,12 +164,12 @@ func (h *history) resolve(id uint32) []trace.Frame {
 	if fs := h.frames[id-1]; fs != nil {
 		return fs
 	}
-	fs := []trace.Frame{}
+	fs := []snapshot.Frame{}
 	frames := runtime.CallersFrames(h.stacks[id-1])
 	for len(fs) < h.depth {
 		f, more := frames.Next()
 		if !(len(fs) == 0 && isAllocatorFrame(f.Function)) {
-			fs = append(fs, trace.Frame{Filename: f.File, Line: f.Line, Name: f.Function})
+			fs = append(fs, snapshot.Frame{Filename: f.File, Line: f.Line, Name: f.Function})
 		}
 		if !more {
 			break
@@ -246,10 +246,10 @@ func (a *Allocator) record(action uint8, addr, size uint64, stream cudart.Stream
 }
 
 // traceEntries returns the history as trace entries, oldest first.
-func (h *history) traceEntries() []trace.Entry {
-	out := make([]trace.Entry, 0, len(h.ring))
+func (h *history) traceEntries() []snapshot.Entry {
+	out := make([]snapshot.Entry, 0, len(h.ring))
 	h.inOrder(func(e *historyEntry) {
-		out = append(out, trace.Entry{Action: actionNames[e.action], Addr: e.addr, Size: e.size,
+		out = append(out, snapshot.Entry{Action: actionNames[e.action], Addr: e.addr, Size: e.size,
 			Stream: e.stream, TimeUS: e.timeUS, Frames: h.resolve(e.stack)})
 	})
 	return out

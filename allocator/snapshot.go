@@ -6,27 +6,27 @@ import (
 	"sort"
 
 	"github.com/allocd/allocd/blocks"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // Snapshot returns the allocator's state in the shape of
 // torch.cuda.memory._snapshot(), as the one snapshot model of package
-// trace: segments sorted by address, each with its blocks (an expandable
+// snapshot: segments sorted by address, each with its blocks (an expandable
 // segment as one segment per contiguous mapped range), and DeviceTraces
 // with one trace per device index up to this device's, this device's
 // history at its index (empty unless history is recorded) and the others
-// empty, so that snapshots of several devices merge with trace.Merge.
+// empty, so that snapshots of several devices merge with snapshot.Merge.
 // AllocatorSettings holds "PYTORCH_CUDA_ALLOC_CONF" (Config().String())
 // and "backend": "allocd". Frames appear when history records stacks.
 //
 // encoding/json renders the result with PyTorch's key names; WriteSnapshot
 // writes it as the pickle memory_viz opens. The snapshot shares nothing
 // mutable with the allocator.
-func (a *Allocator) Snapshot() *trace.Snapshot {
+func (a *Allocator) Snapshot() *snapshot.Snapshot {
 	a.lockWorld()
 	defer a.unlockWorld()
-	snap := &trace.Snapshot{
-		Segments: make([]trace.Segment, 0, len(a.segments)),
+	snap := &snapshot.Snapshot{
+		Segments: make([]snapshot.Segment, 0, len(a.segments)),
 		AllocatorSettings: map[string]any{
 			"PYTORCH_CUDA_ALLOC_CONF": a.cfg.String(),
 			"backend":                 "allocd",
@@ -46,9 +46,9 @@ func (a *Allocator) Snapshot() *trace.Snapshot {
 	}
 	sort.Slice(snap.Segments, func(i, j int) bool { return snap.Segments[i].Address < snap.Segments[j].Address })
 	idx := max(a.info.Index, 0)
-	snap.DeviceTraces = make([][]trace.Entry, idx+1)
+	snap.DeviceTraces = make([][]snapshot.Entry, idx+1)
 	for i := range snap.DeviceTraces {
-		snap.DeviceTraces[i] = []trace.Entry{}
+		snap.DeviceTraces[i] = []snapshot.Entry{}
 	}
 	if a.history != nil {
 		snap.DeviceTraces[idx] = a.history.traceEntries()
@@ -58,18 +58,18 @@ func (a *Allocator) Snapshot() *trace.Snapshot {
 
 // WriteSnapshot writes Snapshot() to w as the pickle that
 // torch.cuda.memory._dump_snapshot writes, which pytorch.org/memory_viz
-// and torch.cuda._memory_viz open (trace.WritePickle). It returns the
+// and torch.cuda._memory_viz open (snapshot.WritePickle). It returns the
 // first error of w.
 func (a *Allocator) WriteSnapshot(w io.Writer) error {
-	if err := trace.WritePickle(w, a.Snapshot()); err != nil {
+	if err := snapshot.WritePickle(w, a.Snapshot()); err != nil {
 		return fmt.Errorf("allocator: writing a snapshot: %w", err)
 	}
 	return nil
 }
 
 // segmentInfo describes segment s from address addr on, without blocks.
-func (a *Allocator) segmentInfo(s *blocks.Segment, addr uint64) trace.Segment {
-	si := trace.Segment{Device: a.info.Index, Address: addr, Stream: s.Stream, SegmentType: "large", IsExpandable: s.Expandable, Blocks: []trace.Block{}}
+func (a *Allocator) segmentInfo(s *blocks.Segment, addr uint64) snapshot.Segment {
+	si := snapshot.Segment{Device: a.info.Index, Address: addr, Stream: s.Stream, SegmentType: "large", IsExpandable: s.Expandable, Blocks: []snapshot.Block{}}
 	if s.Small {
 		si.SegmentType = "small"
 	}
@@ -77,11 +77,11 @@ func (a *Allocator) segmentInfo(s *blocks.Segment, addr uint64) trace.Segment {
 }
 
 // addBlock appends b to the segment's blocks and adds up its sizes.
-func (a *Allocator) addBlock(si *trace.Segment, b *blocks.Block) {
-	bi := trace.Block{Address: b.Ptr, Size: b.Size, RequestedSize: b.Requested, State: trace.BlockInactive}
+func (a *Allocator) addBlock(si *snapshot.Segment, b *blocks.Block) {
+	bi := snapshot.Block{Address: b.Ptr, Size: b.Size, RequestedSize: b.Requested, State: snapshot.BlockInactive}
 	switch {
 	case b.Allocated:
-		bi.State = trace.BlockActiveAllocated
+		bi.State = snapshot.BlockActiveAllocated
 		si.AllocatedSize += b.Size
 		si.ActiveSize += b.Size
 		si.RequestedSize += b.Requested
@@ -89,7 +89,7 @@ func (a *Allocator) addBlock(si *trace.Segment, b *blocks.Block) {
 			bi.Frames = h.resolve(h.live[b.Ptr])
 		}
 	case b.EventCount > 0:
-		bi.State = trace.BlockActivePendingFree
+		bi.State = snapshot.BlockActivePendingFree
 		si.ActiveSize += b.Size
 		si.RequestedSize += b.Requested
 	}

@@ -7,11 +7,12 @@ import (
 	"reflect"
 	"testing"
 
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
 
 // TestSnapshotOneModel: the JSON view and the pickle come from the same
-// *trace.Snapshot, with PyTorch's key names and the same settings.
+// *snapshot.Snapshot, with PyTorch's key names and the same settings.
 func TestSnapshotOneModel(t *testing.T) {
 	a, _ := newTestAllocator(t, giB, "max_split_size_mb:64")
 	if err := a.RecordHistory(HistoryOptions{MaxEntries: 100}); err != nil {
@@ -44,7 +45,7 @@ func TestSnapshotOneModel(t *testing.T) {
 		}
 	}
 	blk := seg0["blocks"].([]any)[0].(map[string]any)
-	if blk["state"] != string(trace.BlockActiveAllocated) || blk["requested_size"] != float64(4096) {
+	if blk["state"] != string(snapshot.BlockActiveAllocated) || blk["requested_size"] != float64(4096) {
 		t.Errorf("first block %v, want the 4096-byte allocation", blk)
 	}
 	var buf bytes.Buffer
@@ -124,7 +125,7 @@ func TestRecordHistory(t *testing.T) {
 		mustFree(t, a, mustMalloc(t, a, 512, 0))
 	}
 	tr := a.Snapshot().DeviceTraces[0]
-	if len(tr) != 3 || tr[0].Action != trace.ActionAlloc || tr[1].Action != trace.ActionFreeRequested || tr[2].Action != trace.ActionFreeCompleted {
+	if len(tr) != 3 || tr[0].Action != snapshot.ActionAlloc || tr[1].Action != snapshot.ActionFreeRequested || tr[2].Action != snapshot.ActionFreeCompleted {
 		t.Errorf("ring of 3 holds %v, want the last alloc, free_requested, free_completed", tr)
 	}
 	if err := a.RecordHistory(HistoryOptions{}); err != nil {

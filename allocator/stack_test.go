@@ -8,6 +8,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -42,9 +43,9 @@ func TestHistoryStacks(t *testing.T) {
 		ps = append(ps, allocHere(t, a))
 	}
 	snap := a.Snapshot()
-	var allocs []trace.Entry
+	var allocs []snapshot.Entry
 	for _, e := range snap.DeviceTraces[0] {
-		if e.Action == trace.ActionAlloc {
+		if e.Action == snapshot.ActionAlloc {
 			allocs = append(allocs, e)
 		}
 	}
@@ -64,7 +65,7 @@ func TestHistoryStacks(t *testing.T) {
 		}
 	}
 	blk := snap.Segments[0].Blocks[0]
-	if blk.State != trace.BlockActiveAllocated || len(blk.Frames) == 0 || !strings.HasSuffix(blk.Frames[0].Name, "allocHere") {
+	if blk.State != snapshot.BlockActiveAllocated || len(blk.Frames) == 0 || !strings.HasSuffix(blk.Frames[0].Name, "allocHere") {
 		t.Errorf("block %+v lacks its allocation's frames", blk)
 	}
 	var buf bytes.Buffer

@@ -10,6 +10,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/workload"
 )
 
 // newSimAllocator returns an allocator over a fresh 141 GiB Sim; plan, when
@@ -114,7 +115,7 @@ func loadOps(tb testing.TB, path string) (*trace.Ops, []cudart.SimAddress) {
 		tb.Fatal(err)
 	}
 	ops := trace.BuildOps(snap.DeviceTraces[0])
-	return &ops, SegmentAddresses(snap.DeviceTraces[0])
+	return &ops, workload.SegmentAddresses(snap.DeviceTraces[0])
 }
 
 // BenchmarkReplay replays every recorded trace on a fresh Sim-backed
@@ -123,12 +124,12 @@ func BenchmarkReplay(b *testing.B) {
 	for _, path := range traceFiles(b) {
 		b.Run(traceName(path), func(b *testing.B) {
 			ops, plan := loadOps(b, path)
-			var last ReplayResult
+			var last workload.ReplayResult
 			for b.Loop() {
 				b.StopTimer()
 				a := newSimAllocator(b, "", true, plan...)
 				b.StartTimer()
-				r, err := Replay(ops, a, ReplayOptions{})
+				r, err := workload.Replay(ops, a, workload.ReplayOptions{})
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -192,7 +193,7 @@ func TestReplayEventsMatchDelayedFrees(t *testing.T) {
 	}
 	var peaks [2]int64
 	for i, manual := range []bool{true, false} {
-		r, err := Replay(ops, newSimAllocator(t, "", manual, plan...), ReplayOptions{})
+		r, err := workload.Replay(ops, newSimAllocator(t, "", manual, plan...), workload.ReplayOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -211,12 +212,12 @@ func TestReplayStopsAndReusesStreams(t *testing.T) {
 	ops, plan := loadOps(t, path)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, err := Replay(ops, newSimAllocator(t, "", true, plan...), ReplayOptions{Ctx: ctx}); !errors.Is(err, context.Canceled) {
+	if _, err := workload.Replay(ops, newSimAllocator(t, "", true, plan...), workload.ReplayOptions{Ctx: ctx}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled replay: %v", err)
 	}
 	a := newSimAllocator(t, "", true, plan...)
 	streams := map[uint64]cudart.Stream{}
-	if _, err := Replay(ops, a, ReplayOptions{Streams: streams}); err != nil {
+	if _, err := workload.Replay(ops, a, workload.ReplayOptions{Streams: streams}); err != nil {
 		t.Fatal(err)
 	}
 	first := len(streams)
@@ -227,7 +228,7 @@ func TestReplayStopsAndReusesStreams(t *testing.T) {
 			t.Fatalf("caller-owned stream %d was destroyed", st)
 		}
 	}
-	if _, err := Replay(ops, a, ReplayOptions{Streams: streams}); err != nil {
+	if _, err := workload.Replay(ops, a, workload.ReplayOptions{Streams: streams}); err != nil {
 		t.Fatal(err)
 	}
 	if len(streams) != first || first < 2 {
@@ -254,8 +255,8 @@ func BenchmarkReplayFile(b *testing.B) {
 					b.Fatal(err)
 				}
 				ops := trace.BuildOps(snap.DeviceTraces[0])
-				a := newSimAllocator(b, "", true, SegmentAddresses(snap.DeviceTraces[0])...)
-				if _, err := Replay(&ops, a, ReplayOptions{}); err != nil {
+				a := newSimAllocator(b, "", true, workload.SegmentAddresses(snap.DeviceTraces[0])...)
+				if _, err := workload.Replay(&ops, a, workload.ReplayOptions{}); err != nil {
 					b.Fatal(err)
 				}
 				_ = a.Close()

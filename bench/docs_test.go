@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/allocd/allocd/workload"
 )
 
 // docTable returns the rows of the first Markdown table that starts at or
@@ -81,7 +83,7 @@ func commas(n int64) string {
 	return s
 }
 
-func ratio(r ReplayResult) string {
+func ratio(r workload.ReplayResult) string {
 	return fmt.Sprintf("%.3f", float64(r.PeakReserved)/float64(r.PeakAllocated))
 }
 

@@ -8,11 +8,12 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/workload"
 )
 
 // replayExpandable replays a trace with expandable_segments:True on a fresh
 // 141 GiB Sim with manual events and checks the allocator's invariants.
-func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) ReplayResult {
+func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) workload.ReplayResult {
 	t.Helper()
 	r, _ := replayExpandableVMM(t, ops, opts...)
 	return r
@@ -20,7 +21,7 @@ func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) Re
 
 // replayExpandableVMM is replayExpandable that also returns the virtual
 // memory calls the Sim served before Close.
-func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option) (ReplayResult, cudart.SimVMMCounters) {
+func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option) (workload.ReplayResult, cudart.SimVMMCounters) {
 	t.Helper()
 	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: true})
 	if err != nil {
@@ -34,7 +35,7 @@ func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := Replay(ops, a, ReplayOptions{})
+	r, err := workload.Replay(ops, a, workload.ReplayOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

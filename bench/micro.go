@@ -8,6 +8,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/workload"
 )
 
 // PairSizes are the sizes of the pair benchmark (Pair), in bytes.
@@ -16,12 +17,8 @@ var PairSizes = []uint64{512, 4096, 1 << 20, 8 << 20, 64 << 20}
 // MixedThreads are the goroutine counts of the mixed benchmark.
 var MixedThreads = []int{1, 2, 4, 8}
 
-// Mixed benchmark parameters (Mixed): steps per goroutine, and the slots
-// that the goroutines share out.
-const (
-	MixedSteps  = 400_000
-	MixedWindow = 4096
-)
+// MixedSteps is the mixed benchmark's steps per goroutine (Mixed).
+const MixedSteps = 400_000
 
 // Pair runs n malloc/free pairs of size on the default stream after one
 // warm-up pair, and returns the time per pair.
@@ -47,35 +44,6 @@ func pairOnce(a *allocator.Allocator, size uint64) error {
 	return a.Free(p)
 }
 
-// SplitMix64 is the generator the mixed benchmark and PyTorch's anchor
-// share, so both run the same operation streams.
-type SplitMix64 struct{ s uint64 }
-
-// NewSplitMix64 returns a generator seeded with seed.
-func NewSplitMix64(seed uint64) SplitMix64 { return SplitMix64{s: seed} }
-
-// Next returns the next value.
-func (r *SplitMix64) Next() uint64 {
-	r.s += 0x9E3779B97F4A7C15
-	z := r.s
-	z = (z ^ z>>30) * 0xBF58476D1CE4E5B9
-	z = (z ^ z>>27) * 0x94D049BB133111EB
-	return z ^ z>>31
-}
-
-// MixedSize draws a request size: 80% up to 1 MiB, 18% up to 32 MiB, 2%
-// up to 256 MiB.
-func MixedSize(r *SplitMix64) uint64 {
-	c := r.Next() % 100
-	switch {
-	case c < 80:
-		return 512 + r.Next()%(1<<20)
-	case c < 98:
-		return 1<<20 + r.Next()%(31<<20)
-	}
-	return 32<<20 + r.Next()%(224<<20)
-}
-
 // MixedResult is one run of the mixed benchmark.
 type MixedResult struct {
 	Threads int
@@ -97,7 +65,7 @@ func (m MixedResult) NsPerOp() float64 { return float64(m.Elapsed.Nanoseconds())
 func (m MixedResult) MopsPerSec() float64 { return float64(m.Ops) / m.Elapsed.Seconds() / 1e6 }
 
 // Mixed runs the mixed benchmark: threads goroutines, each on its own
-// stream, each taking steps steps over a window of MixedWindow/threads
+// stream, each taking steps steps over a window of workload.MixedWindow/threads
 // slots with its own generator seeded 42+t; a live slot is freed, an empty
 // one allocated. At the end every live slot is freed.
 func Mixed(a *allocator.Allocator, threads, steps int) (MixedResult, error) {
@@ -130,7 +98,7 @@ func mixedPasses(a *allocator.Allocator, threads, steps, passes int) (MixedResul
 			_ = dev.StreamDestroy(s)
 		}
 	}()
-	window := MixedWindow / threads
+	window := workload.MixedWindow / threads
 	var elapsed time.Duration
 	for range passes {
 		runtime.GC() // no collection of earlier garbage inside the timed pass
@@ -164,7 +132,7 @@ func mixedPasses(a *allocator.Allocator, threads, steps, passes int) (MixedResul
 }
 
 func mixedRun(a *allocator.Allocator, s cudart.Stream, seed uint64, steps, window int) error {
-	r := NewSplitMix64(seed)
+	r := workload.NewSplitMix64(seed)
 	live := make([]cudart.Ptr, window)
 	for range steps {
 		slot := r.Next() % uint64(window)
@@ -175,7 +143,7 @@ func mixedRun(a *allocator.Allocator, s cudart.Stream, seed uint64, steps, windo
 			live[slot] = 0
 			continue
 		}
-		p, err := a.Malloc(MixedSize(&r), s)
+		p, err := a.Malloc(workload.MixedSize(&r), s)
 		if err != nil {
 			return err
 		}

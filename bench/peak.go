@@ -4,7 +4,9 @@ import (
 	"fmt"
 
 	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/workload"
 )
 
 // Sample is the allocator's usage after one replayed operation.
@@ -29,7 +31,7 @@ func NewSampler(a *allocator.Allocator, total, n int) *Sampler {
 	return &Sampler{a: a, every: max(1, total/max(n, 1)), Samples: make([]Sample, 0, n+2)}
 }
 
-// Observe is a ReplayOptions.Observe function.
+// Observe is a workload.ReplayOptions.Observe function.
 func (s *Sampler) Observe(i int) {
 	al, re, rq := s.a.Usage()
 	s.cur.Allocated = max(s.cur.Allocated, al)
@@ -60,13 +62,13 @@ type NewAllocatorFunc func(history bool) (*allocator.Allocator, error)
 // that operation and returns the allocator's snapshot there, with the
 // operation's index. Replay on a Sim is deterministic, so the second replay
 // reaches the same state. Both allocators are closed.
-func SnapshotAtPeak(ops *trace.Ops, newAlloc NewAllocatorFunc) (*trace.Snapshot, int, error) {
+func SnapshotAtPeak(ops *trace.Ops, newAlloc NewAllocatorFunc) (*snapshot.Snapshot, int, error) {
 	a, err := newAlloc(false)
 	if err != nil {
 		return nil, 0, err
 	}
 	peakOp, peak := 0, int64(-1)
-	_, err = Replay(ops, a, ReplayOptions{Observe: func(i int) {
+	_, err = workload.Replay(ops, a, workload.ReplayOptions{Observe: func(i int) {
 		if _, re, _ := a.Usage(); re > peak {
 			peak, peakOp = re, i
 		}
@@ -80,7 +82,7 @@ func SnapshotAtPeak(ops *trace.Ops, newAlloc NewAllocatorFunc) (*trace.Snapshot,
 		return nil, 0, err
 	}
 	defer b.Close()
-	if _, err := Replay(ops, b, ReplayOptions{Stop: peakOp + 1}); err != nil {
+	if _, err := workload.Replay(ops, b, workload.ReplayOptions{Stop: peakOp + 1}); err != nil {
 		return nil, 0, err
 	}
 	if _, re, _ := b.Usage(); re != peak {

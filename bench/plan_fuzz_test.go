@@ -7,7 +7,8 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
+	"github.com/allocd/allocd/workload"
 )
 
 // fuzzTrace turns data into a device trace, four bytes an entry: what it
@@ -15,9 +16,9 @@ import (
 // from (the range CUDA hands out, near 2^64, near 0, or unaligned), an
 // offset and a size. Allocations go inside segments recorded so far and
 // frees name earlier allocations, so that most traces are well formed.
-func fuzzTrace(data []byte) []trace.Entry {
+func fuzzTrace(data []byte) []snapshot.Entry {
 	const mib = 1 << 20
-	var entries []trace.Entry
+	var entries []snapshot.Entry
 	var segs, allocs [][2]uint64
 	for ; len(data) >= 4; data = data[4:] {
 		kind, from, off, sz := data[0]%4, data[1]%4, uint64(data[2]), uint64(data[3])
@@ -35,7 +36,7 @@ func fuzzTrace(data []byte) []trace.Entry {
 			case 3:
 				addr = 0x7f0000000000 + off*512
 			}
-			entries = append(entries, trace.Entry{Action: trace.ActionSegmentAlloc, Addr: addr, Size: size})
+			entries = append(entries, snapshot.Entry{Action: snapshot.ActionSegmentAlloc, Addr: addr, Size: size})
 			segs = append(segs, [2]uint64{addr, size})
 		case 1:
 			if len(segs) == 0 {
@@ -43,7 +44,7 @@ func fuzzTrace(data []byte) []trace.Entry {
 			}
 			s := segs[int(off)%len(segs)]
 			size := min((sz+1)*512*(1+uint64(from)*1000), s[1])
-			entries = append(entries, trace.Entry{Action: trace.ActionAlloc, Addr: s[0] + uint64(from)*512, Size: size})
+			entries = append(entries, snapshot.Entry{Action: snapshot.ActionAlloc, Addr: s[0] + uint64(from)*512, Size: size})
 			allocs = append(allocs, [2]uint64{s[0] + uint64(from)*512, size})
 		case 2:
 			if len(allocs) == 0 {
@@ -52,14 +53,14 @@ func fuzzTrace(data []byte) []trace.Entry {
 			i := int(off) % len(allocs)
 			a := allocs[i]
 			allocs = append(allocs[:i], allocs[i+1:]...)
-			entries = append(entries, trace.Entry{Action: trace.ActionFreeRequested, Addr: a[0], Size: a[1]},
-				trace.Entry{Action: trace.ActionFreeCompleted, Addr: a[0], Size: a[1]})
+			entries = append(entries, snapshot.Entry{Action: snapshot.ActionFreeRequested, Addr: a[0], Size: a[1]},
+				snapshot.Entry{Action: snapshot.ActionFreeCompleted, Addr: a[0], Size: a[1]})
 		case 3:
 			if len(segs) == 0 {
 				continue
 			}
 			i := int(off) % len(segs)
-			entries = append(entries, trace.Entry{Action: trace.ActionSegmentFree, Addr: segs[i][0], Size: segs[i][1]})
+			entries = append(entries, snapshot.Entry{Action: snapshot.ActionSegmentFree, Addr: segs[i][0], Size: segs[i][1]})
 			segs = append(segs[:i], segs[i+1:]...)
 		}
 	}
@@ -67,7 +68,7 @@ func fuzzTrace(data []byte) []trace.Entry {
 }
 
 // FuzzReplayPlan replays traces whose recorded segment addresses are
-// fuzzed: a plan CheckSegments refuses is refused by the replay with an
+// fuzzed: a plan workload.CheckSegments refuses is refused by the replay with an
 // error naming the entry; any other replays with the recorded addresses
 // planned on a simulated device, and the allocator's Check passes after
 // it (Target.Replay runs it), with and without expandable segments.
@@ -86,10 +87,10 @@ func FuzzReplayPlan(f *testing.F) {
 		if len(data) > 4*256 {
 			return
 		}
-		tr := NewTrace("fuzz", fuzzTrace(data))
+		tr := workload.NewTrace("fuzz", fuzzTrace(data))
 		cfg := allocator.DefaultConfig()
 		cfg.ExpandableSegments = expandable
-		_, err := target.Replay(tr, cfg, ReplayOptions{}, nil)
+		_, err := target.Replay(tr, cfg, workload.ReplayOptions{}, nil)
 		if perr := tr.CheckPlan(); perr != nil {
 			if err == nil || !strings.Contains(err.Error(), "trace entry") {
 				t.Fatalf("plan refused (%v) but the replay said %v", perr, err)

@@ -10,29 +10,30 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
+	"github.com/allocd/allocd/workload"
 )
 
 const planMiB = 1 << 20
 
 const manySegmentsN = 40000
 
-func segAlloc(addr, size uint64) trace.Entry {
-	return trace.Entry{Action: trace.ActionSegmentAlloc, Addr: addr, Size: size}
+func segAlloc(addr, size uint64) snapshot.Entry {
+	return snapshot.Entry{Action: snapshot.ActionSegmentAlloc, Addr: addr, Size: size}
 }
 
-func segFree(addr, size uint64) trace.Entry {
-	return trace.Entry{Action: trace.ActionSegmentFree, Addr: addr, Size: size}
+func segFree(addr, size uint64) snapshot.Entry {
+	return snapshot.Entry{Action: snapshot.ActionSegmentFree, Addr: addr, Size: size}
 }
 
-func allocEntry(addr, size uint64) trace.Entry {
-	return trace.Entry{Action: trace.ActionAlloc, Addr: addr, Size: size}
+func allocEntry(addr, size uint64) snapshot.Entry {
+	return snapshot.Entry{Action: snapshot.ActionAlloc, Addr: addr, Size: size}
 }
 
-func freeEntries(addr, size uint64) []trace.Entry {
-	return []trace.Entry{
-		{Action: trace.ActionFreeRequested, Addr: addr, Size: size},
-		{Action: trace.ActionFreeCompleted, Addr: addr, Size: size},
+func freeEntries(addr, size uint64) []snapshot.Entry {
+	return []snapshot.Entry{
+		{Action: snapshot.ActionFreeRequested, Addr: addr, Size: size},
+		{Action: snapshot.ActionFreeCompleted, Addr: addr, Size: size},
 	}
 }
 
@@ -55,23 +56,23 @@ func TestReplayRefusesBadSegmentAddresses(t *testing.T) {
 	const a = 0x7f0000000000
 	for _, tc := range []struct {
 		name    string
-		entries []trace.Entry
+		entries []snapshot.Entry
 		entry   int    // the entry refused; -1: accepted
 		addr    uint64 // its address
 		why     string
 	}{
-		{"duplicate address", []trace.Entry{segAlloc(a, 2*planMiB), allocEntry(a, 2*planMiB), segAlloc(a, 2*planMiB), allocEntry(a, 2*planMiB)}, 2, a, "overlaps"},
-		{"overlapping", []trace.Entry{segAlloc(a, 20*planMiB), segAlloc(a+4*planMiB, 2*planMiB), allocEntry(a, 2*planMiB)}, 1, a + 4*planMiB, "overlaps"},
-		{"wrapping near 2^64", []trace.Entry{segAlloc(math.MaxUint64-2*planMiB+1, 20*planMiB), allocEntry(math.MaxUint64-2*planMiB+1, 2*planMiB)}, 0, math.MaxUint64 - 2*planMiB + 1, "wraps"},
-		{"unaligned", []trace.Entry{segAlloc(a, 2*planMiB), segAlloc(a+4*planMiB+512, 2*planMiB), allocEntry(a+4*planMiB+512, 512)}, 1, a + 4*planMiB + 512, "aligned"},
-		{"outside the range", []trace.Entry{segAlloc(0x200000, 2*planMiB), allocEntry(0x200000, 2*planMiB)}, 0, 0x200000, "outside"},
-		{"at zero", []trace.Entry{segAlloc(0, 2*planMiB), allocEntry(0, 2*planMiB)}, 0, 0, "outside"},
-		{"address reused after segment_free", append(append([]trace.Entry{segAlloc(a, 2*planMiB), allocEntry(a, 2*planMiB)}, freeEntries(a, 2*planMiB)...),
+		{"duplicate address", []snapshot.Entry{segAlloc(a, 2*planMiB), allocEntry(a, 2*planMiB), segAlloc(a, 2*planMiB), allocEntry(a, 2*planMiB)}, 2, a, "overlaps"},
+		{"overlapping", []snapshot.Entry{segAlloc(a, 20*planMiB), segAlloc(a+4*planMiB, 2*planMiB), allocEntry(a, 2*planMiB)}, 1, a + 4*planMiB, "overlaps"},
+		{"wrapping near 2^64", []snapshot.Entry{segAlloc(math.MaxUint64-2*planMiB+1, 20*planMiB), allocEntry(math.MaxUint64-2*planMiB+1, 2*planMiB)}, 0, math.MaxUint64 - 2*planMiB + 1, "wraps"},
+		{"unaligned", []snapshot.Entry{segAlloc(a, 2*planMiB), segAlloc(a+4*planMiB+512, 2*planMiB), allocEntry(a+4*planMiB+512, 512)}, 1, a + 4*planMiB + 512, "aligned"},
+		{"outside the range", []snapshot.Entry{segAlloc(0x200000, 2*planMiB), allocEntry(0x200000, 2*planMiB)}, 0, 0x200000, "outside"},
+		{"at zero", []snapshot.Entry{segAlloc(0, 2*planMiB), allocEntry(0, 2*planMiB)}, 0, 0, "outside"},
+		{"address reused after segment_free", append(append([]snapshot.Entry{segAlloc(a, 2*planMiB), allocEntry(a, 2*planMiB)}, freeEntries(a, 2*planMiB)...),
 			segFree(a, 2*planMiB), segAlloc(a, 2*planMiB), allocEntry(a, 2*planMiB)), -1, 0, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			tr := NewTrace(tc.name, tc.entries)
-			_, err := simTarget(t).Replay(tr, allocator.DefaultConfig(), ReplayOptions{}, nil)
+			tr := workload.NewTrace(tc.name, tc.entries)
+			_, err := simTarget(t).Replay(tr, allocator.DefaultConfig(), workload.ReplayOptions{}, nil)
 			if tc.entry < 0 {
 				if err != nil {
 					t.Fatalf("refused: %v", err)
@@ -92,8 +93,8 @@ func TestReplayRefusesBadSegmentAddresses(t *testing.T) {
 
 // manySegments is a trace of n recorded 2 MiB segments, each holding two
 // live 1 MiB blocks.
-func manySegments(n int) []trace.Entry {
-	entries := make([]trace.Entry, 0, 3*n)
+func manySegments(n int) []snapshot.Entry {
+	entries := make([]snapshot.Entry, 0, 3*n)
 	for i := range n {
 		addr := uint64(0x7f0000000000) + uint64(i)*2*planMiB
 		entries = append(entries, segAlloc(addr, 2*planMiB), allocEntry(addr, planMiB), allocEntry(addr+planMiB, planMiB))
@@ -111,9 +112,9 @@ func TestReplayManySegmentsFast(t *testing.T) {
 		t.Skip("-short or -race: the allocator's directory copies make the whole replay take 20 s, 8 min under -race (cudart.TestSimManyPlannedSegmentsFast checks the device alone)")
 	}
 	n := int64(manySegmentsN)
-	tr := NewTrace("many segments", manySegments(int(n)))
+	tr := workload.NewTrace("many segments", manySegments(int(n)))
 	t0 := time.Now()
-	row, err := simTarget(t).Replay(tr, allocator.DefaultConfig(), ReplayOptions{}, nil)
+	row, err := simTarget(t).Replay(tr, allocator.DefaultConfig(), workload.ReplayOptions{}, nil)
 	took := time.Since(t0)
 	if err != nil {
 		t.Fatal(err)
@@ -156,8 +157,8 @@ func TestReplayFailsWhenCheckFails(t *testing.T) {
 		t.Fatal(err)
 	}
 	target := &Target{cuda: &dupDevice{Sim: sim}, Desc: "a device that hands out one address twice"}
-	entries := []trace.Entry{allocEntry(0x7f0000000000, 30*planMiB), allocEntry(0x7f0002000000, 30*planMiB)}
-	_, err = target.Replay(NewTrace("dup", entries), allocator.DefaultConfig(), ReplayOptions{}, nil)
+	entries := []snapshot.Entry{allocEntry(0x7f0000000000, 30*planMiB), allocEntry(0x7f0002000000, 30*planMiB)}
+	_, err = target.Replay(workload.NewTrace("dup", entries), allocator.DefaultConfig(), workload.ReplayOptions{}, nil)
 	if err == nil || !strings.Contains(err.Error(), "Check") {
 		t.Fatalf("replay: %v, want an error saying Check failed", err)
 	}

@@ -5,6 +5,8 @@ import (
 	"io"
 	"strconv"
 	"text/tabwriter"
+
+	"github.com/allocd/allocd/workload"
 )
 
 // ReplayRow is one replay's result in the JSON shape `allocd replay
@@ -35,7 +37,7 @@ type ReplayRow struct {
 }
 
 // RowOf returns r as a row, with Trace and Conf empty.
-func RowOf(r ReplayResult) ReplayRow {
+func RowOf(r workload.ReplayResult) ReplayRow {
 	row := ReplayRow{
 		Ops:                     r.Ops,
 		PeakAllocatedBytes:      r.PeakAllocated,

@@ -7,6 +7,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/workload"
 )
 
 // TestSnapshotRoundTrip: read each recorded trace, replay it with history
@@ -30,7 +31,7 @@ func TestSnapshotRoundTrip(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer a.Close()
-			if _, err := Replay(ops, a, ReplayOptions{}); err != nil {
+			if _, err := workload.Replay(ops, a, workload.ReplayOptions{}); err != nil {
 				t.Fatal(err)
 			}
 			var buf bytes.Buffer

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/workload"
 )
 
 // manyStreamOps is a trace over n streams, each used for a moment as a
@@ -55,7 +56,7 @@ func TestReplayManyStreams(t *testing.T) {
 		t.Run(conf, func(t *testing.T) {
 			a := newSimAllocator(t, conf, false)
 			t0 := time.Now()
-			r, err := Replay(ops, a, ReplayOptions{})
+			r, err := workload.Replay(ops, a, workload.ReplayOptions{})
 			d := time.Since(t0)
 			if err != nil {
 				t.Fatal(err)

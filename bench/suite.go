@@ -6,6 +6,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/workload"
 )
 
 // Suite says which benchmarks RunSuite runs and how long.
@@ -17,7 +18,7 @@ type Suite struct {
 	// benchmark, run once for each goroutine count of Threads; 0 skips it.
 	MixedSteps int
 	Threads    []int
-	// Traces are trace files (LoadTrace) replayed once each.
+	// Traces are trace files (workload.LoadTrace) replayed once each.
 	Traces []string
 }
 
@@ -81,11 +82,11 @@ func RunSuite(t *Target, cfg allocator.Config, s Suite) (Report, error) {
 		}
 	}
 	for _, file := range s.Traces {
-		tr, err := LoadTrace(file)
+		tr, err := workload.LoadTrace(file)
 		if err != nil {
 			return rep, err // names the file
 		}
-		row, err := t.Replay(tr, cfg, ReplayOptions{}, nil)
+		row, err := t.Replay(tr, cfg, workload.ReplayOptions{}, nil)
 		if err != nil {
 			return rep, fmt.Errorf("replaying %s: %w", file, err)
 		}

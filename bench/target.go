@@ -3,56 +3,13 @@ package bench
 import (
 	"errors"
 	"fmt"
-	"path/filepath"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
+	"github.com/allocd/allocd/workload"
 )
-
-// Trace is a PyTorch memory trace made ready for replay: the operations
-// of its first device's trace and the addresses of the segments it
-// recorded.
-type Trace struct {
-	// Name is the file's base name.
-	Name string
-	// Ops are the allocations and frees to replay (trace.BuildOps).
-	Ops trace.Ops
-	// Addresses are the recorded segment addresses (SegmentAddresses),
-	// for a Sim to hand out again.
-	Addresses []cudart.SimAddress
-
-	planErr error // CheckSegments of the entries
-}
-
-// NewTrace builds the replay of one device trace's entries: its
-// operations (trace.BuildOps) and its recorded segment addresses
-// (SegmentAddresses), which CheckSegments checks; CheckPlan returns the
-// result.
-func NewTrace(name string, entries []trace.Entry) *Trace {
-	return &Trace{Name: name, Ops: trace.BuildOps(entries), Addresses: SegmentAddresses(entries), planErr: CheckSegments(entries)}
-}
-
-// CheckPlan returns why tr's recorded segment addresses cannot be given to
-// a simulated device (CheckSegments), or nil. A replay on a simulated
-// device refuses such a trace before it runs.
-func (tr *Trace) CheckPlan() error { return tr.planErr }
-
-// LoadTrace reads the memory snapshot at path (trace.ReadFile: a plain or
-// gzip pickle of torch.cuda.memory._dump_snapshot()), checks that it holds
-// a device trace with entries, and builds the replay of its first
-// device's. Every error names the file.
-func LoadTrace(path string) (*Trace, error) {
-	snap, err := trace.ReadFile(path, trace.ReadOptions{})
-	if err != nil {
-		return nil, err // names the file
-	}
-	if len(snap.DeviceTraces) == 0 || len(snap.DeviceTraces[0]) == 0 {
-		return nil, fmt.Errorf("%s: the snapshot has no device trace (record with torch.cuda.memory._record_memory_history() before dumping it)", path)
-	}
-	return NewTrace(filepath.Base(path), snap.DeviceTraces[0]), nil
-}
 
 // Target gives each replay or benchmark its device: a fresh simulated
 // device every time, or one CUDA device that every run shares.
@@ -120,7 +77,7 @@ func (t *Target) Close() error {
 // complete only when the replay says (so deferred frees happen at the
 // trace's positions) and the trace's segment addresses (so that blocks
 // land where the recorded program's did), once CheckPlan accepts them.
-func (t *Target) replayDevice(tr *Trace) (cudart.Device, error) {
+func (t *Target) replayDevice(tr *workload.Trace) (cudart.Device, error) {
 	if t.Sim() {
 		if err := tr.CheckPlan(); err != nil {
 			return nil, err
@@ -137,7 +94,7 @@ func (t *Target) replayDevice(tr *Trace) (cudart.Device, error) {
 // pass: an allocator whose structures and statistics disagree is an
 // error, whatever the peaks say. aopts are passed to allocator.New (for
 // example allocator.WithPyTorchExpandable).
-func (t *Target) Replay(tr *Trace, cfg allocator.Config, opt ReplayOptions, prepare func(*allocator.Allocator, *ReplayOptions), aopts ...allocator.Option) (ReplayRow, error) {
+func (t *Target) Replay(tr *workload.Trace, cfg allocator.Config, opt workload.ReplayOptions, prepare func(*allocator.Allocator, *workload.ReplayOptions), aopts ...allocator.Option) (ReplayRow, error) {
 	dev, err := t.replayDevice(tr)
 	if err != nil {
 		return ReplayRow{}, err
@@ -149,7 +106,7 @@ func (t *Target) Replay(tr *Trace, cfg allocator.Config, opt ReplayOptions, prep
 	if prepare != nil {
 		prepare(a, &opt)
 	}
-	r, err := Replay(&tr.Ops, a, opt)
+	r, err := workload.Replay(&tr.Ops, a, opt)
 	if err == nil {
 		if cerr := a.Check(); cerr != nil {
 			err = fmt.Errorf("replay: the allocator's Check failed after the replay: %w", cerr)
@@ -168,7 +125,7 @@ func (t *Target) Replay(tr *Trace, cfg allocator.Config, opt ReplayOptions, prep
 // memory with cfg (SnapshotAtPeak), its history bounded by
 // historyEntries. It needs a simulated target, whose replays are
 // deterministic. aopts are passed to allocator.New, as in Replay.
-func (t *Target) SnapshotAtPeak(tr *Trace, cfg allocator.Config, historyEntries int, aopts ...allocator.Option) (*trace.Snapshot, error) {
+func (t *Target) SnapshotAtPeak(tr *workload.Trace, cfg allocator.Config, historyEntries int, aopts ...allocator.Option) (*snapshot.Snapshot, error) {
 	if !t.Sim() {
 		return nil, errors.New("a snapshot at peak needs the simulated device, whose replays are deterministic")
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/workload"
 )
 
 // tracesDir holds the recorded PyTorch traces the tests replay;
@@ -110,7 +111,7 @@ var pytorchRecorded = map[string]struct {
 // those blocks rounded up to the 2 MiB of a segment; with expandable
 // segments the earlier blocks sit inside the segment the trace grows and
 // change where it grows, so its reserved figure is not compared.
-func checkRecorded(t *testing.T, conf string, r ReplayResult, want peaks, before int64, bounded bool) {
+func checkRecorded(t *testing.T, conf string, r workload.ReplayResult, want peaks, before int64, bounded bool) {
 	t.Helper()
 	t.Logf("%s: peak allocated %d (PyTorch %d, %d before the trace), peak reserved %d (PyTorch %d)",
 		conf, r.PeakAllocated, want.allocated, before, r.PeakReserved, want.reserved)
@@ -142,7 +143,7 @@ const (
 // replayed is one replay of a trace, and the virtual memory calls the Sim
 // served (expandable modes only).
 type replayed struct {
-	r   ReplayResult
+	r   workload.ReplayResult
 	vmm cudart.SimVMMCounters
 }
 
@@ -168,7 +169,7 @@ func replayTrace(t *testing.T, name, mode string) replayed {
 	switch mode {
 	case modeDefault:
 		a := newSimAllocator(t, "", true, plan...)
-		r, err := Replay(ops, a, ReplayOptions{})
+		r, err := workload.Replay(ops, a, workload.ReplayOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}

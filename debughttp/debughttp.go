@@ -13,7 +13,7 @@
 //     flat map, or an object from device index ("0", "1", …) to its map when
 //     several devices are selected;
 //   - /debug/snapshot: the torch.cuda.memory._snapshot() of the selected
-//     devices (trace.Snapshot, merged as trace.Merge merges) as JSON, or with
+//     devices (snapshot.Snapshot, merged as snapshot.Merge merges) as JSON, or with
 //     ?format=pickle as the pickle pytorch.org/memory_viz opens.
 //
 // Every page takes ?gpu=: absent selects every device, "all" every device
@@ -38,7 +38,7 @@
 // time: a snapshot asked for while another is built, or too soon after
 // the last, gets 503 with a Retry-After of the seconds left (at least 1). The snapshot is streamed: JSON is written segment
 // by segment and trace entry by trace entry through a 64 KiB buffer, the
-// pickle by trace.WritePickle through its own, so a response costs no
+// pickle by snapshot.WritePickle through its own, so a response costs no
 // document-sized buffer. What stays in memory per request is the
 // snapshot value itself: Allocator.Snapshot copies the whole recorded
 // history (72 bytes an entry) under the allocator's lock before the
@@ -79,8 +79,8 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/stats"
-	"github.com/allocd/allocd/trace"
 )
 
 // Source is one device's allocator as the handler reads it.
@@ -91,7 +91,7 @@ type Source interface {
 	// Snapshot returns the state in the shape of
 	// torch.cuda.memory._snapshot(), this device's history at its index
 	// of DeviceTraces. The handler does not modify it.
-	Snapshot() *trace.Snapshot
+	Snapshot() *snapshot.Snapshot
 	// Device returns the device; its Info().Index names the source in
 	// ?gpu= and in the pages.
 	Device() cudart.Device

@@ -18,6 +18,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/stats"
 	"github.com/allocd/allocd/trace"
 )
@@ -109,9 +110,9 @@ func must(t testing.TB) func(*Handler, error) *Handler {
 	}
 }
 
-func decodeSnapshot(t testing.TB, body []byte) *trace.Snapshot {
+func decodeSnapshot(t testing.TB, body []byte) *snapshot.Snapshot {
 	t.Helper()
-	var s trace.Snapshot
+	var s snapshot.Snapshot
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&s); err != nil {
@@ -222,7 +223,7 @@ func TestTwoDevices(t *testing.T) {
 	}
 	_, body = get(t, srv.URL+"/debug/snapshot?gpu=1")
 	one := decodeSnapshot(t, body)
-	if want := trace.Merge(a1.Snapshot()); !reflect.DeepEqual(one, want) || len(one.DeviceTraces) != 2 || len(one.DeviceTraces[0]) != 0 {
+	if want := snapshot.Merge(a1.Snapshot()); !reflect.DeepEqual(one, want) || len(one.DeviceTraces) != 2 || len(one.DeviceTraces[0]) != 0 {
 		t.Errorf("snapshot of gpu 1: %d device traces, want device 1's alone", len(one.DeviceTraces))
 	}
 	resp, body := get(t, srv.URL+"/debug/snapshot?gpu=1&format=pickle")
@@ -341,7 +342,7 @@ func TestEntriesCap(t *testing.T) {
 	full := d.Snapshot()
 	for q, n := range map[string]int{"": 3, "?entries=5": 5, "?entries=0": 0, "?entries=50": 50, "?entries=2&format=pickle": 2} {
 		_, body := get(t, srv.URL+"/debug/snapshot"+q)
-		var got *trace.Snapshot
+		var got *snapshot.Snapshot
 		if strings.Contains(q, "pickle") {
 			var err error
 			if got, err = trace.Read(bytes.NewReader(body), trace.ReadOptions{}); err != nil {
@@ -368,16 +369,16 @@ func TestEntriesCap(t *testing.T) {
 // TestCapMerge: the cap applies to the concatenation when two snapshots
 // share a trace index.
 func TestCapMerge(t *testing.T) {
-	e := func(i int) trace.Entry { return trace.Entry{Action: trace.ActionAlloc, Addr: uint64(i)} }
-	a := &trace.Snapshot{DeviceTraces: [][]trace.Entry{{e(1), e(2), e(3)}}}
-	b := &trace.Snapshot{DeviceTraces: [][]trace.Entry{{e(4), e(5)}, {e(6)}}}
-	got := capMerge([]*trace.Snapshot{a, b}, 3)
-	want := [][]trace.Entry{{e(3), e(4), e(5)}, {e(6)}}
+	e := func(i int) snapshot.Entry { return snapshot.Entry{Action: snapshot.ActionAlloc, Addr: uint64(i)} }
+	a := &snapshot.Snapshot{DeviceTraces: [][]snapshot.Entry{{e(1), e(2), e(3)}}}
+	b := &snapshot.Snapshot{DeviceTraces: [][]snapshot.Entry{{e(4), e(5)}, {e(6)}}}
+	got := capMerge([]*snapshot.Snapshot{a, b}, 3)
+	want := [][]snapshot.Entry{{e(3), e(4), e(5)}, {e(6)}}
 	if !reflect.DeepEqual(got.DeviceTraces, want) {
 		t.Errorf("capMerge = %v, want %v", got.DeviceTraces, want)
 	}
-	if m := trace.Merge(a, b); !reflect.DeepEqual(capMerge([]*trace.Snapshot{a, b}, 10).DeviceTraces, m.DeviceTraces) {
-		t.Errorf("uncapped capMerge differs from trace.Merge")
+	if m := snapshot.Merge(a, b); !reflect.DeepEqual(capMerge([]*snapshot.Snapshot{a, b}, 10).DeviceTraces, m.DeviceTraces) {
+		t.Errorf("uncapped capMerge differs from snapshot.Merge")
 	}
 }
 
@@ -519,7 +520,7 @@ type slowSource struct {
 	clock *fakeClock
 }
 
-func (s slowSource) Snapshot() *trace.Snapshot {
+func (s slowSource) Snapshot() *snapshot.Snapshot {
 	s.clock.add(time.Second)
 	return s.Allocator.Snapshot()
 }

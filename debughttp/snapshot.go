@@ -11,7 +11,7 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // Formats of /debug/snapshot.
@@ -60,7 +60,7 @@ func (h *Handler) serveSnapshot(w http.ResponseWriter, r *http.Request, devs []d
 	lw := &limitWriter{w: w, max: h.opts.MaxBodyBytes}
 	var err error
 	if format == formatPickle {
-		err = trace.WritePickle(lw, snap)
+		err = snapshot.WritePickle(lw, snap)
 	} else {
 		err = writeJSON(lw, snap)
 	}
@@ -87,7 +87,7 @@ const lockBurst = 100 * time.Millisecond
 // trace (capMerge), when no other build runs and building has not taken
 // more than Options.LockShare of the time (allowing lockBurst ahead).
 // Otherwise it returns nil and how long to wait.
-func (h *Handler) build(devs []device, entries int) (*trace.Snapshot, time.Duration) {
+func (h *Handler) build(devs []device, entries int) (*snapshot.Snapshot, time.Duration) {
 	h.buildMu.Lock()
 	start := h.now()
 	if h.building || start.Before(h.nextBuild.Add(-lockBurst)) {
@@ -109,7 +109,7 @@ func (h *Handler) build(devs []device, entries int) (*trace.Snapshot, time.Durat
 		}
 		h.nextBuild = h.nextBuild.Add(time.Duration(float64(took) * (1/h.opts.LockShare - 1)))
 	}()
-	snaps := make([]*trace.Snapshot, len(devs))
+	snaps := make([]*snapshot.Snapshot, len(devs))
 	for i, d := range devs {
 		snaps[i] = d.src.Snapshot()
 	}
@@ -119,11 +119,11 @@ func (h *Handler) build(devs []device, entries int) (*trace.Snapshot, time.Durat
 	return snap, 0
 }
 
-// capMerge merges snaps as trace.Merge does, keeping the last n entries of
+// capMerge merges snaps as snapshot.Merge does, keeping the last n entries of
 // each device trace. The entries kept are copied, so that the snapshots'
 // full histories are garbage once snaps is dropped.
-func capMerge(snaps []*trace.Snapshot, n int) *trace.Snapshot {
-	out := &trace.Snapshot{Segments: []trace.Segment{}, DeviceTraces: [][]trace.Entry{}}
+func capMerge(snaps []*snapshot.Snapshot, n int) *snapshot.Snapshot {
+	out := &snapshot.Snapshot{Segments: []snapshot.Segment{}, DeviceTraces: [][]snapshot.Entry{}}
 	total := []int{}
 	for _, s := range snaps {
 		out.Segments = append(out.Segments, s.Segments...)
@@ -139,7 +139,7 @@ func capMerge(snaps []*trace.Snapshot, n int) *trace.Snapshot {
 	}
 	for d, t := range total {
 		skip := max(t-n, 0) // entries to drop from the front of trace d
-		kept := make([]trace.Entry, 0, t-skip)
+		kept := make([]snapshot.Entry, 0, t-skip)
 		for _, s := range snaps {
 			if d >= len(s.DeviceTraces) {
 				continue
@@ -174,11 +174,11 @@ func (l *limitWriter) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// writeJSON writes s as encoding/json renders a trace.Snapshot (the same
+// writeJSON writes s as encoding/json renders a snapshot.Snapshot (the same
 // keys and values; decoding either gives equal snapshots), streamed: one
 // segment and one trace entry at a time through a 64 KiB buffer, one per
 // line. It returns the first error of w.
-func writeJSON(w io.Writer, s *trace.Snapshot) error {
+func writeJSON(w io.Writer, s *snapshot.Snapshot) error {
 	bw := bufio.NewWriterSize(w, 64<<10)
 	jw := &jsonWriter{w: bw, frames: map[framesKey][]byte{}}
 	jw.raw(`{"segments":[`)
@@ -218,7 +218,7 @@ func writeJSON(w io.Writer, s *trace.Snapshot) error {
 
 // framesKey names a Frames slice: its first element and its length.
 type framesKey struct {
-	first *trace.Frame
+	first *snapshot.Frame
 	n     int
 }
 
@@ -253,8 +253,8 @@ func (j *jsonWriter) value(v any) {
 	j.bytes(b)
 }
 
-// entry writes e as encoding/json writes a trace.Entry.
-func (j *jsonWriter) entry(e *trace.Entry) {
+// entry writes e as encoding/json writes a snapshot.Entry.
+func (j *jsonWriter) entry(e *snapshot.Entry) {
 	b := append(j.buf[:0], `{"action":`...)
 	b = appendString(b, string(e.Action))
 	b = append(b, `,"addr":`...)

@@ -15,9 +15,9 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/workload"
 )
 
 const (
@@ -397,7 +397,7 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 	if len(files) == 0 {
 		t.Fatalf("no traces in %s", tracesDir())
 	}
-	simReplay := func(t *testing.T, conf string, ops *trace.Ops, plan []cudart.SimAddress) bench.ReplayResult {
+	simReplay := func(t *testing.T, conf string, ops *trace.Ops, plan []cudart.SimAddress) workload.ReplayResult {
 		// At least the GPU's capacity: expandable ranges are sized from it,
 		// and a range smaller than a trace's needs changes the placement.
 		sim, err := cudart.NewSim(cudart.SimConfig{Capacity: max(dev.Info().TotalMemory, 141<<30), ManualEvents: true, Addresses: plan})
@@ -406,7 +406,7 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 		}
 		a := newAllocator(t, sim, conf)
 		defer a.Close()
-		r, err := bench.Replay(ops, a, bench.ReplayOptions{})
+		r, err := workload.Replay(ops, a, workload.ReplayOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -430,14 +430,14 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 				t.Fatal(err)
 			}
 			ops := trace.BuildOps(snap.DeviceTraces[0])
-			recorded := simReplay(t, conf, &ops, bench.SegmentAddresses(snap.DeviceTraces[0]))
+			recorded := simReplay(t, conf, &ops, workload.SegmentAddresses(snap.DeviceTraces[0]))
 
 			cfg, _ := allocator.ParseConfig(conf)
 			ag, err := allocator.New(dev, cfg, allocator.WithHistory(4_000_000))
 			if err != nil {
 				t.Fatal(err)
 			}
-			rg, err := bench.Replay(&ops, ag, bench.ReplayOptions{})
+			rg, err := workload.Replay(&ops, ag, workload.ReplayOptions{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -445,7 +445,7 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 			if err := ag.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {
 				t.Fatal(err)
 			}
-			same := simReplay(t, conf, &ops, bench.SegmentAddresses(gpuSnap.DeviceTraces[0]))
+			same := simReplay(t, conf, &ops, workload.SegmentAddresses(gpuSnap.DeviceTraces[0]))
 			t.Logf("gpu-replay %s: ops %d; peak reserved: cuda %d MiB, sim at the GPU's addresses %d MiB, sim at the recorded addresses %d MiB; peak allocated cuda %d MiB; device mallocs cuda %d sim %d; cuda %.0f ns/op",
 				name, rg.Ops, rg.PeakReserved>>20, same.PeakReserved>>20, recorded.PeakReserved>>20, rg.PeakAllocated>>20, rg.DeviceMallocs, same.DeviceMallocs, rg.NsPerOp())
 			fmt.Printf("gpu-replay %s: peak_reserved_cuda=%d peak_reserved_sim_same_addresses=%d peak_reserved_sim_recorded_addresses=%d\n",

@@ -1,6 +1,7 @@
-// Package trace reads and writes PyTorch CUDA memory snapshots, the pickles
-// that torch.cuda.memory._dump_snapshot() writes, and turns their device
-// traces into replayable operations.
+// Package trace reads PyTorch CUDA memory snapshots, the pickles that
+// torch.cuda.memory._dump_snapshot() writes, into the model of package
+// snapshot (which also writes them), and turns their device traces into
+// replayable operations.
 //
 // # Reading
 //
@@ -12,7 +13,7 @@
 // A snapshot of a long run holds about a million trace entries, so the pickle
 // decoder is not a general unpickler that builds map[string]any trees. It is
 // a small stack machine that streams the (decompressed) input through a
-// window of at most 1 MiB and builds the typed structs of this package
+// window of at most 1 MiB and builds the typed structs of package snapshot
 // directly:
 //
 //   - Values on the stack and in the memo are 16-byte records without Go
@@ -92,17 +93,10 @@
 // memory in proportion to the entries, segments, blocks and frames the
 // snapshot really contains.
 //
-// # Writing
-//
-// WritePickle writes a Snapshot with the dict layout and key names PyTorch
-// uses, using only opcodes that Python's pickle and the memory_viz web page's
-// own unpickler (torch/utils/viz/MemoryViz.js) understand, so that
-// torch.cuda._memory_viz and https://pytorch.org/memory_viz read it.
-//
 // # Replay
 //
 // BuildOps turns one device trace into Ops: dense allocation IDs instead of
 // reused addresses, frees matched to their allocations, unmatched frees
 // counted instead of fatal, and a Deferred flag on frees whose block was held
-// by another stream until a later free_completed. bench.Replay replays them.
+// by another stream until a later free_completed. workload.Replay replays them.
 package trace

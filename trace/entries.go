@@ -1,6 +1,10 @@
 package trace
 
-import "unsafe"
+import (
+	"unsafe"
+
+	"github.com/allocd/allocd/snapshot"
+)
 
 // Entry dicts are decoded into a small pool instead of containers: a kEntry
 // value packs the pool generation and slot. When its device trace takes an
@@ -24,9 +28,9 @@ type rawEntry struct {
 }
 
 // actionCodes are the known actions by code; code 0 is a missing action.
-var actionCodes = [...]Action{"", ActionAlloc, ActionFreeRequested, ActionFreeCompleted,
-	ActionSegmentAlloc, ActionSegmentFree, ActionSegmentMap, ActionSegmentUnmap,
-	ActionSnapshot, ActionOOM}
+var actionCodes = [...]snapshot.Action{"", snapshot.ActionAlloc, snapshot.ActionFreeRequested, snapshot.ActionFreeCompleted,
+	snapshot.ActionSegmentAlloc, snapshot.ActionSegmentFree, snapshot.ActionSegmentMap, snapshot.ActionSegmentUnmap,
+	snapshot.ActionSnapshot, snapshot.ActionOOM}
 
 const actUnknown = uint8(len(actionCodes))
 
@@ -54,9 +58,9 @@ func (t *entryChunks) add(e rawEntry) {
 // entries converts a finished trace into its final slice. Fields are set
 // one by one into the zeroed slice: copying whole Entry values would take
 // the bulk write barrier path for every entry while the collector runs.
-func (d *decoder) entries(t *entryChunks) []Entry {
+func (d *decoder) entries(t *entryChunks) []snapshot.Entry {
 	d.used += int64(t.n) * entrySize
-	out := make([]Entry, t.n)
+	out := make([]snapshot.Entry, t.n)
 	i := 0
 	for _, c := range t.chunks {
 		for j := range c {
@@ -76,7 +80,7 @@ func (d *decoder) entries(t *entryChunks) []Entry {
 // Memory estimates of an entry while decoding and once decoded.
 const (
 	rawEntrySize = int64(unsafe.Sizeof(rawEntry{}))
-	entrySize    = int64(unsafe.Sizeof(Entry{}))
+	entrySize    = int64(unsafe.Sizeof(snapshot.Entry{}))
 )
 
 func (d *decoder) newEntry() val {

@@ -7,6 +7,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/allocd/allocd/internal/pickle"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // FuzzRead feeds arbitrary input to Read: it must return a snapshot or a
@@ -33,7 +36,7 @@ func FuzzRead(f *testing.F) {
 	one := snap(2, func(p pk) pk { return p.entry("alloc", 1, 2, 3, 4) })
 	f.Add(append(append([]byte(nil), one...), one...)) // trailing data: refused
 	f.Add(snap(2, func(p pk) pk {
-		return p.entry("alloc", 1, 2, 3, 4).op(opEmptyDict).str("size").op(opNewTrue, opSetItem)
+		return p.entry("alloc", 1, 2, 3, 4).op(pickle.EmptyDict).str("size").op(pickle.NewTrue, pickle.SetItem)
 	}))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		for _, frames := range []bool{false, true} {
@@ -49,14 +52,14 @@ func FuzzRead(f *testing.F) {
 				BuildOps(tr)
 			}
 			var w1, w2 bytes.Buffer
-			if err := WritePickle(&w1, s); err != nil {
+			if err := snapshot.WritePickle(&w1, s); err != nil {
 				t.Fatalf("WritePickle: %v", err)
 			}
 			back, err := Read(bytes.NewReader(w1.Bytes()), ReadOptions{Frames: frames})
 			if err != nil {
 				t.Fatalf("reading back: %v", err)
 			}
-			if err := WritePickle(&w2, back); err != nil {
+			if err := snapshot.WritePickle(&w2, back); err != nil {
 				t.Fatalf("WritePickle again: %v", err)
 			}
 			if !bytes.Equal(w1.Bytes(), w2.Bytes()) {

@@ -8,6 +8,8 @@ import (
 	"os"
 	"strings"
 	"testing"
+
+	"github.com/allocd/allocd/internal/pickle"
 )
 
 func gzipped(t *testing.T, members ...[]byte) []byte {
@@ -84,7 +86,7 @@ func TestTrailingDataRefused(t *testing.T) {
 func TestBoolForIntRefused(t *testing.T) {
 	entry := func(field string, b byte) []byte {
 		return snap(4, func(p pk) pk {
-			p = p.op(opEmptyDict, opMark).str("action").str("alloc")
+			p = p.op(pickle.EmptyDict, pickle.Mark).str("action").str("alloc")
 			for _, f := range []string{"addr", "size", "stream", "time_us"} {
 				p = p.str(f)
 				if f == field {
@@ -93,11 +95,11 @@ func TestBoolForIntRefused(t *testing.T) {
 					p = p.int(5)
 				}
 			}
-			return p.op(opSetItems)
+			return p.op(pickle.SetItems)
 		})
 	}
 	segment := func(field string, b byte, inBlock bool) []byte {
-		p := newPK(4).op(opEmptyDict).str("segments").op(opEmptyList, opEmptyDict, opMark)
+		p := newPK(4).op(pickle.EmptyDict).str("segments").op(pickle.EmptyList, pickle.EmptyDict, pickle.Mark)
 		seg := map[string]bool{"device": true, "address": true, "total_size": true, "allocated_size": true, "active_size": true, "requested_size": true, "stream": true}
 		for _, f := range []string{"device", "address", "total_size", "allocated_size", "active_size", "requested_size", "stream"} {
 			p = p.str(f)
@@ -107,7 +109,7 @@ func TestBoolForIntRefused(t *testing.T) {
 				p = p.int(0)
 			}
 		}
-		p = p.str("blocks").op(opEmptyList, opEmptyDict, opMark)
+		p = p.str("blocks").op(pickle.EmptyList, pickle.EmptyDict, pickle.Mark)
 		for _, f := range []string{"address", "size", "requested_size"} {
 			p = p.str(f)
 			if inBlock && f == field {
@@ -116,19 +118,19 @@ func TestBoolForIntRefused(t *testing.T) {
 				p = p.int(0)
 			}
 		}
-		p = p.str("state").str("active_allocated").op(opSetItems, opAppend, opSetItems, opAppend, opSetItem, opStop)
+		p = p.str("state").str("active_allocated").op(pickle.SetItems, pickle.Append, pickle.SetItems, pickle.Append, pickle.SetItem, pickle.Stop)
 		return p
 	}
 	cases := map[string][]byte{}
 	for _, f := range []string{"addr", "size", "stream", "time_us"} {
-		cases["entry "+f+" True"] = entry(f, opNewTrue)
-		cases["entry "+f+" False"] = entry(f, opNewFalse)
+		cases["entry "+f+" True"] = entry(f, pickle.NewTrue)
+		cases["entry "+f+" False"] = entry(f, pickle.NewFalse)
 	}
 	for _, f := range []string{"device", "address", "total_size", "allocated_size", "active_size", "requested_size", "stream"} {
-		cases["segment "+f+" True"] = segment(f, opNewTrue, false)
+		cases["segment "+f+" True"] = segment(f, pickle.NewTrue, false)
 	}
 	for _, f := range []string{"address", "size", "requested_size"} {
-		cases["block "+f+" True"] = segment(f, opNewTrue, true)
+		cases["block "+f+" True"] = segment(f, pickle.NewTrue, true)
 	}
 	if _, err := decodeBytes(segment("", 0, false), ReadOptions{}); err != nil {
 		t.Fatalf("the segment without bools: %v", err)

@@ -4,12 +4,15 @@ import (
 	"fmt"
 	"math"
 	"unsafe"
+
+	"github.com/allocd/allocd/internal/pickle"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // Memory estimates of the typed items (see decoder.used).
 const (
-	segmentSize = int64(unsafe.Sizeof(Segment{}))
-	blockSize   = int64(unsafe.Sizeof(Block{}))
+	segmentSize = int64(unsafe.Sizeof(snapshot.Segment{}))
+	blockSize   = int64(unsafe.Sizeof(snapshot.Block{}))
 )
 
 // setItemsOp executes SETITEMS: MARK k v k v ... into the dict below the MARK.
@@ -107,7 +110,7 @@ func (d *decoder) setItems(target val, kv []val) error {
 	case kCont:
 		c := d.conts[target.n]
 		if !c.isDict {
-			return d.errAt(ErrMalformed, "%s on a list", opName(d.op))
+			return d.errAt(ErrMalformed, "%s on a list", pickle.OpName(d.op))
 		}
 		for i := 0; i < len(kv); i += 2 {
 			if err := d.setField(c, kv[i], kv[i+1]); err != nil {
@@ -116,7 +119,7 @@ func (d *decoder) setItems(target val, kv []val) error {
 		}
 		return nil
 	}
-	return d.errAt(ErrMalformed, "%s on a value that is not a dict", opName(d.op))
+	return d.errAt(ErrMalformed, "%s on a value that is not a dict", pickle.OpName(d.op))
 }
 
 // setField stores one key/value pair into a typed or generic dict.
@@ -146,10 +149,10 @@ func (d *decoder) setTop(c *container, key string, v val) error {
 	var err error
 	switch key {
 	case "segments":
-		c.segs, err = typed(d, v, schSegments, key, func(c *container) []Segment { return c.segs })
+		c.segs, err = typed(d, v, schSegments, key, func(c *container) []snapshot.Segment { return c.segs })
 		c.hasSegs = err == nil
 	case "device_traces":
-		c.devs, err = typed(d, v, schDevTraces, key, func(c *container) [][]Entry { return c.devs })
+		c.devs, err = typed(d, v, schDevTraces, key, func(c *container) [][]snapshot.Entry { return c.devs })
 		c.hasDevs = err == nil
 	case "allocator_settings":
 		c.settings, err = d.settings(v)
@@ -187,7 +190,7 @@ func (d *decoder) settings(v val) (map[string]any, error) {
 	return m, nil
 }
 
-func (d *decoder) setSegment(s *Segment, key string, v val) error {
+func (d *decoder) setSegment(s *snapshot.Segment, key string, v val) error {
 	var err error
 	switch key {
 	case "device":
@@ -209,7 +212,7 @@ func (d *decoder) setSegment(s *Segment, key string, v val) error {
 	case "is_expandable":
 		s.IsExpandable, err = d.bool(v, key)
 	case "blocks":
-		s.Blocks, err = typed(d, v, schBlocks, key, func(c *container) []Block { return c.blks })
+		s.Blocks, err = typed(d, v, schBlocks, key, func(c *container) []snapshot.Block { return c.blks })
 	case "frames":
 		if d.opt.Frames {
 			s.Frames, err = d.frames(v)
@@ -218,7 +221,7 @@ func (d *decoder) setSegment(s *Segment, key string, v val) error {
 	return err
 }
 
-func (d *decoder) setBlock(b *Block, key string, v val) error {
+func (d *decoder) setBlock(b *snapshot.Block, key string, v val) error {
 	var err error
 	switch key {
 	case "address":
@@ -230,7 +233,7 @@ func (d *decoder) setBlock(b *Block, key string, v val) error {
 	case "state":
 		var st string
 		st, err = d.string(v, key)
-		b.State = BlockState(st)
+		b.State = snapshot.BlockState(st)
 	case "frames":
 		if d.opt.Frames {
 			b.Frames, err = d.frames(v)
@@ -239,7 +242,7 @@ func (d *decoder) setBlock(b *Block, key string, v val) error {
 	return err
 }
 
-func (d *decoder) setFrame(f *Frame, key string, v val) error {
+func (d *decoder) setFrame(f *snapshot.Frame, key string, v val) error {
 	var err error
 	switch key {
 	case "filename":
@@ -280,7 +283,7 @@ func (d *decoder) setEntry(e *rawEntry, id uint64, k, v val) error {
 	return err
 }
 
-func (d *decoder) frames(v val) ([]Frame, error) {
+func (d *decoder) frames(v val) ([]snapshot.Frame, error) {
 	if v.kind != kFrames {
 		return nil, d.errAt(ErrMalformed, "frames: want a %s, have %s", schFrames, d.describe(v))
 	}
@@ -296,7 +299,7 @@ func (d *decoder) appendItems(target val, items []val) error {
 		return d.appendFrames(target.n, items)
 	}
 	if target.kind != kCont || d.conts[target.n].isDict {
-		return d.errAt(ErrMalformed, "%s on %s", opName(d.op), d.describe(target))
+		return d.errAt(ErrMalformed, "%s on %s", pickle.OpName(d.op), d.describe(target))
 	}
 	ci := target.n
 	for _, it := range items {

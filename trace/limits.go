@@ -62,7 +62,7 @@ const (
 	MaxRMMLine = 64 << 10
 )
 
-// Errors returned by Read, ReadFile and WritePickle, always wrapped; test
+// Errors returned by Read and ReadFile, always wrapped; test
 // with errors.Is.
 var (
 	// ErrNotSnapshot: the input is not a pickle, gzip or RMM log, or the

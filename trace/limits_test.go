@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/allocd/allocd/internal/pickle"
 )
 
 // heapBudget is what reading any bomb may add to the Go heap.
@@ -108,110 +110,110 @@ type bomb struct {
 // openSnap writes the start of {"device_traces": [[...]] ... } up to the
 // open trace list, as snap does.
 func openTrace(w io.Writer) {
-	_, _ = w.Write(newPK(4).op(opEmptyDict, opMark).str("device_traces").op(opEmptyList, opEmptyList, opMark))
+	_, _ = w.Write(newPK(4).op(pickle.EmptyDict, pickle.Mark).str("device_traces").op(pickle.EmptyList, pickle.EmptyList, pickle.Mark))
 }
 
 func closeTrace(w io.Writer) {
-	_, _ = w.Write(pk{}.op(opAppends, opAppend).str("segments").op(opEmptyList, opSetItems, opStop))
+	_, _ = w.Write(pk{}.op(pickle.Appends, pickle.Append).str("segments").op(pickle.EmptyList, pickle.SetItems, pickle.Stop))
 }
 
 var bombs = []bomb{
 	{name: "a million empty device traces", gen: func(w io.Writer) {
-		_, _ = w.Write(newPK(4).op(opEmptyDict, opMark).str("device_traces").op(opEmptyList))
+		_, _ = w.Write(newPK(4).op(pickle.EmptyDict, pickle.Mark).str("device_traces").op(pickle.EmptyList))
 		for range 1000 {
-			_, _ = w.Write([]byte{opMark})
-			repeat(w, []byte{opEmptyList}, 1000)
-			_, _ = w.Write([]byte{opAppends})
+			_, _ = w.Write([]byte{pickle.Mark})
+			repeat(w, []byte{pickle.EmptyList}, 1000)
+			_, _ = w.Write([]byte{pickle.Appends})
 		}
-		_, _ = w.Write(pk{}.op(opSetItems, opStop))
+		_, _ = w.Write(pk{}.op(pickle.SetItems, pickle.Stop))
 	}, want: ErrTooLarge, msg: "MaxDevices"},
 	{name: "50M DUP opcodes", gen: func(w io.Writer) {
-		_, _ = w.Write(newPK(4).op(opNone))
-		repeat(w, []byte{opDup}, 50_000_000)
-		_, _ = w.Write([]byte{opStop})
+		_, _ = w.Write(newPK(4).op(pickle.None))
+		repeat(w, []byte{pickle.Dup}, 50_000_000)
+		_, _ = w.Write([]byte{pickle.Stop})
 	}, want: ErrTooLarge, msg: "MaxStack"},
 	{name: "50M DUP opcodes appended to a skipped list", gen: func(w io.Writer) {
 		openTrace(w)
-		_, _ = w.Write(pk{}.op(opAppends, opAppend).str("junk").op(opEmptyList))
+		_, _ = w.Write(pk{}.op(pickle.Appends, pickle.Append).str("junk").op(pickle.EmptyList))
 		for range 50_000 {
-			_, _ = w.Write([]byte{opMark, opNone})
-			repeat(w, []byte{opDup}, 999)
-			_, _ = w.Write([]byte{opAppends})
+			_, _ = w.Write([]byte{pickle.Mark, pickle.None})
+			repeat(w, []byte{pickle.Dup}, 999)
+			_, _ = w.Write([]byte{pickle.Appends})
 		}
-		_, _ = w.Write(pk{}.str("segments").op(opEmptyList, opSetItems, opStop))
+		_, _ = w.Write(pk{}.str("segments").op(pickle.EmptyList, pickle.SetItems, pickle.Stop))
 	}},
 	{name: "a 1 GiB string under an ignored key", gen: func(w io.Writer) {
 		openTrace(w)
-		_, _ = w.Write(pk{}.op(opAppends, opAppend).str("junk").op(opBinUnicode8))
+		_, _ = w.Write(pk{}.op(pickle.Appends, pickle.Append).str("junk").op(pickle.BinUnicode8))
 		_, _ = w.Write(binary.LittleEndian.AppendUint64(nil, 1<<30))
 		repeat(w, []byte("a"), 1<<30)
-		_, _ = w.Write(pk{}.str("segments").op(opEmptyList, opSetItems, opStop))
+		_, _ = w.Write(pk{}.str("segments").op(pickle.EmptyList, pickle.SetItems, pickle.Stop))
 	}},
 	{name: "a 1 GiB string as an entry's ignored field", gen: func(w io.Writer) {
 		openTrace(w)
-		_, _ = w.Write(pk{}.op(opEmptyDict, opMark).str("action").str("alloc").str("compile_context").op(opBinUnicode))
+		_, _ = w.Write(pk{}.op(pickle.EmptyDict, pickle.Mark).str("action").str("alloc").str("compile_context").op(pickle.BinUnicode))
 		_, _ = w.Write(binary.LittleEndian.AppendUint32(nil, 1<<30))
 		repeat(w, []byte("b"), 1<<30)
-		_, _ = w.Write(pk{}.op(opSetItems))
+		_, _ = w.Write(pk{}.op(pickle.SetItems))
 		closeTrace(w)
 	}},
 	{name: "a 1 GiB string as a kept field", gen: func(w io.Writer) {
 		openTrace(w)
-		_, _ = w.Write(pk{}.op(opEmptyDict, opMark).str("action").op(opBinUnicode))
+		_, _ = w.Write(pk{}.op(pickle.EmptyDict, pickle.Mark).str("action").op(pickle.BinUnicode))
 		_, _ = w.Write(binary.LittleEndian.AppendUint32(nil, 1<<30))
 		repeat(w, []byte("c"), 1<<30)
-		_, _ = w.Write(pk{}.op(opSetItems))
+		_, _ = w.Write(pk{}.op(pickle.SetItems))
 		closeTrace(w)
 	}, want: ErrTooLarge, msg: "MaxString"},
 	{name: "10M nested lists", gen: func(w io.Writer) {
 		_, _ = w.Write(newPK(4))
-		repeat(w, []byte{opEmptyList}, 10_000_000)
+		repeat(w, []byte{pickle.EmptyList}, 10_000_000)
 	}, want: ErrTooLarge, msg: "MaxStack"},
 	{name: "10M nested MARKs", gen: func(w io.Writer) {
 		_, _ = w.Write(newPK(4))
-		repeat(w, []byte{opMark}, 10_000_000)
+		repeat(w, []byte{pickle.Mark}, 10_000_000)
 	}, want: ErrTooLarge, msg: "MaxStack"},
 	{name: "10M tuples in a skipped list", gen: func(w io.Writer) {
 		openTrace(w)
-		_, _ = w.Write(pk{}.op(opAppends, opAppend).str("junk").op(opEmptyList))
+		_, _ = w.Write(pk{}.op(pickle.Appends, pickle.Append).str("junk").op(pickle.EmptyList))
 		for range 10_000 {
-			_, _ = w.Write([]byte{opMark})
-			repeat(w, []byte{opEmptyTuple}, 1000)
-			_, _ = w.Write([]byte{opAppends})
+			_, _ = w.Write([]byte{pickle.Mark})
+			repeat(w, []byte{pickle.EmptyTuple}, 1000)
+			_, _ = w.Write([]byte{pickle.Appends})
 		}
-		_, _ = w.Write(pk{}.str("segments").op(opEmptyList, opSetItems, opStop))
+		_, _ = w.Write(pk{}.str("segments").op(pickle.EmptyList, pickle.SetItems, pickle.Stop))
 	}},
 	{name: "50M MEMOIZE", gen: func(w io.Writer) {
-		_, _ = w.Write(newPK(4).op(opNone))
-		repeat(w, []byte{opMemoize}, 50_000_000)
-		_, _ = w.Write([]byte{opStop})
+		_, _ = w.Write(newPK(4).op(pickle.None))
+		repeat(w, []byte{pickle.Memoize}, 50_000_000)
+		_, _ = w.Write([]byte{pickle.Stop})
 	}, opt: ReadOptions{MaxMemory: 64 << 20}, want: ErrTooLarge, msg: "MaxMemory (64 MiB)"},
 	{name: "10M empty block dicts", gen: func(w io.Writer) {
-		_, _ = w.Write(newPK(4).op(opEmptyDict, opMark).str("segments").op(opEmptyList, opEmptyDict).str("blocks").op(opEmptyList))
+		_, _ = w.Write(newPK(4).op(pickle.EmptyDict, pickle.Mark).str("segments").op(pickle.EmptyList, pickle.EmptyDict).str("blocks").op(pickle.EmptyList))
 		for range 10_000 {
-			_, _ = w.Write([]byte{opMark})
-			repeat(w, []byte{opEmptyDict}, 1000)
-			_, _ = w.Write([]byte{opAppends})
+			_, _ = w.Write([]byte{pickle.Mark})
+			repeat(w, []byte{pickle.EmptyDict}, 1000)
+			_, _ = w.Write([]byte{pickle.Appends})
 		}
-		_, _ = w.Write(pk{}.op(opSetItem, opAppend, opSetItems, opStop))
+		_, _ = w.Write(pk{}.op(pickle.SetItem, pickle.Append, pickle.SetItems, pickle.Stop))
 	}, opt: ReadOptions{MaxMemory: 64 << 20}, want: ErrTooLarge, msg: "MaxMemory"},
 	{name: "10M trace entries", gen: func(w io.Writer) {
 		openTrace(w)
 		// The first entry memoizes its keys and action; the others
 		// refer to them (BINGET 0 "action", BINGET 1 "alloc").
 		// Batches are full (1000 entries), as Python's pickler writes them.
-		entry := []byte{opEmptyDict, opBinGet, 0, opBinGet, 1, opSetItem}
-		_, _ = w.Write(pk{}.op(opEmptyDict).str("action").op(opMemoize).str("alloc").op(opMemoize, opSetItem))
+		entry := []byte{pickle.EmptyDict, pickle.BinGet, 0, pickle.BinGet, 1, pickle.SetItem}
+		_, _ = w.Write(pk{}.op(pickle.EmptyDict).str("action").op(pickle.Memoize).str("alloc").op(pickle.Memoize, pickle.SetItem))
 		repeat(w, entry, 999)
 		for range 10_000 {
-			_, _ = w.Write([]byte{opAppends, opMark})
+			_, _ = w.Write([]byte{pickle.Appends, pickle.Mark})
 			repeat(w, entry, 1000)
 		}
 		closeTrace(w)
 	}, opt: ReadOptions{MaxMemory: 64 << 20}, want: ErrTooLarge, msg: "MaxMemory"},
 	{name: "256 MiB of None POP past MaxBytes", gen: func(w io.Writer) {
 		_, _ = w.Write(newPK(4))
-		repeat(w, []byte{opNone, opPop}, 128<<20)
+		repeat(w, []byte{pickle.None, pickle.Pop}, 128<<20)
 	}, opt: ReadOptions{MaxBytes: 64 << 20}, want: ErrTooLarge, msg: "MaxBytes (64 MiB)"},
 	{name: "RMM header and 1 GiB of newlines", gen: func(w io.Writer) {
 		_, _ = io.WriteString(w, "Thread,Time,Action,Pointer,Size,Stream\n")

@@ -1,5 +1,7 @@
 package trace
 
+import "github.com/allocd/allocd/snapshot"
+
 // OpKind is the kind of a replayable operation.
 type OpKind uint8
 
@@ -76,7 +78,7 @@ type Ops struct {
 	// Ignored counts the entries BuildOps does not replay (segment_alloc,
 	// segment_free, segment_map, segment_unmap, snapshot, oom, and any
 	// other action), by action.
-	Ignored map[Action]int
+	Ignored map[snapshot.Action]int
 }
 
 // liveAlloc is an allocation that has not been freed yet.
@@ -93,14 +95,14 @@ type pendingFree struct {
 	primary int // alloc and free ops emitted before it
 }
 
-// BuildOps turns one device trace into replayable Ops (bench.Replay). Each
+// BuildOps turns one device trace into replayable Ops (workload.Replay). Each
 // alloc gets a fresh dense ID (addresses are reused over time). A
 // free_requested of a live address becomes an OpFree of its ID; its
 // free_completed is dropped when no alloc or free of another ID came in
 // between, and otherwise marks the OpFree Deferred and becomes an
 // OpFreeCompleted. A free_completed without a free_requested (older PyTorch)
 // is the free. Frees of unknown addresses are counted, never fatal.
-func BuildOps(entries []Entry) Ops {
+func BuildOps(entries []snapshot.Entry) Ops {
 	b := opsBuilder{
 		live:    make(map[uint64]liveAlloc),
 		pending: make(map[uint64]pendingFree),
@@ -125,23 +127,23 @@ type opsBuilder struct {
 	primary int // alloc and free ops emitted so far
 }
 
-func (b *opsBuilder) add(e *Entry) {
+func (b *opsBuilder) add(e *snapshot.Entry) {
 	switch e.Action {
-	case ActionAlloc:
+	case snapshot.ActionAlloc:
 		b.alloc(e)
-	case ActionFreeRequested:
+	case snapshot.ActionFreeRequested:
 		b.freeRequested(e)
-	case ActionFreeCompleted:
+	case snapshot.ActionFreeCompleted:
 		b.freeCompleted(e)
 	default:
 		if b.out.Ignored == nil {
-			b.out.Ignored = make(map[Action]int)
+			b.out.Ignored = make(map[snapshot.Action]int)
 		}
 		b.out.Ignored[e.Action]++
 	}
 }
 
-func (b *opsBuilder) alloc(e *Entry) {
+func (b *opsBuilder) alloc(e *snapshot.Entry) {
 	a := liveAlloc{id: int32(b.out.NumIDs), size: e.Size, stream: e.Stream}
 	b.out.NumIDs++
 	if _, ok := b.live[e.Addr]; ok {
@@ -156,7 +158,7 @@ func (b *opsBuilder) alloc(e *Entry) {
 	b.emit(OpAlloc, a)
 }
 
-func (b *opsBuilder) freeRequested(e *Entry) {
+func (b *opsBuilder) freeRequested(e *snapshot.Entry) {
 	a, ok := b.live[e.Addr]
 	if !ok {
 		b.out.UnmatchedFrees++
@@ -175,7 +177,7 @@ func (b *opsBuilder) freeRequested(e *Entry) {
 	b.emit(OpFree, a)
 }
 
-func (b *opsBuilder) freeCompleted(e *Entry) {
+func (b *opsBuilder) freeCompleted(e *snapshot.Entry) {
 	if p, ok := b.pending[e.Addr]; ok {
 		delete(b.pending, e.Addr)
 		b.freed[e.Addr] = true

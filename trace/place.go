@@ -1,6 +1,11 @@
 package trace
 
-import "unsafe"
+import (
+	"unsafe"
+
+	"github.com/allocd/allocd/internal/pickle"
+	"github.com/allocd/allocd/snapshot"
+)
 
 // schema is what a container of the snapshot is, and so what its items become.
 type schema uint8
@@ -27,10 +32,6 @@ var schemaNames = [...]string{"skipped value", "generic value", "snapshot dict",
 
 func (s schema) String() string { return schemaNames[s] }
 
-// batchFull is Python's pickler batch size: a list or dict whose last
-// APPENDS/SETITEMS carried fewer items is complete.
-const batchFull = 1000
-
 // openCont is a container that may still receive items.
 type openCont struct {
 	pos    int32 // its index on the stack
@@ -50,14 +51,14 @@ type container struct {
 	taken  bool  // its payload was used by a parent: it must not change
 	parent int32 // the container it was created in, or -1
 
-	seg   Segment        // schSegment
-	blk   Block          // schBlock
-	segs  []Segment      // schSegments, and schTop's "segments"
-	blks  []Block        // schBlocks
-	devs  [][]Entry      // schDevTraces, and schTop's "device_traces"
-	trace entryChunks    // schTrace
-	list  []any          // schGeneric list
-	dict  map[string]any // schGeneric dict
+	seg   snapshot.Segment   // schSegment
+	blk   snapshot.Block     // schBlock
+	segs  []snapshot.Segment // schSegments, and schTop's "segments"
+	blks  []snapshot.Block   // schBlocks
+	devs  [][]snapshot.Entry // schDevTraces, and schTop's "device_traces"
+	trace entryChunks        // schTrace
+	list  []any              // schGeneric list
+	dict  map[string]any     // schGeneric dict
 
 	hasSegs, hasDevs bool           // schTop
 	settings         map[string]any // schTop
@@ -66,8 +67,8 @@ type container struct {
 // Memory estimates of what open creates (see decoder.used).
 const (
 	containerSize = int64(unsafe.Sizeof(container{}))
-	frameSize     = int64(unsafe.Sizeof(Frame{}))
-	sliceSize     = int64(unsafe.Sizeof([]Frame{}))
+	frameSize     = int64(unsafe.Sizeof(snapshot.Frame{}))
+	sliceSize     = int64(unsafe.Sizeof([]snapshot.Frame{}))
 )
 
 // open pushes a new, empty dict or list and gives it a schema.
@@ -85,7 +86,7 @@ func (d *decoder) open(isDict bool) error {
 		d.used += sliceSize
 	case schFrame:
 		v = val{kind: kFrame, n: uint64(len(d.frameDicts))}
-		d.frameDicts = append(d.frameDicts, Frame{})
+		d.frameDicts = append(d.frameDicts, snapshot.Frame{})
 		d.used += frameSize
 	default:
 		if sch == schTrace {
@@ -278,7 +279,7 @@ func (d *decoder) markDone(pos int, n int, single bool) {
 		return
 	}
 	p := &d.ctx[len(d.ctx)-1]
-	if int(p.pos) == pos && (single || n < batchFull) {
+	if int(p.pos) == pos && (single || n < pickle.BatchSize) {
 		p.closed = true
 	}
 }

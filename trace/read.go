@@ -10,6 +10,9 @@ import (
 	"io"
 	"os"
 	"strings"
+
+	"github.com/allocd/allocd/internal/pickle"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // Read decodes a memory snapshot from r: a PyTorch snapshot pickle
@@ -25,7 +28,7 @@ import (
 // ErrTruncated, ErrUnsupportedOpcode, ErrMalformed, ErrUnknownAction or
 // ErrTooLarge in a *DecodeError; errors of r itself are returned wrapped as
 // they are.
-func Read(r io.Reader, opt ReadOptions) (*Snapshot, error) {
+func Read(r io.Reader, opt ReadOptions) (*snapshot.Snapshot, error) {
 	lim := opt.limits()
 	br := bufio.NewReaderSize(r, 16<<10)
 	var src io.Reader = br
@@ -54,7 +57,7 @@ func Read(r io.Reader, opt ReadOptions) (*Snapshot, error) {
 }
 
 // ReadFile decodes the snapshot in the named file, as Read does.
-func ReadFile(path string, opt ReadOptions) (*Snapshot, error) {
+func ReadFile(path string, opt ReadOptions) (*snapshot.Snapshot, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("trace: %w", err)
@@ -110,7 +113,7 @@ func (g *gzipMembers) Read(p []byte) (int, error) {
 
 // decodeStream detects the format of the decompressed input and decodes it;
 // gz says the input was gzip-compressed.
-func decodeStream(in io.Reader, opt ReadOptions, lim limits, gz bool) (*Snapshot, error) {
+func decodeStream(in io.Reader, opt ReadOptions, lim limits, gz bool) (*snapshot.Snapshot, error) {
 	d := newDecoder(in, opt, lim)
 	_ = d.fill(minWindow) // a short input is judged on what there is
 	if d.end == 0 && d.rerr != nil {
@@ -118,7 +121,7 @@ func decodeStream(in io.Reader, opt ReadOptions, lim limits, gz bool) (*Snapshot
 	}
 	head := d.buf[:d.end]
 	switch {
-	case len(head) > 0 && head[0] == opProto:
+	case len(head) > 0 && head[0] == pickle.Proto:
 		return d.snapshot()
 	case isRMMLog(head):
 		var rest io.Reader = in
@@ -186,7 +189,7 @@ func inputError(err error) error {
 }
 
 // snapshot runs the decoder and assembles the Snapshot.
-func (d *decoder) snapshot() (*Snapshot, error) {
+func (d *decoder) snapshot() (*snapshot.Snapshot, error) {
 	top, err := d.run()
 	if err != nil {
 		return nil, err
@@ -203,7 +206,7 @@ func (d *decoder) snapshot() (*Snapshot, error) {
 		return nil, &DecodeError{Err: ErrNotSnapshot, Offset: -1,
 			Msg: "the pickled dict has neither device_traces nor segments"}
 	}
-	return &Snapshot{Segments: c.segs, DeviceTraces: c.devs, AllocatorSettings: c.settings}, nil
+	return &snapshot.Snapshot{Segments: c.segs, DeviceTraces: c.devs, AllocatorSettings: c.settings}, nil
 }
 
 // atEnd checks, after the STOP opcode, that the (decompressed) input holds
@@ -222,6 +225,6 @@ func (d *decoder) atEnd() error {
 }
 
 // decodeBytes decodes an in-memory input (used by tests and benchmarks).
-func decodeBytes(data []byte, opt ReadOptions) (*Snapshot, error) {
+func decodeBytes(data []byte, opt ReadOptions) (*snapshot.Snapshot, error) {
 	return Read(bytes.NewReader(data), opt)
 }

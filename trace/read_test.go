@@ -9,6 +9,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/allocd/allocd/snapshot"
 )
 
 // expected.json is written by testdata/gen.py from Python's own decoding of
@@ -86,7 +88,7 @@ func TestReadMatchesPython(t *testing.T) {
 	}
 }
 
-func compareSummary(t *testing.T, s *Snapshot, want pySummary, frames bool) {
+func compareSummary(t *testing.T, s *snapshot.Snapshot, want pySummary, frames bool) {
 	t.Helper()
 	if len(s.Segments) != len(want.Segments) {
 		t.Fatalf("%d segments, want %d", len(s.Segments), len(want.Segments))
@@ -149,7 +151,7 @@ func compareSummary(t *testing.T, s *Snapshot, want pySummary, frames bool) {
 
 // compareFrames compares decoded frames with Python's [filename, line, name]
 // lists; without ReadOptions.Frames there must be none.
-func compareFrames(t *testing.T, got []Frame, want [][]any, decoded bool, what string) {
+func compareFrames(t *testing.T, got []snapshot.Frame, want [][]any, decoded bool, what string) {
 	t.Helper()
 	if !decoded {
 		want = nil
@@ -158,7 +160,7 @@ func compareFrames(t *testing.T, got []Frame, want [][]any, decoded bool, what s
 		t.Fatalf("%s: %d frames, want %d", what, len(got), len(want))
 	}
 	for k, f := range got {
-		wf := Frame{want[k][0].(string), int(want[k][1].(float64)), want[k][2].(string)}
+		wf := snapshot.Frame{Filename: want[k][0].(string), Line: int(want[k][1].(float64)), Name: want[k][2].(string)}
 		if f != wf {
 			t.Errorf("%s frame %d = %+v, want %+v", what, k, f, wf)
 		}

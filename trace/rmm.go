@@ -10,6 +10,7 @@ import (
 	"unsafe"
 
 	"github.com/allocd/allocd/internal/bytecount"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // RAPIDS RMM's logging_resource_adaptor writes a CSV log,
@@ -77,7 +78,7 @@ type rmmReader struct {
 	fields  [][]byte // one line's fields, ncols long, reused line to line
 	line    int
 	off     int64
-	entries []Entry
+	entries []snapshot.Entry
 	lastUS  int64 // last clock time seen, -1 before the first
 	dayUS   int64 // days crossed, in microseconds
 	lim     limits
@@ -85,11 +86,11 @@ type rmmReader struct {
 
 // rmmEntryCost is the memory estimate of one entry: the Entry, and as much
 // again for the slack of slice growth.
-const rmmEntryCost = 2 * int64(unsafe.Sizeof(Entry{}))
+const rmmEntryCost = 2 * int64(unsafe.Sizeof(snapshot.Entry{}))
 
 // decodeRMM reads an RMM log line by line: memory grows with the entries
 // it holds, never with blank lines or the input's size.
-func decodeRMM(in io.Reader, lim limits) (*Snapshot, error) {
+func decodeRMM(in io.Reader, lim limits) (*snapshot.Snapshot, error) {
 	br := bufio.NewReaderSize(in, MaxRMMLine)
 	r := &rmmReader{lastUS: -1, lim: lim}
 	for first := true; ; first = false {
@@ -124,9 +125,9 @@ func decodeRMM(in io.Reader, lim limits) (*Snapshot, error) {
 		}
 	}
 	if r.entries == nil {
-		r.entries = []Entry{}
+		r.entries = []snapshot.Entry{}
 	}
-	return &Snapshot{DeviceTraces: [][]Entry{slices.Clip(r.entries)}}, nil
+	return &snapshot.Snapshot{DeviceTraces: [][]snapshot.Entry{slices.Clip(r.entries)}}, nil
 }
 
 // skipBlank consumes a run of line ends (blank lines) without a call per
@@ -178,7 +179,7 @@ func (r *rmmReader) parseLine(line []byte) error {
 		}
 		return bytes.TrimSpace(fields[r.cols[c]])
 	}
-	var e Entry
+	var e snapshot.Entry
 	var err error
 	if e.Addr, err = r.number(field(rmmPointer), "pointer"); err != nil {
 		return err
@@ -199,21 +200,21 @@ func (r *rmmReader) parseLine(line []byte) error {
 	return r.add(e, field(rmmAction))
 }
 
-func (r *rmmReader) add(e Entry, action []byte) error {
+func (r *rmmReader) add(e snapshot.Entry, action []byte) error {
 	if int64(len(r.entries)+2)*rmmEntryCost > r.lim.maxMemory {
 		return r.errorf(ErrTooLarge, "the log needs more memory than ReadOptions.MaxMemory (%s)", bytecount.Exact(r.lim.maxMemory))
 	}
 	switch string(action) {
 	case "allocate":
-		e.Action = ActionAlloc
+		e.Action = snapshot.ActionAlloc
 		r.entries = append(r.entries, e)
 	case "free", "deallocate":
-		e.Action = ActionFreeRequested
+		e.Action = snapshot.ActionFreeRequested
 		r.entries = append(r.entries, e)
-		e.Action = ActionFreeCompleted
+		e.Action = snapshot.ActionFreeCompleted
 		r.entries = append(r.entries, e)
 	case "allocate failure":
-		e.Action, e.Addr = ActionOOM, 0
+		e.Action, e.Addr = snapshot.ActionOOM, 0
 		r.entries = append(r.entries, e)
 	default:
 		return r.errorf(ErrUnknownAction, "action %q", string(action))

@@ -7,6 +7,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/allocd/allocd/snapshot"
 )
 
 // rmmSample is a log as RMM's logging_resource_adaptor writes it.
@@ -20,18 +22,18 @@ const rmmSample = `Thread,Time,Action,Pointer,Size,Stream
 func TestRMMLog(t *testing.T) {
 	s := mustRead(t, []byte(rmmSample), ReadOptions{})
 	t0 := int64(15*3600+47*60+2) * 1e6
-	want := &Snapshot{DeviceTraces: [][]Entry{{
-		{Action: ActionAlloc, Addr: 0x10012400000, Size: 1048576, TimeUS: t0 + 841961},
-		{Action: ActionAlloc, Addr: 0x10012500000, Size: 256, Stream: 0x7f8a38001020, TimeUS: t0 + 841970},
-		{Action: ActionFreeRequested, Addr: 0x10012400000, Size: 1048576, TimeUS: t0 + 841977},
-		{Action: ActionFreeCompleted, Addr: 0x10012400000, Size: 1048576, TimeUS: t0 + 841977},
-		{Action: ActionOOM, Size: 85899345920, TimeUS: t0 + 842000},
+	want := &snapshot.Snapshot{DeviceTraces: [][]snapshot.Entry{{
+		{Action: snapshot.ActionAlloc, Addr: 0x10012400000, Size: 1048576, TimeUS: t0 + 841961},
+		{Action: snapshot.ActionAlloc, Addr: 0x10012500000, Size: 256, Stream: 0x7f8a38001020, TimeUS: t0 + 841970},
+		{Action: snapshot.ActionFreeRequested, Addr: 0x10012400000, Size: 1048576, TimeUS: t0 + 841977},
+		{Action: snapshot.ActionFreeCompleted, Addr: 0x10012400000, Size: 1048576, TimeUS: t0 + 841977},
+		{Action: snapshot.ActionOOM, Size: 85899345920, TimeUS: t0 + 842000},
 	}}}
 	if !reflect.DeepEqual(s, want) {
 		t.Errorf("got  %+v\nwant %+v", s, want)
 	}
 	ops := BuildOps(s.DeviceTraces[0])
-	if ops.NumIDs != 2 || len(ops.Ops) != 3 || ops.LiveAtEnd != 1 || ops.Ignored[ActionOOM] != 1 {
+	if ops.NumIDs != 2 || len(ops.Ops) != 3 || ops.LiveAtEnd != 1 || ops.Ignored[snapshot.ActionOOM] != 1 {
 		t.Errorf("ops = %+v", ops)
 	}
 }
@@ -40,26 +42,26 @@ func TestRMMVariants(t *testing.T) {
 	cases := []struct {
 		name string
 		log  string
-		want []Entry
+		want []snapshot.Entry
 	}{
 		{"crlf, bom, decimal stream, colon micros", "\ufeffThread,Time,Action,Pointer,Size,Stream\r\n1,00:00:01:000250,allocate,0x10,5,7\r\n\r\n",
-			[]Entry{{Action: ActionAlloc, Addr: 0x10, Size: 5, Stream: 7, TimeUS: 1000250}}},
+			[]snapshot.Entry{{Action: snapshot.ActionAlloc, Addr: 0x10, Size: 5, Stream: 7, TimeUS: 1000250}}},
 		{"midnight", "Thread,Time,Action,Pointer,Size,Stream\n1,23:59:59.999999,allocate,0x10,5,0x0\n1,00:00:00.000001,free,0x10,5,0x0\n",
-			[]Entry{{Action: ActionAlloc, Addr: 0x10, Size: 5, TimeUS: 86399999999},
-				{Action: ActionFreeRequested, Addr: 0x10, Size: 5, TimeUS: 86400000001},
-				{Action: ActionFreeCompleted, Addr: 0x10, Size: 5, TimeUS: 86400000001}}},
+			[]snapshot.Entry{{Action: snapshot.ActionAlloc, Addr: 0x10, Size: 5, TimeUS: 86399999999},
+				{Action: snapshot.ActionFreeRequested, Addr: 0x10, Size: 5, TimeUS: 86400000001},
+				{Action: snapshot.ActionFreeCompleted, Addr: 0x10, Size: 5, TimeUS: 86400000001}}},
 		{"small step back is not midnight", "Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.5,allocate,0x10,5,0x0\n2,10:00:00.4,allocate,0x20,5,0x0\n",
-			[]Entry{{Action: ActionAlloc, Addr: 0x10, Size: 5, TimeUS: 36000500000},
-				{Action: ActionAlloc, Addr: 0x20, Size: 5, TimeUS: 36000400000}}},
+			[]snapshot.Entry{{Action: snapshot.ActionAlloc, Addr: 0x10, Size: 5, TimeUS: 36000500000},
+				{Action: snapshot.ActionAlloc, Addr: 0x20, Size: 5, TimeUS: 36000400000}}},
 		{"epoch seconds, deallocate, columns reordered, no stream",
 			"Action,Pointer,Size,Time,Thread\nallocate,0x10,5,1634567890.123456,1\ndeallocate,16,5,1634567890.2,1\n",
-			[]Entry{{Action: ActionAlloc, Addr: 0x10, Size: 5, TimeUS: 1634567890123456},
-				{Action: ActionFreeRequested, Addr: 0x10, Size: 5, TimeUS: 1634567890200000},
-				{Action: ActionFreeCompleted, Addr: 0x10, Size: 5, TimeUS: 1634567890200000}}},
-		{"header only", "Thread,Time,Action,Pointer,Size,Stream\n", []Entry{}},
+			[]snapshot.Entry{{Action: snapshot.ActionAlloc, Addr: 0x10, Size: 5, TimeUS: 1634567890123456},
+				{Action: snapshot.ActionFreeRequested, Addr: 0x10, Size: 5, TimeUS: 1634567890200000},
+				{Action: snapshot.ActionFreeCompleted, Addr: 0x10, Size: 5, TimeUS: 1634567890200000}}},
+		{"header only", "Thread,Time,Action,Pointer,Size,Stream\n", []snapshot.Entry{}},
 		{"known columns after eight unknown ones",
 			"A,B,C,D,E,F,G,H,I,Action,Pointer,Size\n1,2,3,4,5,6,7,8,9,allocate,0x10,5\n",
-			[]Entry{{Action: ActionAlloc, Addr: 0x10, Size: 5}}},
+			[]snapshot.Entry{{Action: snapshot.ActionAlloc, Addr: 0x10, Size: 5}}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

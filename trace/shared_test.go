@@ -11,6 +11,8 @@ import (
 	"reflect"
 	"slices"
 	"testing"
+
+	"github.com/allocd/allocd/snapshot"
 )
 
 // sharedTrace is what Python's pickle (and a Python model of BuildOps)
@@ -21,7 +23,7 @@ import (
 //	len(tr), len(s["segments"]), collections.Counter(e["action"] for e in tr)
 type sharedTrace struct {
 	entries, segments, blocks int
-	actions                   map[Action]int
+	actions                   map[snapshot.Action]int
 	sumAddr, sumSize          uint64 // sums mod 2**64 over the trace
 	sumTime, sumStream        uint64
 	framed, frames            int // entries with frames, frames in all
@@ -35,31 +37,31 @@ type opsFigures struct {
 var sharedTraceFigures = map[string]sharedTrace{
 	"gpt2_train.pickle.gz": {
 		entries: 44462, segments: 137, blocks: 141,
-		actions: map[Action]int{ActionAlloc: 14777, ActionFreeRequested: 14774, ActionFreeCompleted: 14774, ActionSegmentAlloc: 137},
+		actions: map[snapshot.Action]int{snapshot.ActionAlloc: 14777, snapshot.ActionFreeRequested: 14774, snapshot.ActionFreeCompleted: 14774, snapshot.ActionSegmentAlloc: 137},
 		sumAddr: 6234051569791920640, sumSize: 755508059166, sumTime: 6076413702529027721, sumStream: 0,
 		ops: opsFigures{ops: 29551, ids: 14777, live: 3},
 	},
 	"gpt2_train_varlen.pickle.gz": {
 		entries: 68254, segments: 205, blocks: 208,
-		actions: map[Action]int{ActionAlloc: 22685, ActionFreeRequested: 22682, ActionFreeCompleted: 22682, ActionSegmentAlloc: 205},
+		actions: map[snapshot.Action]int{snapshot.ActionAlloc: 22685, snapshot.ActionFreeRequested: 22682, snapshot.ActionFreeCompleted: 22682, snapshot.ActionSegmentAlloc: 205},
 		sumAddr: 9560551766197852672, sumSize: 536579167959, sumTime: 11918515041342277014, sumStream: 0,
 		ops: opsFigures{ops: 45367, ids: 22685, live: 3},
 	},
 	"gpt2m_generate.pickle.gz": {
 		entries: 913006, segments: 179, blocks: 180,
-		actions: map[Action]int{ActionAlloc: 304277, ActionFreeRequested: 304275, ActionFreeCompleted: 304275, ActionSegmentAlloc: 179},
+		actions: map[snapshot.Action]int{snapshot.ActionAlloc: 304277, snapshot.ActionFreeRequested: 304275, snapshot.ActionFreeCompleted: 304275, snapshot.ActionSegmentAlloc: 179},
 		sumAddr: 17701771457604699136, sumSize: 690830089581, sumTime: 16643218084729350028, sumStream: 0,
 		ops: opsFigures{ops: 608552, ids: 304277, live: 2},
 	},
 	"multistream_prefetch.pickle.gz": {
 		entries: 29110, segments: 33, blocks: 37,
-		actions: map[Action]int{ActionAlloc: 9695, ActionFreeRequested: 9692, ActionFreeCompleted: 9690, ActionSegmentAlloc: 33},
+		actions: map[snapshot.Action]int{snapshot.ActionAlloc: 9695, snapshot.ActionFreeRequested: 9692, snapshot.ActionFreeCompleted: 9690, snapshot.ActionSegmentAlloc: 33},
 		sumAddr: 4073000682107267584, sumSize: 100483269928, sumTime: 15394384935781147695, sumStream: 69847401888,
 		ops: opsFigures{ops: 19425, ids: 9695, live: 3, uncompleted: 2, deferred: 38},
 	},
 	"resnet50_train.pickle.gz": {
 		entries: 19958, segments: 104, blocks: 105,
-		actions: map[Action]int{ActionAlloc: 6620, ActionFreeRequested: 6617, ActionFreeCompleted: 6617, ActionSegmentAlloc: 104},
+		actions: map[snapshot.Action]int{snapshot.ActionAlloc: 6620, snapshot.ActionFreeRequested: 6617, snapshot.ActionFreeCompleted: 6617, snapshot.ActionSegmentAlloc: 104},
 		sumAddr: 2804305012043374080, sumSize: 262237050960, sumTime: 17402150074264125842, sumStream: 0,
 		framed: 8975, frames: 129032,
 		ops: opsFigures{ops: 13237, ids: 6620, live: 3},
@@ -85,7 +87,7 @@ func TestSharedTraces(t *testing.T) {
 	}
 }
 
-func checkShared(t *testing.T, s *Snapshot, want sharedTrace) {
+func checkShared(t *testing.T, s *snapshot.Snapshot, want sharedTrace) {
 	t.Helper()
 	if len(s.DeviceTraces) != 1 || len(s.DeviceTraces[0]) != want.entries {
 		t.Fatalf("traces %d, entries %d, want 1, %d", len(s.DeviceTraces), len(s.DeviceTraces[0]), want.entries)
@@ -98,7 +100,7 @@ func checkShared(t *testing.T, s *Snapshot, want sharedTrace) {
 		t.Errorf("segments %d, blocks %d, want %d, %d", len(s.Segments), blocks, want.segments, want.blocks)
 	}
 	tr := s.DeviceTraces[0]
-	actions := map[Action]int{}
+	actions := map[snapshot.Action]int{}
 	var sumAddr, sumSize, sumTime, sumStream uint64
 	framed, frames := 0, 0
 	for _, e := range tr {
@@ -136,8 +138,8 @@ func checkShared(t *testing.T, s *Snapshot, want sharedTrace) {
 	if got != want.ops {
 		t.Errorf("BuildOps: %+v, want %+v", got, want.ops)
 	}
-	if n := ops.Ignored[ActionSegmentAlloc]; n != want.actions[ActionSegmentAlloc] {
-		t.Errorf("ignored segment_alloc %d, want %d", n, want.actions[ActionSegmentAlloc])
+	if n := ops.Ignored[snapshot.ActionSegmentAlloc]; n != want.actions[snapshot.ActionSegmentAlloc] {
+		t.Errorf("ignored segment_alloc %d, want %d", n, want.actions[snapshot.ActionSegmentAlloc])
 	}
 }
 

@@ -7,6 +7,8 @@ import (
 	"math"
 
 	"github.com/allocd/allocd/internal/bytecount"
+	"github.com/allocd/allocd/internal/pickle"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // decoder is the pickle stack machine. See the package documentation.
@@ -41,8 +43,8 @@ type decoder struct {
 	// allocation each, so that no growth copies them
 	anys []any // boxed values (kAny)
 
-	frameLists [][]Frame // kFrames values
-	frameDicts []Frame   // kFrame values
+	frameLists [][]snapshot.Frame // kFrames values
+	frameDicts []snapshot.Frame   // kFrame values
 
 	pool     []rawEntry        // entry dicts not yet taken by their trace
 	badNames map[uint64]string // unknown actions of pooled entries, by kEntry id
@@ -122,7 +124,7 @@ func (d *decoder) truncated() error {
 		return d.rerr
 	}
 	return &DecodeError{Err: ErrTruncated, Offset: d.start + int64(d.end),
-		Msg: fmt.Sprintf("input ends inside %s at offset %d", opName(d.op), d.opOff)}
+		Msg: fmt.Sprintf("input ends inside %s at offset %d", pickle.OpName(d.op), d.opOff)}
 }
 
 // need consumes and returns the next n argument bytes of the current
@@ -160,127 +162,127 @@ func (d *decoder) run() (val, error) {
 		d.pos++
 		var err error
 		switch d.op {
-		case opLongBinGet:
+		case pickle.LongBinGet:
 			if len(buf) < 5 {
 				return val{}, d.truncated()
 			}
 			err = d.memoGet(uint64(binary.LittleEndian.Uint32(buf[1:])))
 			d.pos += 4
-		case opBinGet:
+		case pickle.BinGet:
 			if len(buf) < 2 {
 				return val{}, d.truncated()
 			}
 			err = d.memoGet(uint64(buf[1]))
 			d.pos++
-		case opMemoize:
+		case pickle.Memoize:
 			err = d.memoPut(uint64(d.memoCount))
-		case opBinInt1:
+		case pickle.BinInt1:
 			if len(buf) < 2 {
 				return val{}, d.truncated()
 			}
 			d.stack = append(d.stack, intVal(int64(buf[1])))
 			d.pos++
-		case opBinInt2:
+		case pickle.BinInt2:
 			if len(buf) < 3 {
 				return val{}, d.truncated()
 			}
 			d.stack = append(d.stack, intVal(int64(binary.LittleEndian.Uint16(buf[1:]))))
 			d.pos += 2
-		case opBinInt:
+		case pickle.BinInt:
 			if len(buf) < 5 {
 				return val{}, d.truncated()
 			}
 			d.stack = append(d.stack, intVal(int64(int32(binary.LittleEndian.Uint32(buf[1:])))))
 			d.pos += 4
-		case opLong1:
+		case pickle.Long1:
 			err = d.long(1)
-		case opLong4:
+		case pickle.Long4:
 			err = d.long(4)
-		case opShortBinUnicode, opShortBinString:
+		case pickle.ShortBinUnicode, pickle.ShortBinString:
 			err = d.str(1, kStr)
-		case opBinUnicode, opBinString:
+		case pickle.BinUnicode, pickle.BinString:
 			err = d.str(4, kStr)
-		case opBinUnicode8:
+		case pickle.BinUnicode8:
 			err = d.str(8, kStr)
-		case opShortBinBytes:
+		case pickle.ShortBinBytes:
 			err = d.str(1, kBytes)
-		case opBinBytes:
+		case pickle.BinBytes:
 			err = d.str(4, kBytes)
-		case opBinBytes8:
+		case pickle.BinBytes8:
 			err = d.str(8, kBytes)
-		case opBinFloat:
+		case pickle.BinFloat:
 			var b []byte
 			if b, err = d.need(8); err == nil {
 				d.stack = append(d.stack, val{kind: kFloat, n: binary.BigEndian.Uint64(b)})
 			}
-		case opNone:
+		case pickle.None:
 			d.stack = append(d.stack, val{kind: kNone})
-		case opNewTrue:
+		case pickle.NewTrue:
 			d.stack = append(d.stack, val{kind: kBool, n: 1})
-		case opNewFalse:
+		case pickle.NewFalse:
 			d.stack = append(d.stack, val{kind: kBool})
-		case opMark:
+		case pickle.Mark:
 			d.marks = append(d.marks, int32(len(d.stack)))
 			d.base = len(d.stack)
-		case opEmptyDict:
+		case pickle.EmptyDict:
 			err = d.open(true)
-		case opEmptyList:
+		case pickle.EmptyList:
 			err = d.open(false)
-		case opEmptyTuple:
+		case pickle.EmptyTuple:
 			if d.ignored() {
 				d.stack = append(d.stack, val{kind: kSkip})
 			} else {
 				d.pushAny([]any{})
 			}
-		case opSetItems:
+		case pickle.SetItems:
 			err = d.setItemsOp()
-		case opSetItem:
+		case pickle.SetItem:
 			err = d.setItemOp()
-		case opAppends:
+		case pickle.Appends:
 			err = d.appendsOp()
-		case opAppend:
+		case pickle.Append:
 			err = d.appendOp()
-		case opTuple1, opTuple2, opTuple3:
-			err = d.tupleN(int(d.op-opTuple1) + 1)
-		case opTuple, opList:
+		case pickle.Tuple1, pickle.Tuple2, pickle.Tuple3:
+			err = d.tupleN(int(d.op-pickle.Tuple1) + 1)
+		case pickle.Tuple, pickle.List:
 			err = d.listOp()
-		case opDict:
+		case pickle.Dict:
 			err = d.dictOp()
-		case opBinPut:
+		case pickle.BinPut:
 			var b []byte
 			if b, err = d.need(1); err == nil {
 				err = d.memoPut(uint64(b[0]))
 			}
-		case opLongBinPut:
+		case pickle.LongBinPut:
 			var b []byte
 			if b, err = d.need(4); err == nil {
 				err = d.memoPut(uint64(binary.LittleEndian.Uint32(b)))
 			}
-		case opPop:
+		case pickle.Pop:
 			err = d.popOp()
-		case opPopMark:
+		case pickle.PopMark:
 			var m int
 			if m, err = d.popMark(); err == nil {
 				d.truncate(m)
 			}
-		case opDup:
+		case pickle.Dup:
 			if err = d.require(1); err == nil {
 				d.stack = append(d.stack, d.stack[len(d.stack)-1])
 			}
-		case opFrame:
+		case pickle.Frame:
 			_, err = d.need(8)
-		case opProto:
+		case pickle.Proto:
 			var b []byte
 			if b, err = d.need(1); err == nil && (b[0] < 2 || b[0] > 5) {
 				err = d.errAt(ErrNotSnapshot, "pickle protocol %d (want 2 to 5)", b[0])
 			}
-		case opStop:
+		case pickle.Stop:
 			if err = d.require(1); err != nil {
 				return val{}, err
 			}
 			return d.stack[len(d.stack)-1], nil
 		default:
-			return val{}, d.errAt(ErrUnsupportedOpcode, "opcode 0x%02x (%s)", d.op, opName(d.op))
+			return val{}, d.errAt(ErrUnsupportedOpcode, "opcode 0x%02x (%s)", d.op, pickle.OpName(d.op))
 		}
 		if err != nil {
 			return val{}, err
@@ -320,7 +322,7 @@ func (d *decoder) skip(n int64) error {
 // require checks that n values lie above the innermost MARK.
 func (d *decoder) require(n int) error {
 	if len(d.stack)-d.base < n {
-		return d.errAt(ErrMalformed, "%s needs %d stack values, has %d", opName(d.op), n, len(d.stack)-d.base)
+		return d.errAt(ErrMalformed, "%s needs %d stack values, has %d", pickle.OpName(d.op), n, len(d.stack)-d.base)
 	}
 	return nil
 }
@@ -328,7 +330,7 @@ func (d *decoder) require(n int) error {
 // popMark pops the innermost MARK and returns the stack length it recorded.
 func (d *decoder) popMark() (int, error) {
 	if len(d.marks) == 0 {
-		return 0, d.errAt(ErrMalformed, "%s without MARK", opName(d.op))
+		return 0, d.errAt(ErrMalformed, "%s without MARK", pickle.OpName(d.op))
 	}
 	m := int(d.marks[len(d.marks)-1])
 	d.marks = d.marks[:len(d.marks)-1]
@@ -409,7 +411,7 @@ func (d *decoder) str(size int, kind vkind) error {
 		u = uint64(b[0])
 	case 4:
 		u = uint64(binary.LittleEndian.Uint32(b))
-		if d.op == opBinString && int32(u) < 0 { // signed, as Python reads it
+		if d.op == pickle.BinString && int32(u) < 0 { // signed, as Python reads it
 			return d.errAt(ErrMalformed, "negative length %d", int32(u))
 		}
 	default:
@@ -510,7 +512,7 @@ func (d *decoder) growMemo(key uint64) {
 
 func (d *decoder) memoPut(key uint64) error {
 	if len(d.stack) <= d.base {
-		return d.errAt(ErrMalformed, "%s on an empty stack", opName(d.op))
+		return d.errAt(ErrMalformed, "%s on an empty stack", pickle.OpName(d.op))
 	}
 	v := d.stack[len(d.stack)-1]
 	slot := d.memoSlot(key)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/bench"
+	"github.com/allocd/allocd/workload"
 )
 
 type benchFlags struct {
@@ -77,7 +78,7 @@ const maxBenchCount = 1_000_000_000
 
 // checkBenchFlags checks the sizes the user gives bench: every count is
 // at least 1 and at most maxBenchCount, and every goroutine count of
-// --threads from 1 to bench.MixedWindow (each goroutine gets a share of
+// --threads from 1 to workload.MixedWindow (each goroutine gets a share of
 // the window, at least one slot).
 func checkBenchFlags(f benchFlags) error {
 	for _, c := range []struct {
@@ -92,8 +93,8 @@ func checkBenchFlags(f benchFlags) error {
 		return errors.New("--threads: expected at least one goroutine count (or --no-mixed)")
 	}
 	for _, th := range f.threads {
-		if th < 1 || th > bench.MixedWindow {
-			return fmt.Errorf("--threads %d: expected goroutine counts from 1 to %d", th, bench.MixedWindow)
+		if th < 1 || th > workload.MixedWindow {
+			return fmt.Errorf("--threads %d: expected goroutine counts from 1 to %d", th, workload.MixedWindow)
 		}
 	}
 	return nil

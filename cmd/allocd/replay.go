@@ -15,7 +15,8 @@ import (
 	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
+	"github.com/allocd/allocd/workload"
 )
 
 // replayFlags are the flags of `allocd replay`.
@@ -159,7 +160,7 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 	var rows []bench.ReplayRow
 	for _, file := range files {
 		t0 := time.Now()
-		tr, err := bench.LoadTrace(file)
+		tr, err := workload.LoadTrace(file)
 		if err != nil {
 			return err // names the file
 		}
@@ -173,14 +174,14 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 		var series []bench.ChartSeries
 		for i, cfg := range cfgs {
 			var sampler *bench.Sampler
-			var opt bench.ReplayOptions
+			var opt workload.ReplayOptions
 			finish := func() {}
 			if f.progress && len(tr.Ops.Ops) >= progressMinOps {
 				bar := newProgressBar(stderr, len(tr.Ops.Ops), fmt.Sprintf("%s %s", tr.Name, bench.ConfLabel(f.confs[i])))
 				opt.Progress, opt.ProgressEvery = func(done int) { _ = bar.Set(done) }, len(tr.Ops.Ops)/200+1
 				finish = func() { _ = bar.Finish() }
 			}
-			prepare := func(a *allocator.Allocator, opt *bench.ReplayOptions) {
+			prepare := func(a *allocator.Allocator, opt *workload.ReplayOptions) {
 				if f.svg != "" {
 					sampler = bench.NewSampler(a, len(tr.Ops.Ops), 1500)
 					opt.Observe = sampler.Observe
@@ -218,7 +219,7 @@ func runReplay(stdout, stderr io.Writer, f replayFlags, files []string) error {
 				return fmt.Errorf("--snapshot-out: %w", err)
 			}
 			err = writeFile("--snapshot-out", outName(f.snapshotOut, file, len(files)), func(w io.Writer) error {
-				return trace.WritePickle(w, snap)
+				return snapshot.WritePickle(w, snap)
 			})
 			if err != nil {
 				return err

@@ -17,10 +17,10 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/server"
+	"github.com/allocd/allocd/workload"
 )
 
 // defaultListen is serve's address: loopback only, so that nothing is
@@ -246,7 +246,7 @@ func checkFloatFlag(flag string, v, lo, hi float64, what string) error {
 // setting names the device setting in errors (deviceSetting). Without a
 // CUDA driver the error is one line with the way to a simulated device;
 // the driver's full story (every library tried) is logged at debug level.
-func openServeDevices(spec devspec.Spec, setting string, capacity uint64, load *bench.Load, log *zap.Logger) ([]cudart.Device, error) {
+func openServeDevices(spec devspec.Spec, setting string, capacity uint64, load *workload.Load, log *zap.Logger) ([]cudart.Device, error) {
 	o := devspec.Opener{Sim: cudart.SimConfig{Capacity: capacity}, DeviceCount: cudaDeviceCount, OpenCUDA: openCUDAIndex}
 	if load != nil && load.Trace != nil {
 		if err := load.Trace.CheckPlan(); spec.Sim && err != nil {
@@ -295,7 +295,7 @@ func runServe(ctx context.Context, f serveFlags, stderr io.Writer, sigs <-chan o
 		return fmt.Errorf("--listen: %w", err)
 	}
 	defer ln.Close()
-	var load *bench.Load
+	var load *workload.Load
 	if f.replay != "" || f.synthetic {
 		// Read the trace before anything starts, so that a bad file fails
 		// the command rather than a background goroutine. Reading a big

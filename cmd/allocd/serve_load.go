@@ -7,28 +7,28 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/server"
+	"github.com/allocd/allocd/workload"
 )
 
 // newServeWorkload reads the trace of --replay, or sets up --synthetic.
-func newServeWorkload(f serveFlags) (*bench.Load, error) {
+func newServeWorkload(f serveFlags) (*workload.Load, error) {
 	if f.replay == "" {
-		return &bench.Load{Loop: true, Rate: f.rate}, nil
+		return &workload.Load{Loop: true, Rate: f.rate}, nil
 	}
-	tr, err := bench.LoadTrace(f.replay)
+	tr, err := workload.LoadTrace(f.replay)
 	if err != nil {
 		return nil, fmt.Errorf("--replay: %w", err)
 	}
-	return &bench.Load{Trace: tr, Loop: f.loop, Rate: f.rate}, nil
+	return &workload.Load{Trace: tr, Loop: f.loop, Rate: f.rate}, nil
 }
 
 // loadServeWorkload runs newServeWorkload in a goroutine and waits for it
 // or for ctx. It returns nil, nil when ctx ended first (logged as a
 // shutdown during loading).
-func loadServeWorkload(ctx context.Context, f serveFlags, log *zap.Logger) (*bench.Load, error) {
+func loadServeWorkload(ctx context.Context, f serveFlags, log *zap.Logger) (*workload.Load, error) {
 	type result struct {
-		w   *bench.Load
+		w   *workload.Load
 		err error
 	}
 	if f.replay != "" {

@@ -10,9 +10,9 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/allocd/allocd/bench"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
+	"github.com/allocd/allocd/workload"
 )
 
 // serveTestTrace is the trace the serve tests replay.
@@ -162,7 +162,7 @@ func TestServeReplayDevice(t *testing.T) {
 	if p, err := dev.Malloc(first.Size); err != nil || p != first.Addr {
 		t.Errorf("first Malloc = %#x, %v; want the trace's %#x", uint64(p), err, uint64(first.Addr))
 	}
-	syn, err := openServeDevices(spec, "--device", capacity, &bench.Load{}, zap.NewNop())
+	syn, err := openServeDevices(spec, "--device", capacity, &workload.Load{}, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,7 +19,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
 
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
 )
 
 // serveLogBuffer is a bytes buffer safe for a writer and a reader at once.
@@ -271,12 +271,12 @@ const (
 // pickle into dir.
 func writeBigTrace(t *testing.T, dir string, n, devices int) string {
 	t.Helper()
-	entries := make([]trace.Entry, 0, n)
+	entries := make([]snapshot.Entry, 0, n)
 	for i := range n / 2 {
 		addr := uint64(0x7f0000000000 + (i%1000)*4096)
 		entries = append(entries,
-			trace.Entry{Action: trace.ActionAlloc, Addr: addr, Size: 4096, TimeUS: int64(i)},
-			trace.Entry{Action: trace.ActionFreeCompleted, Addr: addr, Size: 4096, TimeUS: int64(i)})
+			snapshot.Entry{Action: snapshot.ActionAlloc, Addr: addr, Size: 4096, TimeUS: int64(i)},
+			snapshot.Entry{Action: snapshot.ActionFreeCompleted, Addr: addr, Size: 4096, TimeUS: int64(i)})
 	}
 	path := filepath.Join(dir, "big.pickle")
 	f, err := os.Create(path)
@@ -284,11 +284,11 @@ func writeBigTrace(t *testing.T, dir string, n, devices int) string {
 		t.Fatal(err)
 	}
 	w := bufio.NewWriterSize(f, 1<<20)
-	traces := make([][]trace.Entry, devices)
+	traces := make([][]snapshot.Entry, devices)
 	for i := range traces {
 		traces[i] = entries
 	}
-	if err := trace.WritePickle(w, &trace.Snapshot{DeviceTraces: traces}); err != nil {
+	if err := snapshot.WritePickle(w, &snapshot.Snapshot{DeviceTraces: traces}); err != nil {
 		t.Fatal(err)
 	}
 	if err := errors.Join(w.Flush(), f.Close()); err != nil {

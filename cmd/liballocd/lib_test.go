@@ -19,6 +19,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/internal/envcases"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -212,9 +213,9 @@ func TestDriver(t *testing.T) {
 	var alloc, free int
 	for _, e := range s.DeviceTraces[0] {
 		switch e.Action {
-		case trace.ActionAlloc:
+		case snapshot.ActionAlloc:
 			alloc++
-		case trace.ActionFreeRequested:
+		case snapshot.ActionFreeRequested:
 			free++
 		}
 	}

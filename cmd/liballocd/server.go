@@ -17,8 +17,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/allocd/allocd/server"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/stats"
-	"github.com/allocd/allocd/trace"
 )
 
 // This file is the in-process HTTP surface: /metrics, /healthz and minimal
@@ -172,18 +172,18 @@ func (d *devicesCollector) Collect(ch chan<- prometheus.Metric) {
 // snapshot merges the snapshots of every device created so far, as
 // torch.cuda.memory._snapshot() covers every device: the segments of all,
 // each naming its device, and device_traces with one list per device index.
-func (l *lib) snapshot() *trace.Snapshot {
+func (l *lib) snapshot() *snapshot.Snapshot {
 	_, as := l.all()
-	snaps := make([]*trace.Snapshot, len(as))
+	snaps := make([]*snapshot.Snapshot, len(as))
 	for j, a := range as {
 		snaps[j] = a.Snapshot()
 	}
-	return trace.Merge(snaps...)
+	return snapshot.Merge(snaps...)
 }
 
 // writeSnapshot writes the merged snapshot as PyTorch's pickle.
 func (l *lib) writeSnapshot(w io.Writer) error {
-	return trace.WritePickle(w, l.snapshot())
+	return snapshot.WritePickle(w, l.snapshot())
 }
 
 // dumpSnapshot writes the snapshot pickle to path.

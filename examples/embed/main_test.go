@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -72,7 +73,7 @@ func TestEmbedRuns(t *testing.T) {
 	if len(snap.Segments) != 2 || len(snap.DeviceTraces) != 1 {
 		t.Fatalf("snapshot: %d segments, %d device traces; want 2 and 1", len(snap.Segments), len(snap.DeviceTraces))
 	}
-	actions := map[trace.Action]int{}
+	actions := map[snapshot.Action]int{}
 	withMain := 0
 	for _, e := range snap.DeviceTraces[0] {
 		actions[e.Action]++
@@ -83,7 +84,7 @@ func TestEmbedRuns(t *testing.T) {
 			}
 		}
 	}
-	if actions[trace.ActionAlloc] < 2 || actions[trace.ActionOOM] != 1 || actions[trace.ActionFreeRequested] < 1 {
+	if actions[snapshot.ActionAlloc] < 2 || actions[snapshot.ActionOOM] != 1 || actions[snapshot.ActionFreeRequested] < 1 {
 		t.Errorf("snapshot history %v; want both allocations, the free and the OOM", actions)
 	}
 	if withMain == 0 {

@@ -1,9 +1,10 @@
-package trace
+package snapshot_test
 
 import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"io"
 	"math"
 	"math/big"
 	"os"
@@ -11,16 +12,29 @@ import (
 	"path/filepath"
 	"reflect"
 	"testing"
+
+	"github.com/allocd/allocd/snapshot"
+	"github.com/allocd/allocd/trace"
 )
 
+// tracesDir holds the recorded PyTorch traces (testdata/traces/README.md).
+const tracesDir = "../testdata/traces"
+
+// longTrace reports the traces that -short leaves out of the round trips:
+// gpt2m_generate and llm_decode_varlen, with 913,006 and 613,812 entries,
+// take longer than the eight others together.
+func longTrace(file string) bool {
+	return file == "gpt2m_generate.pickle.gz" || file == "llm_decode_varlen.pickle.gz"
+}
+
 // roundTrip writes s and reads it back with frames.
-func roundTrip(t *testing.T, s *Snapshot) (*Snapshot, []byte) {
+func roundTrip(t *testing.T, s *snapshot.Snapshot) (*snapshot.Snapshot, []byte) {
 	t.Helper()
 	var buf bytes.Buffer
-	if err := WritePickle(&buf, s); err != nil {
+	if err := snapshot.WritePickle(&buf, s); err != nil {
 		t.Fatal(err)
 	}
-	back, err := decodeBytes(buf.Bytes(), ReadOptions{Frames: true})
+	back, err := trace.Read(bytes.NewReader(buf.Bytes()), trace.ReadOptions{Frames: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -29,8 +43,8 @@ func roundTrip(t *testing.T, s *Snapshot) (*Snapshot, []byte) {
 
 // sameSnapshot compares snapshots, taking nil settings as an empty dict
 // (WritePickle writes {} as PyTorch always has the key).
-func sameSnapshot(a, b *Snapshot) bool {
-	norm := func(s *Snapshot) Snapshot {
+func sameSnapshot(a, b *snapshot.Snapshot) bool {
+	norm := func(s *snapshot.Snapshot) snapshot.Snapshot {
 		c := *s
 		if c.AllocatorSettings == nil {
 			c.AllocatorSettings = map[string]any{}
@@ -41,9 +55,9 @@ func sameSnapshot(a, b *Snapshot) bool {
 }
 
 func TestWriteRoundTripTestdata(t *testing.T) {
-	paths, _ := filepath.Glob("testdata/*.pickle")
+	paths, _ := filepath.Glob("../trace/testdata/*.pickle")
 	for _, path := range paths {
-		s, err := ReadFile(path, ReadOptions{Frames: true})
+		s, err := trace.ReadFile(path, trace.ReadOptions{Frames: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -55,15 +69,15 @@ func TestWriteRoundTripTestdata(t *testing.T) {
 }
 
 func TestWriteRoundTripValues(t *testing.T) {
-	s := &Snapshot{
-		Segments: []Segment{{Device: 3, Address: math.MaxUint64, TotalSize: 1 << 40, Stream: math.MaxUint64,
-			SegmentType: "large", IsExpandable: true, Frames: []Frame{{Filename: "s.py", Line: 1, Name: "seg"}},
-			Blocks: []Block{{Address: 1, Size: 2, RequestedSize: 1, State: "active_pending_free", Frames: []Frame{{Filename: "b.py", Line: 2, Name: "blk"}}}}}},
-		DeviceTraces: [][]Entry{{}, {
-			{Action: ActionAlloc, Addr: 1 << 63, Size: 70000, Stream: 1 << 63, TimeUS: -1,
-				Frames: []Frame{{Filename: "a.py", Line: 1 << 40, Name: "f"}, {Filename: string(bytes.Repeat([]byte("x"), 300)), Line: -7, Name: ""}}},
-			{Action: ActionOOM, Addr: 5, Size: 6, TimeUS: math.MinInt64},
-			{Action: ActionSnapshot, TimeUS: math.MaxInt64},
+	s := &snapshot.Snapshot{
+		Segments: []snapshot.Segment{{Device: 3, Address: math.MaxUint64, TotalSize: 1 << 40, Stream: math.MaxUint64,
+			SegmentType: "large", IsExpandable: true, Frames: []snapshot.Frame{{Filename: "s.py", Line: 1, Name: "seg"}},
+			Blocks: []snapshot.Block{{Address: 1, Size: 2, RequestedSize: 1, State: "active_pending_free", Frames: []snapshot.Frame{{Filename: "b.py", Line: 2, Name: "blk"}}}}}},
+		DeviceTraces: [][]snapshot.Entry{{}, {
+			{Action: snapshot.ActionAlloc, Addr: 1 << 63, Size: 70000, Stream: 1 << 63, TimeUS: -1,
+				Frames: []snapshot.Frame{{Filename: "a.py", Line: 1 << 40, Name: "f"}, {Filename: string(bytes.Repeat([]byte("x"), 300)), Line: -7, Name: ""}}},
+			{Action: snapshot.ActionOOM, Addr: 5, Size: 6, TimeUS: math.MinInt64},
+			{Action: snapshot.ActionSnapshot, TimeUS: math.MaxInt64},
 		}},
 		AllocatorSettings: map[string]any{"s": "x", "i": int64(-129), "u": uint64(math.MaxUint64), "f": 0.25,
 			"b": true, "n": nil, "l": []any{int64(1), "two", []any{}}, "m": map[string]any{"k": false},
@@ -74,7 +88,7 @@ func TestWriteRoundTripValues(t *testing.T) {
 		t.Errorf("round trip differs:\n%+v\n%+v", s, back)
 	}
 	// Settings of other Go integer types come back as int64 or uint64.
-	s2 := &Snapshot{DeviceTraces: [][]Entry{}, AllocatorSettings: map[string]any{"a": 3, "b": int8(-4), "c": uint16(5), "d": float32(0.5)}}
+	s2 := &snapshot.Snapshot{DeviceTraces: [][]snapshot.Entry{}, AllocatorSettings: map[string]any{"a": 3, "b": int8(-4), "c": uint16(5), "d": float32(0.5)}}
 	back, _ = roundTrip(t, s2)
 	want := map[string]any{"a": int64(3), "b": int64(-4), "c": int64(5), "d": 0.5}
 	if !reflect.DeepEqual(back.AllocatorSettings, want) {
@@ -84,27 +98,27 @@ func TestWriteRoundTripValues(t *testing.T) {
 
 // TestWriteSharesFrames: entries sharing a Frames slice share one list.
 func TestWriteSharesFrames(t *testing.T) {
-	stack := []Frame{{Filename: "train.py", Line: 3, Name: "step"}}
-	var tr []Entry
+	stack := []snapshot.Frame{{Filename: "train.py", Line: 3, Name: "step"}}
+	var tr []snapshot.Entry
 	for i := 0; i < 100; i++ {
-		tr = append(tr, Entry{Action: ActionAlloc, Addr: uint64(i), Frames: stack})
+		tr = append(tr, snapshot.Entry{Action: snapshot.ActionAlloc, Addr: uint64(i), Frames: stack})
 	}
-	_, data := roundTrip(t, &Snapshot{DeviceTraces: [][]Entry{tr}})
+	_, data := roundTrip(t, &snapshot.Snapshot{DeviceTraces: [][]snapshot.Entry{tr}})
 	if n := bytes.Count(data, []byte("train.py")); n != 1 {
 		t.Errorf("file name written %d times", n)
 	}
 }
 
 func TestWriteErrors(t *testing.T) {
-	if err := WritePickle(&bytes.Buffer{}, nil); err == nil {
+	if err := snapshot.WritePickle(&bytes.Buffer{}, nil); err == nil {
 		t.Error("nil snapshot: no error")
 	}
-	err := WritePickle(&bytes.Buffer{}, &Snapshot{AllocatorSettings: map[string]any{"x": []any{struct{}{}}}})
+	err := snapshot.WritePickle(&bytes.Buffer{}, &snapshot.Snapshot{AllocatorSettings: map[string]any{"x": []any{struct{}{}}}})
 	if err == nil || !bytes.Contains([]byte(err.Error()), []byte(`allocator_settings["x"][0]`)) {
 		t.Errorf("unsupported value: %v", err)
 	}
 	boom := errors.New("boom")
-	if err := WritePickle(failWriter{boom}, &Snapshot{}); !errors.Is(err, boom) {
+	if err := snapshot.WritePickle(failWriter{boom}, &snapshot.Snapshot{}); !errors.Is(err, boom) {
 		t.Errorf("writer error: %v", err)
 	}
 }
@@ -124,7 +138,7 @@ func TestWriteSharedTracesRoundTrip(t *testing.T) {
 		if testing.Short() && longTrace(filepath.Base(path)) {
 			continue
 		}
-		s, err := ReadFile(path, ReadOptions{Frames: true})
+		s, err := trace.ReadFile(path, trace.ReadOptions{Frames: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -174,11 +188,11 @@ func TestWritePythonReads(t *testing.T) {
 	if err != nil {
 		t.Skip("no python3")
 	}
-	inputs, _ := filepath.Glob("testdata/*.pickle")
+	inputs, _ := filepath.Glob("../trace/testdata/*.pickle")
 	inputs = append(inputs, filepath.Join(tracesDir, "resnet50_train.pickle.gz"))
 	dir := t.TempDir()
 	for _, in := range inputs {
-		s, err := ReadFile(in, ReadOptions{Frames: true})
+		s, err := trace.ReadFile(in, trace.ReadOptions{Frames: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -187,7 +201,7 @@ func TestWritePythonReads(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := WritePickle(f, s); err != nil {
+		if err := snapshot.WritePickle(f, s); err != nil {
 			t.Fatal(err)
 		}
 		f.Close()
@@ -198,13 +212,13 @@ func TestWritePythonReads(t *testing.T) {
 		var got struct {
 			Segments, Blocks, Frames int
 			Entries                  []int
-			Actions                  map[Action]int
+			Actions                  map[snapshot.Action]int
 		}
 		if err := json.Unmarshal(res, &got); err != nil {
 			t.Fatalf("%s: %v: %s", in, err, res)
 		}
 		want := got
-		want.Segments, want.Blocks, want.Frames, want.Entries, want.Actions = len(s.Segments), 0, 0, nil, map[Action]int{}
+		want.Segments, want.Blocks, want.Frames, want.Entries, want.Actions = len(s.Segments), 0, 0, nil, map[snapshot.Action]int{}
 		for _, seg := range s.Segments {
 			want.Blocks += len(seg.Blocks)
 			want.Frames += len(seg.Frames)
@@ -221,6 +235,19 @@ func TestWritePythonReads(t *testing.T) {
 		}
 		if !reflect.DeepEqual(got, want) {
 			t.Errorf("%s: python3 reads %+v, want %+v", in, got, want)
+		}
+	}
+}
+
+func BenchmarkWriteGPT2MGenerate(b *testing.B) {
+	s, err := trace.ReadFile(filepath.Join(tracesDir, "gpt2m_generate.pickle.gz"), trace.ReadOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := snapshot.WritePickle(io.Discard, s); err != nil {
+			b.Fatal(err)
 		}
 	}
 }

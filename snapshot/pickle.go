@@ -1,4 +1,4 @@
-package trace
+package snapshot
 
 import (
 	"bufio"
@@ -10,6 +10,8 @@ import (
 	"math/big"
 	"reflect"
 	"slices"
+
+	"github.com/allocd/allocd/internal/pickle"
 )
 
 // WritePickle writes s as a PyTorch memory snapshot pickle: the dict that
@@ -29,11 +31,11 @@ import (
 // is a nil s. WritePickle returns the first error of w.
 func WritePickle(w io.Writer, s *Snapshot) error {
 	if s == nil {
-		return errors.New("trace: WritePickle of a nil snapshot")
+		return errors.New("snapshot: WritePickle of a nil snapshot")
 	}
 	p := &pickler{w: bufio.NewWriterSize(w, 64<<10), strs: map[string]uint32{}, frames: map[*Frame]memoList{}}
-	p.op(opProto, 4)
-	p.op(opEmptyDict, opMark)
+	p.op(pickle.Proto, 4)
+	p.op(pickle.EmptyDict, pickle.Mark)
 	p.str("segments")
 	p.list(len(s.Segments), func(i int) { p.segment(&s.Segments[i]) })
 	p.str("device_traces")
@@ -43,13 +45,13 @@ func WritePickle(w io.Writer, s *Snapshot) error {
 	})
 	p.str("allocator_settings")
 	if s.AllocatorSettings == nil {
-		p.op(opEmptyDict)
+		p.op(pickle.EmptyDict)
 	} else {
 		p.value(s.AllocatorSettings, "allocator_settings")
 	}
 	p.str("external_annotations")
-	p.op(opEmptyList)
-	p.op(opSetItems, opStop)
+	p.op(pickle.EmptyList)
+	p.op(pickle.SetItems, pickle.Stop)
 	if p.err != nil {
 		return p.err
 	}
@@ -108,10 +110,10 @@ func (p *pickler) fail(err error) {
 // get writes a reference to memo entry idx.
 func (p *pickler) get(idx uint32) {
 	if idx < 256 {
-		p.opArg(opBinGet, uint64(idx), 1)
+		p.opArg(pickle.BinGet, uint64(idx), 1)
 		return
 	}
-	p.opArg(opLongBinGet, uint64(idx), 4)
+	p.opArg(pickle.LongBinGet, uint64(idx), 4)
 }
 
 // str writes a string, memoized: keys, actions and file names repeat.
@@ -121,14 +123,14 @@ func (p *pickler) str(s string) {
 		return
 	}
 	if len(s) < 256 {
-		p.opArg(opShortBinUnicode, uint64(len(s)), 1)
+		p.opArg(pickle.ShortBinUnicode, uint64(len(s)), 1)
 	} else {
-		p.opArg(opBinUnicode, uint64(len(s)), 4)
+		p.opArg(pickle.BinUnicode, uint64(len(s)), 4)
 	}
 	if p.err == nil {
 		_, p.err = p.w.WriteString(s)
 	}
-	p.op(opMemoize)
+	p.op(pickle.Memoize)
 	p.strs[s] = p.memo
 	p.memo++
 }
@@ -137,14 +139,14 @@ func (p *pickler) str(s string) {
 func (p *pickler) int(i int64) {
 	switch {
 	case i >= 0 && i < 1<<8:
-		p.opArg(opBinInt1, uint64(i), 1)
+		p.opArg(pickle.BinInt1, uint64(i), 1)
 	case i >= 0 && i < 1<<16:
-		p.opArg(opBinInt2, uint64(i), 2)
+		p.opArg(pickle.BinInt2, uint64(i), 2)
 	case i >= math.MinInt32 && i <= math.MaxInt32:
-		p.opArg(opBinInt, uint64(i), 4)
+		p.opArg(pickle.BinInt, uint64(i), 4)
 	default:
 		// LONG1 with the fewest bytes, as Python's encode_long writes it.
-		p.nums[0] = opLong1
+		p.nums[0] = pickle.Long1
 		b := binary.LittleEndian.AppendUint64(p.nums[:2], uint64(i))[2:]
 		for len(b) > 1 && (b[len(b)-1] == 0 && b[len(b)-2] < 0x80 || b[len(b)-1] == 0xff && b[len(b)-2] >= 0x80) {
 			b = b[:len(b)-1]
@@ -159,7 +161,7 @@ func (p *pickler) uint(u uint64) {
 		p.int(int64(u))
 		return
 	}
-	p.nums[0], p.nums[1], p.nums[10] = opLong1, 9, 0
+	p.nums[0], p.nums[1], p.nums[10] = pickle.Long1, 9, 0
 	binary.LittleEndian.PutUint64(p.nums[2:], u)
 	p.write(p.nums[:11])
 }
@@ -178,29 +180,29 @@ func (p *pickler) bigInt(x *big.Int) {
 	be := m.FillBytes(make([]byte, n))
 	slices.Reverse(be)
 	if n < 256 {
-		p.opArg(opLong1, uint64(n), 1)
+		p.opArg(pickle.Long1, uint64(n), 1)
 	} else {
-		p.opArg(opLong4, uint64(n), 4)
+		p.opArg(pickle.Long4, uint64(n), 4)
 	}
 	p.write(be)
 }
 
 func (p *pickler) bool(b bool) {
 	if b {
-		p.op(opNewTrue)
+		p.op(pickle.NewTrue)
 	} else {
-		p.op(opNewFalse)
+		p.op(pickle.NewFalse)
 	}
 }
 
 // list writes a list of n items.
 func (p *pickler) list(n int, item func(int)) {
-	p.op(opEmptyList)
+	p.op(pickle.EmptyList)
 	p.listItems(n, item)
 }
 
 func (p *pickler) segment(s *Segment) {
-	p.op(opEmptyDict, opMark)
+	p.op(pickle.EmptyDict, pickle.Mark)
 	p.str("device")
 	p.int(int64(s.Device))
 	p.str("address")
@@ -218,18 +220,18 @@ func (p *pickler) segment(s *Segment) {
 	p.str("segment_type")
 	p.str(s.SegmentType)
 	p.str("segment_pool_id")
-	p.op(opBinInt1, 0, opBinInt1, 0, opTuple2)
+	p.op(pickle.BinInt1, 0, pickle.BinInt1, 0, pickle.Tuple2)
 	p.str("is_expandable")
 	p.bool(s.IsExpandable)
 	p.str("frames")
 	p.frameList(s.Frames)
 	p.str("blocks")
 	p.list(len(s.Blocks), func(i int) { p.block(&s.Blocks[i]) })
-	p.op(opSetItems)
+	p.op(pickle.SetItems)
 }
 
 func (p *pickler) block(b *Block) {
-	p.op(opEmptyDict, opMark)
+	p.op(pickle.EmptyDict, pickle.Mark)
 	p.str("address")
 	p.uint(b.Address)
 	p.str("size")
@@ -240,11 +242,11 @@ func (p *pickler) block(b *Block) {
 	p.str(string(b.State))
 	p.str("frames")
 	p.frameList(b.Frames)
-	p.op(opSetItems)
+	p.op(pickle.SetItems)
 }
 
 func (p *pickler) entry(e *Entry) {
-	p.op(opEmptyDict, opMark)
+	p.op(pickle.EmptyDict, pickle.Mark)
 	p.str("action")
 	p.str(string(e.Action))
 	if e.Action == ActionOOM {
@@ -261,7 +263,7 @@ func (p *pickler) entry(e *Entry) {
 	p.int(e.TimeUS)
 	p.str("frames")
 	p.frameList(e.Frames)
-	p.op(opSetItems)
+	p.op(pickle.SetItems)
 }
 
 // emptyFrames writes the empty frames list, one memoized list shared by
@@ -271,12 +273,12 @@ func (p *pickler) emptyFrames() {
 		p.get(p.empty - 1)
 		return
 	}
-	p.op(opEmptyList, opMemoize)
+	p.op(pickle.EmptyList, pickle.Memoize)
 	p.memo++
 	p.empty = p.memo
 }
 
-// frameList writes a stack; entries that share a Frames slice (as Read
+// frameList writes a stack; entries that share a Frames slice (as trace.Read
 // returns them) share one pickled list.
 func (p *pickler) frameList(fs []Frame) {
 	if len(fs) == 0 {
@@ -288,19 +290,19 @@ func (p *pickler) frameList(fs []Frame) {
 		return
 	}
 	// A pickler memoizes a list before it fills it.
-	p.op(opEmptyList, opMemoize)
+	p.op(pickle.EmptyList, pickle.Memoize)
 	p.frames[&fs[0]] = memoList{p.memo, len(fs)}
 	p.memo++
 	p.listItems(len(fs), func(i int) {
 		f := &fs[i]
-		p.op(opEmptyDict, opMark)
+		p.op(pickle.EmptyDict, pickle.Mark)
 		p.str("name")
 		p.str(f.Name)
 		p.str("filename")
 		p.str(f.Filename)
 		p.str("line")
 		p.int(int64(f.Line))
-		p.op(opSetItems)
+		p.op(pickle.SetItems)
 	})
 }
 
@@ -308,18 +310,18 @@ func (p *pickler) frameList(fs []Frame) {
 // Python's pickler does: MARK up to 1000 items APPENDS, and a last single
 // item with APPEND.
 func (p *pickler) listItems(n int, item func(int)) {
-	for start := 0; start < n; start += batchFull {
-		k := min(batchFull, n-start)
+	for start := 0; start < n; start += pickle.BatchSize {
+		k := min(pickle.BatchSize, n-start)
 		if k == 1 {
 			item(start)
-			p.op(opAppend)
+			p.op(pickle.Append)
 			continue
 		}
-		p.op(opMark)
+		p.op(pickle.Mark)
 		for i := start; i < start+k; i++ {
 			item(i)
 		}
-		p.op(opAppends)
+		p.op(pickle.Appends)
 	}
 }
 
@@ -327,7 +329,7 @@ func (p *pickler) listItems(n int, item func(int)) {
 func (p *pickler) value(v any, path string) {
 	switch x := v.(type) {
 	case nil:
-		p.op(opNone)
+		p.op(pickle.None)
 	case bool:
 		p.bool(x)
 	case string:
@@ -359,19 +361,19 @@ func (p *pickler) value(v any, path string) {
 	case float64:
 		p.float(x)
 	case []byte:
-		p.opArg(opBinBytes, uint64(len(x)), 4)
+		p.opArg(pickle.BinBytes, uint64(len(x)), 4)
 		p.write(x)
 	case []any:
 		p.list(len(x), func(i int) { p.value(x[i], fmt.Sprintf("%s[%d]", path, i)) })
 	case map[string]any:
 		p.dict(x, path)
 	default:
-		p.fail(fmt.Errorf("trace: WritePickle: %s: cannot pickle a %s", path, reflect.TypeOf(v)))
+		p.fail(fmt.Errorf("snapshot: WritePickle: %s: cannot pickle a %s", path, reflect.TypeOf(v)))
 	}
 }
 
 func (p *pickler) float(f float64) {
-	p.nums[0] = opBinFloat
+	p.nums[0] = pickle.BinFloat
 	binary.BigEndian.PutUint64(p.nums[1:], math.Float64bits(f))
 	p.write(p.nums[:9])
 }
@@ -382,20 +384,20 @@ func (p *pickler) dict(m map[string]any, path string) {
 		keys = append(keys, k)
 	}
 	slices.Sort(keys)
-	p.op(opEmptyDict)
-	for start := 0; start < len(keys); start += batchFull {
-		batch := keys[start:min(start+batchFull, len(keys))]
+	p.op(pickle.EmptyDict)
+	for start := 0; start < len(keys); start += pickle.BatchSize {
+		batch := keys[start:min(start+pickle.BatchSize, len(keys))]
 		if len(batch) > 1 {
-			p.op(opMark)
+			p.op(pickle.Mark)
 		}
 		for _, k := range batch {
 			p.str(k)
 			p.value(m[k], fmt.Sprintf("%s[%q]", path, k))
 		}
 		if len(batch) > 1 {
-			p.op(opSetItems)
+			p.op(pickle.SetItems)
 		} else {
-			p.op(opSetItem)
+			p.op(pickle.SetItem)
 		}
 	}
 }

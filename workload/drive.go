@@ -1,4 +1,4 @@
-package bench
+package workload
 
 import (
 	"context"
@@ -6,11 +6,10 @@ import (
 	"fmt"
 	"time"
 
-	"go.uber.org/zap"
-
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
+	"go.uber.org/zap"
 )
 
 // MixedStepper is one goroutine's step of the mixed benchmark, for
@@ -215,7 +214,7 @@ func FreeLive(a *allocator.Allocator) error {
 	var errs []error
 	for _, seg := range a.Snapshot().Segments {
 		for _, b := range seg.Blocks {
-			if b.State == trace.BlockActiveAllocated {
+			if b.State == snapshot.BlockActiveAllocated {
 				if err := a.Free(cudart.Ptr(b.Address)); err != nil {
 					errs = append(errs, err)
 				}

@@ -1,4 +1,4 @@
-package bench
+package workload
 
 import (
 	"context"
@@ -9,17 +9,20 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/zap"
-
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
+	"go.uber.org/zap"
 )
+
+// testTrace is the small trace in the repository
+// (testdata/traces/README.md).
+const testTrace = "../testdata/traces/resnet50_train.pickle.gz"
 
 // loadTestTrace is the small trace in the repository, loaded for replay.
 func loadTestTrace(t *testing.T) *Trace {
 	t.Helper()
-	tr, err := LoadTrace(traceFile(t, "resnet50_train"))
+	tr, err := LoadTrace(testTrace)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -210,35 +213,6 @@ func TestPacerTinyRate(t *testing.T) {
 	}
 }
 
-// TestMixedStepperIsTheBenchmarkLoop: the stepper takes the mixed
-// benchmark's steps: the same seed and window give the same allocations
-// and the same peaks as one goroutine of Mixed.
-func TestMixedStepperIsTheBenchmarkLoop(t *testing.T) {
-	const steps, window = 20_000, 512
-	a := newLoadAllocator(t, false)
-	if err := mixedRun(a, cudart.DefaultStream, 42, steps, window); err != nil {
-		t.Fatal(err)
-	}
-	b := newLoadAllocator(t, false)
-	m := NewMixedStepper(42, window)
-	for range steps {
-		if err := m.Step(b, cudart.DefaultStream); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := m.FreeAll(b); err != nil {
-		t.Fatal(err)
-	}
-	sa, sb := a.Stats(), b.Stats()
-	if sa.Allocation[allocator.PoolAll] != sb.Allocation[allocator.PoolAll] ||
-		sa.AllocatedBytes[allocator.PoolAll] != sb.AllocatedBytes[allocator.PoolAll] ||
-		sa.ReservedBytes[allocator.PoolAll] != sb.ReservedBytes[allocator.PoolAll] {
-		t.Errorf("stepper: allocations %+v, bytes %+v; benchmark loop: %+v, %+v",
-			sb.Allocation[allocator.PoolAll], sb.AllocatedBytes[allocator.PoolAll],
-			sa.Allocation[allocator.PoolAll], sa.AllocatedBytes[allocator.PoolAll])
-	}
-}
-
 // TestLoadTraceErrors: every error of LoadTrace names the file, and a
 // snapshot without a device trace is refused with a word on recording one.
 func TestLoadTraceErrors(t *testing.T) {
@@ -250,7 +224,7 @@ func TestLoadTraceErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := trace.WritePickle(f, &trace.Snapshot{}); err != nil {
+	if err := snapshot.WritePickle(f, &snapshot.Snapshot{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := f.Close(); err != nil {

@@ -1,11 +1,23 @@
-package trace
+// Package snapshot is the model of a PyTorch CUDA memory snapshot, the
+// dict that torch.cuda.memory._snapshot() returns: segments, their blocks,
+// and per-device traces of entries with their stack frames. The allocator
+// produces it, package trace reads it from pickles and RMM logs, and
+// WritePickle writes it as a pickle that PyTorch's tools read.
+//
+// # Writing
+//
+// WritePickle writes a Snapshot with the dict layout and key names PyTorch
+// uses, using only opcodes that Python's pickle and the memory_viz web page's
+// own unpickler (torch/utils/viz/MemoryViz.js) understand, so that
+// torch.cuda._memory_viz and https://pytorch.org/memory_viz read it.
+package snapshot
 
 // Action is the kind of a trace entry, spelled as PyTorch spells it in the
 // snapshot ("alloc", "free_requested", ...).
 type Action string
 
 // The actions PyTorch's CUDA caching allocator records (TraceEntry::Action in
-// c10/cuda/CUDACachingAllocator.h). Read rejects any other action.
+// c10/cuda/CUDACachingAllocator.h). trace.Read rejects any other action.
 const (
 	// ActionAlloc is a block handed out to the caller.
 	ActionAlloc Action = "alloc"
@@ -73,7 +85,7 @@ type Entry struct {
 	// TimeUS is the time of the event in microseconds, as recorded.
 	TimeUS int64 `json:"time_us"`
 	// Frames is the stack of the event, innermost first: the Python stack
-	// of a PyTorch snapshot (nil unless ReadOptions.Frames was set), or the
+	// of a PyTorch snapshot (nil unless trace.ReadOptions.Frames was set), or the
 	// Go call site of an allocd allocation recorded with a stack depth.
 	// Entries recorded with the same stack may share one slice: treat it
 	// as read-only.
@@ -96,10 +108,10 @@ type Block struct {
 	// RequestedSize is the size the caller asked for.
 	RequestedSize uint64 `json:"requested_size"`
 	// State is BlockActiveAllocated, BlockActivePendingFree or
-	// BlockInactive (Read keeps whatever the pickle says).
+	// BlockInactive (trace.Read keeps whatever the pickle says).
 	State BlockState `json:"state"`
 	// Frames is the stack that allocated the block, innermost first; nil
-	// unless recorded (ReadOptions.Frames when reading). Read-only, may be
+	// unless recorded (trace.ReadOptions.Frames when reading). Read-only, may be
 	// shared.
 	Frames []Frame `json:"frames,omitempty"`
 }
@@ -134,7 +146,7 @@ type Segment struct {
 }
 
 // Snapshot is a memory snapshot in the shape of
-// torch.cuda.memory._snapshot(): what Read decodes, what WritePickle
+// torch.cuda.memory._snapshot(): what trace.Read decodes, what WritePickle
 // writes, and (with encoding/json) its JSON view, with PyTorch's key names.
 type Snapshot struct {
 	// Segments are the allocator's segments when the snapshot was taken.

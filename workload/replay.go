@@ -1,18 +1,4 @@
-// Package bench holds allocd's benchmarks and its trace replay harness, so
-// that `go test -bench` and `allocd bench` / `allocd replay` / `allocd
-// serve` run the same code on the same work:
-//
-//   - the micro benchmarks: Pair (malloc+free of one size) and Mixed (T
-//     goroutines, each on its own stream, over a random window of sizes
-//     from 512 B to 256 MiB), with RunSuite running them all into a
-//     Report;
-//   - trace replay: LoadTrace reads and checks a PyTorch memory snapshot
-//     and builds its operations, Replay runs them through an allocator,
-//     and Target gives each replay a fresh simulated device (or one CUDA
-//     device); Sampler, WriteChart and WriteReplayTable show the result;
-//   - Load, which drives an allocator with a trace or the mixed steps
-//     (MixedStepper), paced (Pacer), so that a daemon's metrics move.
-package bench
+package workload
 
 import (
 	"context"
@@ -23,6 +9,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -59,10 +46,10 @@ type ReplayResult struct {
 // planned Sim addresses. A Sim given them hands out the addresses the
 // recorded program got, so best fit, which breaks ties by address, places
 // blocks exactly as the recorded allocator did.
-func SegmentAddresses(entries []trace.Entry) []cudart.SimAddress {
+func SegmentAddresses(entries []snapshot.Entry) []cudart.SimAddress {
 	var out []cudart.SimAddress
 	for _, e := range entries {
-		if e.Action == trace.ActionSegmentAlloc {
+		if e.Action == snapshot.ActionSegmentAlloc {
 			out = append(out, cudart.SimAddress{Addr: cudart.Ptr(e.Addr), Size: e.Size})
 		}
 	}

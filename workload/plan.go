@@ -1,13 +1,12 @@
-package bench
+package workload
 
 import (
 	"errors"
 	"fmt"
 
-	"github.com/google/btree"
-
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/snapshot"
+	"github.com/google/btree"
 )
 
 // recordedSegment is a segment a trace holds: allocated by the entry at
@@ -28,16 +27,16 @@ func (s recordedSegment) end() uint64 { return s.addr + s.size }
 // address). An address freed and then allocated again is fine. The error
 // names the entry (its index in entries) and its address; nil when every
 // segment passes. It costs O(log n) per segment.
-func CheckSegments(entries []trace.Entry) error {
+func CheckSegments(entries []snapshot.Entry) error {
 	live := btree.NewG(16, func(a, b recordedSegment) bool { return a.addr < b.addr })
 	plan := 0
 	for i, e := range entries {
 		switch e.Action {
-		case trace.ActionSegmentFree:
+		case snapshot.ActionSegmentFree:
 			if s, ok := live.Get(recordedSegment{addr: e.Addr}); ok && s.size == e.Size {
 				live.Delete(s)
 			}
-		case trace.ActionSegmentAlloc:
+		case snapshot.ActionSegmentAlloc:
 			seg := recordedSegment{addr: e.Addr, size: e.Size, entry: i}
 			err := cudart.CheckPlannedAddress(plan, cudart.SimAddress{Addr: cudart.Ptr(e.Addr), Size: e.Size}, 0)
 			if pe := (*cudart.PlanError)(nil); errors.As(err, &pe) {
