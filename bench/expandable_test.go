@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -20,9 +20,9 @@ func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) Re
 
 // replayExpandableVMM is replayExpandable that also returns the virtual
 // memory calls the Sim served before Close.
-func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option) (ReplayResult, cudart.SimVMMCounters) {
+func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option) (ReplayResult, simdev.VMMCounters) {
 	t.Helper()
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: true})
+	sim, err := simdev.New(simdev.Config{Capacity: 141 << 30, ManualEvents: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/trace"
 )
 
@@ -131,7 +132,7 @@ func TestReplayManySegmentsFast(t *testing.T) {
 // dupDevice is a Sim whose second Malloc returns the first one's address
 // again, as a broken device (or plan) would.
 type dupDevice struct {
-	*cudart.Sim
+	*simdev.Sim
 	first cudart.Ptr
 	n     int
 }
@@ -151,7 +152,7 @@ func (d *dupDevice) Free(p cudart.Ptr) error { return nil }
 // TestReplayFailsWhenCheckFails: a replay after which the allocator's
 // Check fails (here: the device handed out one address twice) is an error.
 func TestReplayFailsWhenCheckFails(t *testing.T) {
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+	sim, err := simdev.New(simdev.Config{Capacity: 1 << 30})
 	if err != nil {
 		t.Fatal(err)
 	}

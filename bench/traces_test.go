@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // tracesDir holds the recorded PyTorch traces the tests replay;
@@ -143,7 +143,7 @@ const (
 // served (expandable modes only).
 type replayed struct {
 	r   ReplayResult
-	vmm cudart.SimVMMCounters
+	vmm simdev.VMMCounters
 }
 
 var (

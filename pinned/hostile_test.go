@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestHugeAllocIsOutOfMemory: a request the system cannot page-lock is an
@@ -207,7 +208,7 @@ func TestDestroyedStreamSyncFails(t *testing.T) {
 var errSyncFails = errors.New("synchronize fails")
 
 type syncFailDevice struct {
-	*cudart.Sim
+	*simdev.Sim
 	ok bool
 }
 

@@ -4,7 +4,7 @@
 // helpers that move bytes between its buffers and device memory on a
 // stream.
 //
-//	h, err := pinned.New(dev, pinned.DefaultConfig()) // dev: *cudart.CUDA or *cudart.Sim
+//	h, err := pinned.New(dev, pinned.DefaultConfig()) // dev: *cudart.CUDA or *simdev.Sim
 //	buf, err := h.Alloc(n)
 //	copy(buf.Bytes(), data)                            // fill it from Go
 //	err = h.CopyToDevice(p, buf, stream)               // p from allocator.Malloc
@@ -85,7 +85,7 @@ import (
 
 // Device is what the Allocator needs of a device: page-locked memory,
 // async copies, events and a device-wide synchronisation. *cudart.CUDA and
-// *cudart.Sim implement it. A Device that also implements
+// *simdev.Sim implement it. A Device that also implements
 // cudart.StreamChecker (both do) has RecordStream's streams checked.
 type Device interface {
 	cudart.HostDevice
