@@ -216,10 +216,10 @@ func TestOOMRecovery(t *testing.T) {
 func TestInjectedFault(t *testing.T) {
 	a, sim := newTestAllocator(t, giB, "")
 	boom := errors.New("injected fault")
-	sim.FailMalloc(1, boom)
+	sim.Faults().FailMalloc(1, boom)
 	expectUnchanged(t, a, boom, func() error { _, err := a.Malloc(512, 0); return err })
 	// An injected OOM on the first attempt is recovered by the retry.
-	sim.FailMalloc(1, nil)
+	sim.Faults().FailMalloc(1, nil)
 	p := mustMalloc(t, a, 512, 0)
 	if a.Stats().NumAllocRetries != 1 {
 		t.Errorf("retry not counted")
@@ -434,7 +434,7 @@ func TestAsyncBackend(t *testing.T) {
 	if _, err := a.Malloc(2*giB, 0); !errors.Is(err, ErrOutOfMemory) {
 		t.Errorf("oversize request: %v", err)
 	}
-	sim.FailMalloc(1, nil)
+	sim.Faults().FailMalloc(1, nil)
 	x := mustMalloc(t, a, 4096, 0) // injected OOM, recovered by the retry
 	if a.Stats().NumAllocRetries != 1 {
 		t.Errorf("retry not counted")

@@ -372,14 +372,14 @@ func TestExpandableOOM(t *testing.T) {
 			expect(t, a, sim, 60*miB, 2, 1)
 			// An injected out-of-memory on the next page is recovered by the
 			// retry; another fault is returned, wrapped, changing nothing.
-			sim.FailMalloc(1, nil)
+			sim.Faults().FailMalloc(1, nil)
 			c := mustMalloc(t, a, 30*miB, side)
 			if a.Stats().NumAllocRetries != after.NumAllocRetries+1 {
 				t.Errorf("retry not counted")
 			}
 			mustFree(t, a, c)
 			boom := errors.New("injected fault")
-			sim.FailMalloc(1, boom)
+			sim.Faults().FailMalloc(1, boom)
 			// 40 MiB: 30 free after b, one more page to map.
 			expectUnchanged(t, a, boom, func() error { _, err := a.Malloc(40*miB, side); return err })
 			mustFree(t, a, b)

@@ -144,7 +144,7 @@ func (d *opDriver) step(op byte, v uint64) {
 			}
 			d.checkEmptied()
 		case 1:
-			sim.FailMalloc(1+int(v>>8)%3, nil) // a fault in one of the next device mallocs
+			sim.Faults().FailMalloc(1+int(v>>8)%3, nil) // a fault in one of the next device mallocs
 		case 2:
 			a.ResetPeakStats()
 		default:
@@ -228,7 +228,7 @@ func (d *opDriver) finish() {
 		}
 	}
 	d.live = nil
-	d.sim.FailMalloc(0, nil)
+	d.sim.Faults().FailMalloc(0, nil)
 	if err := d.a.EmptyCache(); err != nil {
 		d.t.Fatal(err)
 	}

@@ -293,14 +293,14 @@ func TestOutOfMemoryReleasesCache(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dev.FailHostAlloc(1, nil) // one refusal: the retry succeeds
+	dev.Faults().FailHostAlloc(1, nil) // one refusal: the retry succeeds
 	f, err := a.Alloc(1 << 20)
 	if err != nil {
 		t.Fatalf("one refusal then room: %v", err)
 	}
 	_ = a.Free(f)
 	injected := errors.New("injected")
-	dev.FailHostAlloc(1, injected) // not an OOM: no retry
+	dev.Faults().FailHostAlloc(1, injected) // not an OOM: no retry
 	if _, err := a.Alloc(1 << 19); !errors.Is(err, injected) {
 		t.Errorf("injected failure: %v", err)
 	}

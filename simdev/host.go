@@ -29,9 +29,6 @@ type simHost struct {
 	capacity uint64             // 0: DefaultHostCapacity
 	pending  []simCopy          // queued copies, in the order they were queued
 	seq      uint64             // sequence number of the last queued copy
-	failAt   int64              // fail the HostAlloc whose ordinal equals failAt
-	failErr  error
-	calls    int64
 	counters HostCounters
 }
 
@@ -98,20 +95,6 @@ func (s *Sim) hostLimit() uint64 {
 	return min(c, maxHostSlice)
 }
 
-// FailHostAlloc makes the n-th HostAlloc call from now (n = 1: the next)
-// fail with err, or with an out-of-memory error when err is nil. n <= 0
-// clears a pending fault.
-func (s *Sim) FailHostAlloc(n int, err error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if n <= 0 {
-		s.host.failAt = 0
-		return
-	}
-	s.host.failAt = s.host.calls + int64(n)
-	s.host.failErr = err
-}
-
 // HostCounters returns a copy of the host-memory counters.
 func (s *Sim) HostCounters() HostCounters {
 	s.mu.Lock()
@@ -133,12 +116,10 @@ func (s *Sim) HostAlloc(size uint64, flags cudart.HostAllocFlags) ([]byte, error
 	if s.closed {
 		return nil, fmt.Errorf("cudart: sim host alloc: %w", cudart.ErrClosed)
 	}
-	s.host.calls++
-	if s.host.failAt != 0 && s.host.calls == s.host.failAt {
-		s.host.failAt = 0
+	if ok, err := s.faults.hostAllocFault(); ok {
 		s.host.counters.FailedHostAllocs++
-		if s.host.failErr != nil {
-			return nil, s.host.failErr
+		if err != nil {
+			return nil, err
 		}
 		return nil, s.oom("cudaHostAlloc")
 	}

@@ -42,7 +42,7 @@ func TestSimHostAllocFree(t *testing.T) {
 	if _, err := s.HostAlloc(1001, 0); !errors.Is(err, cudart.ErrOutOfMemory) {
 		t.Errorf("HostAlloc past the capacity = %v, want ErrOutOfMemory", err)
 	}
-	s.FailHostAlloc(1, nil)
+	s.Faults().FailHostAlloc(1, nil)
 	if _, err := s.HostAlloc(10, 0); !errors.Is(err, cudart.ErrOutOfMemory) {
 		t.Errorf("injected fault = %v, want ErrOutOfMemory", err)
 	}

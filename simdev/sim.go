@@ -5,7 +5,8 @@
 // allocation (cudart.AsyncAllocator) and page-locked host memory with
 // queued copies (cudart.HostDevice). CI, the tests and `allocd replay` use
 // it on machines without a GPU; devspec opens it for the `sim` device
-// specification. It imports cudart and never the reverse, and uses no cgo.
+// specification. Tests make chosen calls fail through a Sim's Faults. It
+// imports cudart and never the reverse, and uses no cgo.
 package simdev
 
 import (
@@ -199,9 +200,7 @@ type Sim struct {
 	nextEvt  cudart.Event
 	planUsed []bool // planned addresses already taken
 	planNext int    // first planned address not yet taken
-	failAt   int64  // fail the malloc whose ordinal equals failAt (0: none)
-	failErr  error
-	calls    int64 // malloc calls so far, failed ones included
+	faults   Faults // injected failures, for tests
 	counters Counters
 	vmm      simVMM  // virtual memory (sim_vmm.go)
 	host     simHost // host memory and queued copies (host_sim.go)
@@ -258,19 +257,9 @@ func spin(d time.Duration) {
 	}
 }
 
-// FailMalloc makes the n-th Malloc call from now (n = 1: the next one) fail
-// with err, or with an out-of-memory error when err is nil. n <= 0 clears a
-// pending fault. A Create (cudart.VirtualMemory) counts as a Malloc call.
-func (s *Sim) FailMalloc(n int, err error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if n <= 0 {
-		s.failAt = 0
-		return
-	}
-	s.failAt = s.calls + int64(n)
-	s.failErr = err
-}
+// Faults returns the Sim's fault injector: tests make chosen calls fail
+// through it.
+func (s *Sim) Faults() *Faults { return &s.faults }
 
 func (s *Sim) oom(op string) error {
 	return &cudart.CUDAError{Op: op, Code: 2, Name: "cudaErrorMemoryAllocation", Text: "out of memory"}
@@ -284,7 +273,8 @@ func (s *Sim) Malloc(size uint64) (cudart.Ptr, error) {
 	if s.closed {
 		return 0, fmt.Errorf("cudart: sim malloc: %w", cudart.ErrClosed)
 	}
-	if ok, err := s.injectedFault(&s.counters.FailedMallocs); ok {
+	if ok, err := s.faults.mallocFault(); ok {
+		s.counters.FailedMallocs++
 		if err == nil {
 			err = s.oom("cudaMalloc")
 		}
@@ -391,19 +381,6 @@ func (s *Sim) gapFrom(from cudart.Ptr, n uint64) (cudart.Ptr, bool) {
 		return 0, false
 	}
 	return cudart.Ptr(p), true
-}
-
-// injectedFault counts a malloc-like call and reports whether FailMalloc
-// chose it to fail, with the error to return (nil: the caller's own
-// out-of-memory error). failed counts the failure. s.mu must be held.
-func (s *Sim) injectedFault(failed *int64) (bool, error) {
-	s.calls++
-	if s.failAt == 0 || s.calls != s.failAt {
-		return false, nil
-	}
-	s.failAt = 0
-	*failed++
-	return true, s.failErr
 }
 
 // Free implements cudart.Device. Like cudaFree it synchronises the device, so

@@ -17,7 +17,7 @@ import (
 //     Malloc: a reservation never overlaps an allocation or another
 //     reservation. Address space costs nothing against Capacity.
 //   - Create allocates physical memory, counted against Capacity (Used and
-//     MemGetInfo include it). It counts as a malloc call for FailMalloc.
+//     MemGetInfo include it). It counts as a malloc call for Faults.FailMalloc.
 //   - Map maps a whole handle (from its offset 0) at a granularity-aligned
 //     address inside one reservation, over no existing mapping; a handle is
 //     mapped at most once at a time.
@@ -161,7 +161,7 @@ func (s *Sim) ReleaseRange(p cudart.Ptr, size uint64) error {
 }
 
 // Create implements cudart.VirtualMemory. The memory counts against Capacity; past
-// it, or when FailMalloc says so (a Create counts as a malloc call), it
+// it, or when Faults.FailMalloc says so (a Create counts as a malloc call), it
 // fails with an error wrapping cudart.ErrOutOfMemory.
 func (s *Sim) Create(size uint64) (cudart.Handle, error) {
 	spin(s.cfg.MallocLatency)
@@ -170,7 +170,8 @@ func (s *Sim) Create(size uint64) (cudart.Handle, error) {
 	if s.closed {
 		return 0, fmt.Errorf("cudart: sim create: %w", cudart.ErrClosed)
 	}
-	if ok, err := s.injectedFault(&s.vmm.counters.FailedCreates); ok {
+	if ok, err := s.faults.mallocFault(); ok {
+		s.vmm.counters.FailedCreates++
 		if err == nil {
 			err = createOOM()
 		}

@@ -135,7 +135,7 @@ func TestSimVMMCreateOOM(t *testing.T) {
 	if err := s.Release(h); err != nil {
 		t.Fatal(err)
 	}
-	s.FailMalloc(2, nil)
+	s.Faults().FailMalloc(2, nil)
 	p, err := s.Malloc(vmmMiB)
 	if err != nil {
 		t.Fatal(err)
@@ -143,7 +143,7 @@ func TestSimVMMCreateOOM(t *testing.T) {
 	_, err = s.Create(2 * vmmMiB)
 	wantErr(t, "Create as the 2nd malloc call after FailMalloc(2)", err, cudart.ErrOutOfMemory, "cuMemCreate")
 	boom := errors.New("injected")
-	s.FailMalloc(1, boom)
+	s.Faults().FailMalloc(1, boom)
 	if _, err := s.Create(2 * vmmMiB); !errors.Is(err, boom) {
 		t.Errorf("Create with an injected fault: %v", err)
 	}
