@@ -109,7 +109,7 @@ func manySegments(n int) []trace.Entry {
 // copied on every new segment.)
 func TestReplayManySegmentsFast(t *testing.T) {
 	if testing.Short() || raceEnabled {
-		t.Skip("-short or -race: the allocator's directory copies make the whole replay take 20 s, 8 min under -race (cudart.TestSimManyPlannedSegmentsFast checks the device alone)")
+		t.Skip("-short or -race: the allocator's directory copies make the whole replay take 20 s, 8 min under -race (simdev.TestSimManyPlannedSegmentsFast checks the device alone)")
 	}
 	n := int64(manySegmentsN)
 	tr := NewTrace("many segments", manySegments(int(n)))
