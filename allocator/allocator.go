@@ -88,6 +88,7 @@ import (
 
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/internal/eventpool"
 )
 
 // Sizes of PyTorch's policy.
@@ -271,7 +272,7 @@ type Allocator struct {
 
 	queues      []eventQueue
 	pending     int            // events not yet completed
-	spareEvents []cudart.Event // created events ready for reuse
+	spareEvents eventpool.Pool // created events ready for reuse
 
 	total    uint64 // device memory
 	allowed  uint64 // per-process cap; total when no fraction is set
@@ -919,7 +920,7 @@ func (a *Allocator) insertEvents(b *blocks.Block) error {
 			return err
 		}
 		if err := a.dev.EventRecord(ev, cudart.Stream(s)); err != nil {
-			a.spareEvents = append(a.spareEvents, ev)
+			a.spareEvents.Put(ev)
 			return fmt.Errorf("allocator: recording an event on stream %#x: %w", s, err)
 		}
 		b.EventCount++
@@ -932,13 +933,9 @@ func (a *Allocator) insertEvents(b *blocks.Block) error {
 	return nil
 }
 
+// getEvent returns an idle event or a new one.
 func (a *Allocator) getEvent() (cudart.Event, error) {
-	if n := len(a.spareEvents); n > 0 {
-		ev := a.spareEvents[n-1]
-		a.spareEvents = a.spareEvents[:n-1]
-		return ev, nil
-	}
-	ev, err := a.dev.EventCreate()
+	ev, err := a.spareEvents.Get(a.dev)
 	if err != nil {
 		return 0, fmt.Errorf("allocator: creating an event: %w", err)
 	}
@@ -979,7 +976,7 @@ func (a *Allocator) processEvents() error {
 }
 
 func (a *Allocator) retire(pe pendingEvent) {
-	a.spareEvents = append(a.spareEvents, pe.event)
+	a.spareEvents.Put(pe.event)
 	a.pending--
 	pe.block.EventCount--
 	pl := a.poolOf(pe.block)
@@ -1060,11 +1057,7 @@ func (a *Allocator) Close() error {
 	}
 	liveBytes := a.folded().AllocatedBytes[PoolAll].Current
 	live, errs := a.be.close()
-	for _, ev := range a.spareEvents {
-		if err := a.dev.EventDestroy(ev); err != nil {
-			errs = append(errs, err)
-		}
-	}
+	errs = append(errs, a.spareEvents.Destroy(a.dev)...)
 	a.log.Info("allocator closed", zap.Int("segments_released", len(a.segments)),
 		zap.Uint64("bytes_released", a.reserved), zap.Int("live_blocks", live))
 	// Everything went back to the device: current values drop to zero.
@@ -1087,7 +1080,7 @@ func (a *Allocator) Close() error {
 		sh.active = newPtrMap(0)
 		sh.segments, sh.pendingEv = 0, 0
 	}
-	a.segments, a.spareEvents, a.queues = nil, nil, nil
+	a.segments, a.queues = nil, nil
 	a.res = new(reservoir)
 	a.dir.Store(&directory{})
 	a.reserved, a.pending = 0, 0

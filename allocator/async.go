@@ -102,7 +102,7 @@ func (m *asyncAllocator) free(ptr cudart.Ptr) error {
 			ev, err := a.getEvent()
 			if err == nil {
 				if err = a.dev.EventRecord(ev, s); err != nil {
-					a.spareEvents = append(a.spareEvents, ev)
+					a.spareEvents.Put(ev)
 				}
 			}
 			if err != nil {
@@ -187,7 +187,7 @@ func (m *asyncAllocator) process(wait bool) error {
 		if err := m.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil && firstErr == nil {
 			firstErr = fmt.Errorf("allocator: device free async of %#x: %w", al.ptr, err)
 		}
-		a.spareEvents = append(a.spareEvents, al.events...)
+		a.spareEvents.PutAll(al.events)
 		m.completed(al)
 	}
 	for i := len(keep); i < len(m.pending); i++ {
@@ -277,7 +277,7 @@ func (m *asyncAllocator) closeAll() []error {
 		if err := m.dev.FreeAsync(cudart.Ptr(al.ptr), al.stream); err != nil {
 			errs = append(errs, err)
 		}
-		a.spareEvents = append(a.spareEvents, al.events...)
+		a.spareEvents.PutAll(al.events)
 	}
 	// Nothing is live or pending any more: the bookkeeping says so, so
 	// that Check agrees with the zeroed statistics.

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestCheckCatchesCorruptCounts: Check compares every pool's counts with
@@ -39,7 +40,7 @@ func TestCheckCatchesCorruptCounts(t *testing.T) {
 		}, "allocated_bytes"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+			sim, err := simdev.New(simdev.Config{Capacity: 1 << 30})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -67,7 +68,7 @@ func TestCheckCatchesCorruptCounts(t *testing.T) {
 // instead of its own, as a broken device or plan could: the segment then
 // wraps past 2^64, and a block lands at address 0.
 type wrapDevice struct {
-	*cudart.Sim
+	*simdev.Sim
 	mu    sync.Mutex
 	alias map[cudart.Ptr]cudart.Ptr
 }
@@ -97,7 +98,7 @@ func (d *wrapDevice) Free(p cudart.Ptr) error {
 // TestCheckCatchesWrappedSegment: a segment that wraps past 2^64 (the
 // device handed out an address near the top) is reported by Check.
 func TestCheckCatchesWrappedSegment(t *testing.T) {
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+	sim, err := simdev.New(simdev.Config{Capacity: 1 << 30})
 	if err != nil {
 		t.Fatal(err)
 	}

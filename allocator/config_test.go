@@ -8,8 +8,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/pinned"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestParseConfigRejects: every malformed string is a *ConfigError
@@ -312,7 +312,7 @@ func FuzzParseConfig(f *testing.F) {
 		if err != nil || back != cfg {
 			t.Fatalf("ParseConfig(%q) = %+v renders as %q, which parses to %+v, %v", s, cfg, cfg.String(), back, err)
 		}
-		sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+		sim, err := simdev.New(simdev.Config{Capacity: 1 << 30})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestDevicesFreeRoutesByRange: Devices.Free frees a pointer on the device
@@ -35,7 +36,7 @@ func TestDevicesFreeRoutesByRange(t *testing.T) {
 			t.Fatalf("Free of device 0's pointer %#x: %v", uint64(p), err)
 		}
 	}
-	lo1, hi1, err := cudart.SimRange(1)
+	lo1, hi1, err := simdev.Range(1)
 	if err != nil {
 		t.Fatal(err)
 	}

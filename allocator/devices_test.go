@@ -15,15 +15,16 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // newTestSims returns simulated devices with the given indexes, closed at
 // the end of the test.
-func newTestSims(t testing.TB, capacity uint64, indexes ...int) []*cudart.Sim {
+func newTestSims(t testing.TB, capacity uint64, indexes ...int) []*simdev.Sim {
 	t.Helper()
-	sims := make([]*cudart.Sim, len(indexes))
+	sims := make([]*simdev.Sim, len(indexes))
 	for i, idx := range indexes {
-		s, err := cudart.NewSim(cudart.SimConfig{Capacity: capacity, Index: idx})
+		s, err := simdev.New(simdev.Config{Capacity: capacity, Index: idx})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -43,7 +44,7 @@ func asDevices[D cudart.Device](ds []D) []cudart.Device {
 
 // newTestDevices returns a Devices over Sims with the given indexes; it
 // checks every allocator's invariants and closes them at the end.
-func newTestDevices(t testing.TB, capacity uint64, conf string, indexes ...int) (*Devices, []*cudart.Sim) {
+func newTestDevices(t testing.TB, capacity uint64, conf string, indexes ...int) (*Devices, []*simdev.Sim) {
 	t.Helper()
 	sims := newTestSims(t, capacity, indexes...)
 	cfg, err := ParseConfig(conf)
@@ -146,7 +147,7 @@ func TestNewDevices(t *testing.T) {
 
 // failingInfoDevice is a Sim whose MemGetInfo fails, so that New fails on
 // it.
-type failingInfoDevice struct{ *cudart.Sim }
+type failingInfoDevice struct{ *simdev.Sim }
 
 func (failingInfoDevice) MemGetInfo() (uint64, uint64, error) {
 	return 0, 0, fmt.Errorf("sim: memory info unavailable: %w", cudart.ErrInvalidValue)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // expectUnchanged runs fn, which must fail with an error matching want, and
@@ -215,10 +216,10 @@ func TestOOMRecovery(t *testing.T) {
 func TestInjectedFault(t *testing.T) {
 	a, sim := newTestAllocator(t, giB, "")
 	boom := errors.New("injected fault")
-	sim.FailMalloc(1, boom)
+	sim.Faults().FailMalloc(1, boom)
 	expectUnchanged(t, a, boom, func() error { _, err := a.Malloc(512, 0); return err })
 	// An injected OOM on the first attempt is recovered by the retry.
-	sim.FailMalloc(1, nil)
+	sim.Faults().FailMalloc(1, nil)
 	p := mustMalloc(t, a, 512, 0)
 	if a.Stats().NumAllocRetries != 1 {
 		t.Errorf("retry not counted")
@@ -285,7 +286,7 @@ func TestGarbageCollection(t *testing.T) {
 // TestRecordStream: a block used by another stream is not reused until the
 // event recorded on that stream at Free completes.
 func TestRecordStream(t *testing.T) {
-	a, sim := newTestAllocator(t, giB, "", cudart.SimConfig{ManualEvents: true})
+	a, sim := newTestAllocator(t, giB, "", simdev.Config{ManualEvents: true})
 	side, _ := sim.StreamCreate()
 	p := mustMalloc(t, a, 4096, 0)
 	if err := a.RecordStream(p, side); err != nil {
@@ -334,7 +335,7 @@ func TestConcurrent(t *testing.T) {
 // release_lock_on_cudamalloc the device malloc runs unlocked (the Sim
 // spins 20 µs in it), so other goroutines change the cache meanwhile.
 func testConcurrent(t *testing.T, conf string) {
-	a, sim := newTestAllocator(t, 4*giB, conf, cudart.SimConfig{MallocLatency: 20 * time.Microsecond})
+	a, sim := newTestAllocator(t, 4*giB, conf, simdev.Config{MallocLatency: 20 * time.Microsecond})
 	const workers = 8
 	streams := []cudart.Stream{0}
 	for range 3 {
@@ -408,7 +409,7 @@ func testConcurrent(t *testing.T, conf string) {
 // TestAsyncBackend: backend:cudaMallocAsync delegates to the device's
 // stream-ordered pool with the same statistics and errors.
 func TestAsyncBackend(t *testing.T) {
-	a, sim := newTestAllocator(t, giB, "backend:cudaMallocAsync", cudart.SimConfig{ManualEvents: true})
+	a, sim := newTestAllocator(t, giB, "backend:cudaMallocAsync", simdev.Config{ManualEvents: true})
 	side, _ := sim.StreamCreate()
 	p := mustMalloc(t, a, 1000, 0)
 	q := mustMalloc(t, a, 30*miB, side)
@@ -433,7 +434,7 @@ func TestAsyncBackend(t *testing.T) {
 	if _, err := a.Malloc(2*giB, 0); !errors.Is(err, ErrOutOfMemory) {
 		t.Errorf("oversize request: %v", err)
 	}
-	sim.FailMalloc(1, nil)
+	sim.Faults().FailMalloc(1, nil)
 	x := mustMalloc(t, a, 4096, 0) // injected OOM, recovered by the retry
 	if a.Stats().NumAllocRetries != 1 {
 		t.Errorf("retry not counted")
@@ -454,7 +455,7 @@ func TestAsyncBackend(t *testing.T) {
 // Close while a Malloc waits for the device ends that Malloc with ErrClosed
 // and gives its new memory back, so nothing leaks.
 func TestCloseDuringUnlockedDeviceMalloc(t *testing.T) {
-	a, sim := newTestAllocator(t, giB, "release_lock_on_cudamalloc:True", cudart.SimConfig{MallocLatency: 200 * time.Millisecond})
+	a, sim := newTestAllocator(t, giB, "release_lock_on_cudamalloc:True", simdev.Config{MallocLatency: 200 * time.Millisecond})
 	errc := make(chan error, 1)
 	go func() {
 		_, err := a.Malloc(4096, 0)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
@@ -46,8 +47,8 @@ func ExampleOpen() {
 
 // newSim returns an allocator over a simulated device whose events
 // complete only when told to.
-func newSim(capacity uint64) (*allocator.Allocator, *cudart.Sim) {
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: capacity, ManualEvents: true})
+func newSim(capacity uint64) (*allocator.Allocator, *simdev.Sim) {
+	sim, err := simdev.New(simdev.Config{Capacity: capacity, ManualEvents: true})
 	if err != nil {
 		panic(err)
 	}

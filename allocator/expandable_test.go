@@ -9,13 +9,14 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 )
 
 // newExpOn returns an allocator with expandable_segments:True (and conf)
 // over dev, which wraps sim; at the end of the test it checks invariants,
 // closes the allocator and checks that the device holds nothing.
-func newExpOn(t testing.TB, sim *cudart.Sim, dev cudart.Device, conf string, opts ...Option) *Allocator {
+func newExpOn(t testing.TB, sim *simdev.Sim, dev cudart.Device, conf string, opts ...Option) *Allocator {
 	t.Helper()
 	if conf != "" {
 		conf = "," + conf
@@ -44,9 +45,9 @@ func newExpOn(t testing.TB, sim *cudart.Sim, dev cudart.Device, conf string, opt
 	return a
 }
 
-func newExp(t testing.TB, capacity uint64, conf string, opts ...Option) (*Allocator, *cudart.Sim) {
+func newExp(t testing.TB, capacity uint64, conf string, opts ...Option) (*Allocator, *simdev.Sim) {
 	t.Helper()
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: capacity, ManualEvents: true})
+	sim, err := simdev.New(simdev.Config{Capacity: capacity, ManualEvents: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,7 +61,7 @@ var pageOf20MiB Option = func(o *options) { o.expLargePage = largeBuffer }
 
 // expect compares the allocator's reserved bytes, device mappings and
 // unmappings, and the device's memory with the wanted values.
-func expect(t *testing.T, a *Allocator, sim *cudart.Sim, reserved uint64, maps, unmaps int64) {
+func expect(t *testing.T, a *Allocator, sim *simdev.Sim, reserved uint64, maps, unmaps int64) {
 	t.Helper()
 	s := a.Stats()
 	if got := uint64(s.ReservedBytes[PoolAll].Current); got != reserved || s.NumDeviceAlloc != maps || s.NumDeviceFree != unmaps {
@@ -292,7 +293,7 @@ func TestExpandableReclaim(t *testing.T) {
 // TestExpandableSnapshotAndHistory: a segment with an unmapped gap is
 // reported as two mapped ranges, and history records the mappings.
 func TestExpandableSnapshotAndHistory(t *testing.T) {
-	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
+	sim, _ := simdev.New(simdev.Config{Capacity: giB})
 	a := newExpOn(t, sim, sim, "", WithHistory(100), pageOf20MiB)
 	p := mustMalloc(t, a, 5*miB, 0)  // page 0
 	x := mustMalloc(t, a, 40*miB, 0) // [5, 45): pages 1 and 2
@@ -371,14 +372,14 @@ func TestExpandableOOM(t *testing.T) {
 			expect(t, a, sim, 60*miB, 2, 1)
 			// An injected out-of-memory on the next page is recovered by the
 			// retry; another fault is returned, wrapped, changing nothing.
-			sim.FailMalloc(1, nil)
+			sim.Faults().FailMalloc(1, nil)
 			c := mustMalloc(t, a, 30*miB, side)
 			if a.Stats().NumAllocRetries != after.NumAllocRetries+1 {
 				t.Errorf("retry not counted")
 			}
 			mustFree(t, a, c)
 			boom := errors.New("injected fault")
-			sim.FailMalloc(1, boom)
+			sim.Faults().FailMalloc(1, boom)
 			// 40 MiB: 30 free after b, one more page to map.
 			expectUnchanged(t, a, boom, func() error { _, err := a.Malloc(40*miB, side); return err })
 			mustFree(t, a, b)
@@ -389,7 +390,7 @@ func TestExpandableOOM(t *testing.T) {
 // faultyVMM fails chosen virtual memory calls of the Sim it wraps: the
 // n-th call from now when the count reaches 1.
 type faultyVMM struct {
-	*cudart.Sim
+	*simdev.Sim
 	mapAt, unmapAt, releaseAt int
 }
 
@@ -462,18 +463,18 @@ func emptyCacheFailsUnchanged(t *testing.T, a *Allocator, f *faultyVMM, at int) 
 // undone; a failed release is retried at Close.
 func TestExpandableDeviceFaults(t *testing.T) {
 	t.Run("range", func(t *testing.T) {
-		sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
+		sim, _ := simdev.New(simdev.Config{Capacity: giB})
 		f := &faultyVMM{Sim: sim}
 		testExpandableDeviceFaults(t, sim, f, f)
 	})
 	t.Run("page by page", func(t *testing.T) {
-		sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
+		sim, _ := simdev.New(simdev.Config{Capacity: giB})
 		f := &faultyVMM{Sim: sim}
 		testExpandableDeviceFaults(t, sim, f, pageByPage{f})
 	})
 }
 
-func testExpandableDeviceFaults(t *testing.T, sim *cudart.Sim, f *faultyVMM, dev cudart.Device) {
+func testExpandableDeviceFaults(t *testing.T, sim *simdev.Sim, f *faultyVMM, dev cudart.Device) {
 	if _, ok := dev.(cudart.RangeMapper); ok != (dev == cudart.Device(f)) {
 		t.Fatalf("the device is a RangeMapper: %v", ok)
 	}
@@ -514,7 +515,7 @@ func TestExpandableRunFaults(t *testing.T) {
 		{"run by run", func(f *faultyVMM) cudart.Device { return pageByPage{f} }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
+			sim, _ := simdev.New(simdev.Config{Capacity: giB})
 			f := &faultyVMM{Sim: sim}
 			a := newExpOn(t, sim, tc.dev(f), "")
 			p := mustMalloc(t, a, 2*miB, 0) // one page
@@ -598,7 +599,7 @@ func TestExpandableStreams(t *testing.T) {
 // TestExpandableClose returns every page, handle and range, live blocks
 // included.
 func TestExpandableClose(t *testing.T) {
-	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
+	sim, _ := simdev.New(simdev.Config{Capacity: giB})
 	cfg, _ := ParseConfig("expandable_segments:True")
 	a, err := New(sim, cfg)
 	if err != nil {
@@ -622,7 +623,7 @@ func TestExpandableClose(t *testing.T) {
 
 // granularityDevice reports a chosen granularity or error.
 type granularityDevice struct {
-	*cudart.Sim
+	*simdev.Sim
 	gran uint64
 	err  error
 }
@@ -630,7 +631,7 @@ type granularityDevice struct {
 func (g granularityDevice) Granularity() (uint64, error) { return g.gran, g.err }
 
 func TestExpandableNotSupported(t *testing.T) {
-	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: giB})
+	sim, _ := simdev.New(simdev.Config{Capacity: giB})
 	cfg, _ := ParseConfig("expandable_segments:True")
 	for name, dev := range map[string]cudart.Device{
 		"no virtual memory":   struct{ cudart.Device }{sim},
@@ -666,7 +667,7 @@ func TestExpandableCachedPairAllocatesNothing(t *testing.T) {
 // TestExpandableConcurrent: several goroutines, streams and EmptyCache
 // calls on one allocator (run with -race).
 func TestExpandableConcurrent(t *testing.T) {
-	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: 4 * giB})
+	sim, _ := simdev.New(simdev.Config{Capacity: 4 * giB})
 	a := newExpOn(t, sim, sim, "")
 	streams := []cudart.Stream{0}
 	for range 2 {

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestFrontCacheMatchesPyTorch drives two allocators with the same calls,
@@ -20,7 +21,7 @@ func TestFrontCacheMatchesPyTorch(t *testing.T) {
 			front, sim1 := newTestAllocator(t, 2*giB, conf)
 			plain, sim2 := newTestAllocator(t, 2*giB, conf)
 			var streams [2][]cudart.Stream
-			for i, sim := range []*cudart.Sim{sim1, sim2} {
+			for i, sim := range []*simdev.Sim{sim1, sim2} {
 				streams[i] = []cudart.Stream{cudart.DefaultStream}
 				s, err := sim.StreamCreate()
 				if err != nil {

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // liveAlloc is the model's record of one allocation.
@@ -27,7 +28,7 @@ type liveAlloc struct {
 type opDriver struct {
 	t       testing.TB
 	a       *Allocator
-	sim     *cudart.Sim
+	sim     *simdev.Sim
 	streams []cudart.Stream
 	live    []liveAlloc
 	steps   int
@@ -45,7 +46,7 @@ func newOpDriver(t testing.TB, capacity uint64, conf string) *opDriver {
 // and nstreams-1 more) and, with fill, a backed Sim whose live allocations'
 // contents check verifies.
 func newOpDriverOn(t testing.TB, capacity uint64, conf string, nstreams int, fill bool) *opDriver {
-	a, sim := newTestAllocator(t, capacity, conf, cudart.SimConfig{ManualEvents: true, Backed: fill})
+	a, sim := newTestAllocator(t, capacity, conf, simdev.Config{ManualEvents: true, Backed: fill})
 	d := &opDriver{t: t, a: a, sim: sim, streams: []cudart.Stream{cudart.DefaultStream}, fill: fill}
 	for range nstreams - 1 {
 		s, err := sim.StreamCreate()
@@ -143,7 +144,7 @@ func (d *opDriver) step(op byte, v uint64) {
 			}
 			d.checkEmptied()
 		case 1:
-			sim.FailMalloc(1+int(v>>8)%3, nil) // a fault in one of the next device mallocs
+			sim.Faults().FailMalloc(1+int(v>>8)%3, nil) // a fault in one of the next device mallocs
 		case 2:
 			a.ResetPeakStats()
 		default:
@@ -227,7 +228,7 @@ func (d *opDriver) finish() {
 		}
 	}
 	d.live = nil
-	d.sim.FailMalloc(0, nil)
+	d.sim.Faults().FailMalloc(0, nil)
 	if err := d.a.EmptyCache(); err != nil {
 		d.t.Fatal(err)
 	}

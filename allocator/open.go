@@ -7,6 +7,7 @@ import (
 
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
+	"github.com/allocd/allocd/simdev"
 )
 
 // The environment variables Open and OpenDevices read, as every allocd
@@ -79,7 +80,7 @@ func openIndex(env devspec.Env, index int) (cudart.Device, error) {
 	if index < 0 || index >= env.Spec.Count {
 		return nil, fmt.Errorf("allocator: simulated device %d: %w (%s gives devices 0 to %d)", index, ErrNoSuchDevice, EnvDevice, env.Spec.Count-1)
 	}
-	o := devspec.Opener{Sim: cudart.SimConfig{Capacity: env.SimCapacity}}
+	o := devspec.Opener{Sim: simdev.Config{Capacity: env.SimCapacity}}
 	dev, err := o.OpenIndex(env.Spec, index)
 	if err != nil {
 		return nil, fmt.Errorf("allocator: simulated device %d: %w", index, err)
@@ -93,7 +94,7 @@ func openIndex(env devspec.Env, index int) (cudart.Device, error) {
 // is CUDA device N (cudart.Open); it is a simulated device only when
 // ALLOCD_DEVICE is "sim" or "sim:N", never as a fallback, with
 // ALLOCD_SIM_CAPACITY bytes (default DefaultSimCapacity) and no backing
-// memory (cudart.ErrNotBacked for memcpy). Any other ALLOCD_DEVICE value
+// memory (simdev.ErrNotBacked for memcpy). Any other ALLOCD_DEVICE value
 // is an error wrapping ErrEnv.
 //
 // The allocator owns the device it opened: Close closes it too.

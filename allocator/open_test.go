@@ -8,6 +8,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/internal/envcases"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestOpenSim: ALLOCD_DEVICE=sim gives a simulated device of the default
@@ -21,8 +22,8 @@ func TestOpenSim(t *testing.T) {
 		t.Fatal(err)
 	}
 	dev := a.Device()
-	if _, ok := dev.(*cudart.Sim); !ok {
-		t.Fatalf("device is a %T, want *cudart.Sim", dev)
+	if _, ok := dev.(*simdev.Sim); !ok {
+		t.Fatalf("device is a %T, want *simdev.Sim", dev)
 	}
 	if _, total, _ := dev.MemGetInfo(); total != allocator.DefaultSimCapacity {
 		t.Errorf("capacity %d, want DefaultSimCapacity", total)

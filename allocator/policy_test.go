@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 const (
@@ -15,14 +16,14 @@ const (
 
 // newTestAllocator returns an allocator over a fresh Sim of the given
 // capacity, and closes it (checking invariants) at the end of the test.
-func newTestAllocator(t testing.TB, capacity uint64, conf string, simCfg ...cudart.SimConfig) (*Allocator, *cudart.Sim) {
+func newTestAllocator(t testing.TB, capacity uint64, conf string, simCfg ...simdev.Config) (*Allocator, *simdev.Sim) {
 	t.Helper()
-	sc := cudart.SimConfig{}
+	sc := simdev.Config{}
 	if len(simCfg) > 0 {
 		sc = simCfg[0]
 	}
 	sc.Capacity = capacity
-	sim, err := cudart.NewSim(sc)
+	sim, err := simdev.New(sc)
 	if err != nil {
 		t.Fatal(err)
 	}

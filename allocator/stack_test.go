@@ -8,6 +8,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
@@ -25,7 +26,7 @@ func allocHere(t *testing.T, a *allocator.Allocator) cudart.Ptr {
 // (outside the allocator) is in its trace entries and its block, in the
 // snapshot and its pickle; identical stacks share one frames slice.
 func TestHistoryStacks(t *testing.T) {
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+	sim, err := simdev.New(simdev.Config{Capacity: 1 << 30})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,7 @@ import (
 	"weak"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // heapInUse is the Go heap in use after a collection.
@@ -122,7 +123,7 @@ func TestStreamCyclesReclaim(t *testing.T) {
 // event keeps its shard until the block is freed and the event has
 // completed; then its shard and segments go at once.
 func TestReleaseStreamLive(t *testing.T) {
-	a, sim := newTestAllocator(t, 8*giB, "", cudart.SimConfig{ManualEvents: true})
+	a, sim := newTestAllocator(t, 8*giB, "", simdev.Config{ManualEvents: true})
 	s, _ := sim.StreamCreate()
 	side, _ := sim.StreamCreate()
 	p := mustMalloc(t, a, 3*miB, s)
@@ -175,7 +176,7 @@ func TestReleaseStreamLive(t *testing.T) {
 // TestMaxStreams: a new stream beyond the limit fails with ErrTooManyStreams
 // and changes nothing; an idle stream makes room.
 func TestMaxStreams(t *testing.T) {
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 8 * giB})
+	sim, err := simdev.New(simdev.Config{Capacity: 8 * giB})
 	if err != nil {
 		t.Fatal(err)
 	}

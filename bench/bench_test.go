@@ -9,15 +9,16 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/trace"
 	"github.com/allocd/allocd/workload"
 )
 
 // newSimAllocator returns an allocator over a fresh 141 GiB Sim; plan, when
 // given, are the recorded segment addresses of a trace to replay.
-func newSimAllocator(tb testing.TB, conf string, manualEvents bool, plan ...cudart.SimAddress) *allocator.Allocator {
+func newSimAllocator(tb testing.TB, conf string, manualEvents bool, plan ...simdev.Address) *allocator.Allocator {
 	tb.Helper()
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: manualEvents, Addresses: plan})
+	sim, err := simdev.New(simdev.Config{Capacity: 141 << 30, ManualEvents: manualEvents, Addresses: plan})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -108,7 +109,7 @@ func benchmarkMixed(b *testing.B, run func(*allocator.Allocator, int, int) (Mixe
 
 // loadOps reads a trace and returns its operations and recorded segment
 // addresses.
-func loadOps(tb testing.TB, path string) (*trace.Ops, []cudart.SimAddress) {
+func loadOps(tb testing.TB, path string) (*trace.Ops, []simdev.Address) {
 	tb.Helper()
 	snap, err := trace.ReadFile(path, trace.ReadOptions{})
 	if err != nil {
@@ -221,7 +222,7 @@ func TestReplayStopsAndReusesStreams(t *testing.T) {
 		t.Fatal(err)
 	}
 	first := len(streams)
-	sim := a.Device().(*cudart.Sim)
+	sim := a.Device().(*simdev.Sim)
 	created := sim.Counters().StreamCreates
 	for _, st := range streams {
 		if !sim.ValidStream(st) {

@@ -10,6 +10,7 @@ import (
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/internal/bytecount"
 	"github.com/allocd/allocd/pinned"
+	"github.com/allocd/allocd/simdev"
 )
 
 // CopySizes are the sizes of the copy bandwidth benchmark: 4 KiB to 1 GiB,
@@ -25,7 +26,7 @@ const simCopyLimit = 64 << 20
 
 // CopyDevice is what the copy benchmark needs: device memory, streams and
 // synchronous copies (Device), page-locked memory and async copies
-// (HostDevice). *cudart.CUDA and *cudart.Sim implement it.
+// (HostDevice). *cudart.CUDA and *simdev.Sim implement it.
 type CopyDevice interface {
 	cudart.Device
 	cudart.HostDevice
@@ -262,8 +263,8 @@ func allocRow(dev CopyDevice, h *pinned.Allocator, n int, opt CopyOptions) (Allo
 // figures are Go memory speeds, not a GPU's.
 func RunCopies(w io.Writer, dev cudart.Device, asJSON bool) error {
 	opt := CopyOptions{}
-	if sim, ok := dev.(*cudart.Sim); ok {
-		backed, err := cudart.NewSim(cudart.SimConfig{Capacity: sim.Info().TotalMemory, Backed: true})
+	if sim, ok := dev.(*simdev.Sim); ok {
+		backed, err := simdev.New(simdev.Config{Capacity: sim.Info().TotalMemory, Backed: true})
 		if err != nil {
 			return err
 		}
@@ -284,7 +285,7 @@ func RunCopies(w io.Writer, dev cudart.Device, asJSON bool) error {
 	if err != nil {
 		return err
 	}
-	if _, sim := dev.(*cudart.Sim); sim {
+	if _, sim := dev.(*simdev.Sim); sim {
 		rep.Device += " (simulated: copies are Go memmoves, cudaHostAlloc is Go's allocator)"
 	}
 	if asJSON {
@@ -298,7 +299,7 @@ func RunCopies(w io.Writer, dev cudart.Device, asJSON bool) error {
 // RunCopies runs the copy benchmark on the target's device (RunCopies):
 // the CUDA device, or a backed simulated one of the target's capacity.
 func (t *Target) RunCopies(w io.Writer, asJSON bool) error {
-	dev, err := t.Device(cudart.SimConfig{})
+	dev, err := t.Device(simdev.Config{})
 	if err != nil {
 		return err
 	}

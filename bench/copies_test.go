@@ -7,11 +7,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 func TestCopiesOnSim(t *testing.T) {
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Backed: true})
+	sim, err := simdev.New(simdev.Config{Capacity: 1 << 30, Backed: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,7 +46,7 @@ func TestRunCopiesJSON(t *testing.T) {
 	if testing.Short() {
 		t.Skip("moves a few hundred MiB")
 	}
-	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+	sim, _ := simdev.New(simdev.Config{Capacity: 1 << 30})
 	var b bytes.Buffer
 	if err := RunCopies(&b, sim, true); err != nil {
 		t.Fatal(err)

@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/trace"
 	"github.com/allocd/allocd/workload"
 )
@@ -21,9 +21,9 @@ func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) wo
 
 // replayExpandableVMM is replayExpandable that also returns the virtual
 // memory calls the Sim served before Close.
-func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option) (workload.ReplayResult, cudart.SimVMMCounters) {
+func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option) (workload.ReplayResult, simdev.VMMCounters) {
 	t.Helper()
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: true})
+	sim, err := simdev.New(simdev.Config{Capacity: 141 << 30, ManualEvents: true})
 	if err != nil {
 		t.Fatal(err)
 	}

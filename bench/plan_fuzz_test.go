@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/workload"
 )
@@ -100,7 +100,7 @@ func FuzzReplayPlan(f *testing.F) {
 		if err != nil {
 			t.Fatalf("replay of an accepted plan: %v", err)
 		}
-		lo, hi, _ := cudart.SimRange(0)
+		lo, hi, _ := simdev.Range(0)
 		for i, a := range tr.Addresses {
 			if a.Addr < lo || uint64(a.Addr)+a.Size > uint64(hi) || uint64(a.Addr)+a.Size < uint64(a.Addr) {
 				t.Fatalf("accepted planned address %d, [%#x, +%d), lies outside [%#x, %#x)", i, uint64(a.Addr), a.Size, uint64(lo), uint64(hi))

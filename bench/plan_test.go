@@ -10,6 +10,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/workload"
 )
@@ -109,7 +110,7 @@ func manySegments(n int) []snapshot.Entry {
 // copied on every new segment.)
 func TestReplayManySegmentsFast(t *testing.T) {
 	if testing.Short() || raceEnabled {
-		t.Skip("-short or -race: the allocator's directory copies make the whole replay take 20 s, 8 min under -race (cudart.TestSimManyPlannedSegmentsFast checks the device alone)")
+		t.Skip("-short or -race: the allocator's directory copies make the whole replay take 20 s, 8 min under -race (simdev.TestSimManyPlannedSegmentsFast checks the device alone)")
 	}
 	n := int64(manySegmentsN)
 	tr := workload.NewTrace("many segments", manySegments(int(n)))
@@ -132,7 +133,7 @@ func TestReplayManySegmentsFast(t *testing.T) {
 // dupDevice is a Sim whose second Malloc returns the first one's address
 // again, as a broken device (or plan) would.
 type dupDevice struct {
-	*cudart.Sim
+	*simdev.Sim
 	first cudart.Ptr
 	n     int
 }
@@ -152,7 +153,7 @@ func (d *dupDevice) Free(p cudart.Ptr) error { return nil }
 // TestReplayFailsWhenCheckFails: a replay after which the allocator's
 // Check fails (here: the device handed out one address twice) is an error.
 func TestReplayFailsWhenCheckFails(t *testing.T) {
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+	sim, err := simdev.New(simdev.Config{Capacity: 1 << 30})
 	if err != nil {
 		t.Fatal(err)
 	}

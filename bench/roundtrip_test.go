@@ -5,7 +5,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/trace"
 	"github.com/allocd/allocd/workload"
 )
@@ -22,7 +22,7 @@ func TestSnapshotRoundTrip(t *testing.T) {
 				t.Skip("long trace in -short mode")
 			}
 			ops, plan := loadOps(t, path)
-			sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: true, Addresses: plan})
+			sim, err := simdev.New(simdev.Config{Capacity: 141 << 30, ManualEvents: true, Addresses: plan})
 			if err != nil {
 				t.Fatal(err)
 			}

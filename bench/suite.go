@@ -5,7 +5,7 @@ import (
 	"strings"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/workload"
 )
 
@@ -31,7 +31,7 @@ type Suite struct {
 func RunSuite(t *Target, cfg allocator.Config, s Suite) (Report, error) {
 	rep := Report{Device: t.Desc, Pair: map[string]float64{}}
 	fresh := func() (*allocator.Allocator, error) {
-		dev, err := t.Device(cudart.SimConfig{})
+		dev, err := t.Device(simdev.Config{})
 		if err != nil {
 			return nil, err
 		}

@@ -7,6 +7,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/workload"
 )
@@ -57,12 +58,12 @@ func (t *Target) Sim() bool { return t.cuda == nil }
 // capacity configured by cfg (its Capacity is ignored), or the CUDA
 // device, the same every time (cfg is ignored). The caller closes a Sim;
 // the target closes the CUDA device.
-func (t *Target) Device(cfg cudart.SimConfig) (cudart.Device, error) {
+func (t *Target) Device(cfg simdev.Config) (cudart.Device, error) {
 	if t.cuda != nil {
 		return t.cuda, nil
 	}
 	cfg.Capacity = t.capacity
-	return cudart.NewSim(cfg)
+	return simdev.New(cfg)
 }
 
 // Close closes the CUDA device, if the target has one.
@@ -83,7 +84,7 @@ func (t *Target) replayDevice(tr *workload.Trace) (cudart.Device, error) {
 			return nil, err
 		}
 	}
-	return t.Device(cudart.SimConfig{ManualEvents: true, Addresses: tr.Addresses})
+	return t.Device(simdev.Config{ManualEvents: true, Addresses: tr.Addresses})
 }
 
 // Replay replays tr on a fresh allocator configured by cfg and returns

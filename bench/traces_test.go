@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/workload"
 )
 
@@ -144,7 +144,7 @@ const (
 // served (expandable modes only).
 type replayed struct {
 	r   workload.ReplayResult
-	vmm cudart.SimVMMCounters
+	vmm simdev.VMMCounters
 }
 
 var (

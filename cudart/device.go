@@ -1,11 +1,11 @@
 // Package cudart is allocd's device boundary: the small set of CUDA runtime
 // and driver calls a caching allocator needs, behind the Device interface.
 //
-// Two implementations exist. The real one (Open) reaches the CUDA runtime
-// through a tiny C shim that dlopens libcudart at run time, so a binary built
-// without the CUDA toolkit runs wherever a driver is installed. The simulated
-// one (NewSim) models capacity, address assignment, streams and events in
-// pure Go; CI, the tests and `allocd replay` use it on machines without a GPU.
+// The real implementation (Open) reaches the CUDA runtime through a tiny C
+// shim that dlopens libcudart at run time, so a binary built without the
+// CUDA toolkit runs wherever a driver is installed. The simulated device,
+// which CI, the tests and `allocd replay` use on machines without a GPU,
+// lives beside this package in simdev, behind the same interfaces.
 //
 // Nothing else in allocd calls cgo. The allocator calls a Device only on its
 // slow path: growing or releasing a segment and polling events.
@@ -201,4 +201,13 @@ type PoolReporter interface {
 	// PoolUsage returns the bytes the pool holds from the device and the
 	// bytes in use by live allocations.
 	PoolUsage() (reserved, used uint64, err error)
+}
+
+// AddressRanger is a Device whose addresses all lie in one range, known
+// before it hands any out: a simulated device (package simdev) is one. Callers that hold
+// several devices find the owner of a pointer from it.
+type AddressRanger interface {
+	// AddressRange returns the range [lo, hi) that holds every address the
+	// device hands out.
+	AddressRange() (lo, hi Ptr)
 }

@@ -30,10 +30,14 @@ const maxHostSlice = uint64(^uint(0) >> 1)
 // hostAllocFlagsMask holds every flag HostAlloc accepts.
 const hostAllocFlagsMask = HostAllocPortable | HostAllocMapped | HostAllocWriteCombined
 
+// Valid reports whether f holds only flags HostAlloc accepts.
+func (f HostAllocFlags) Valid() bool { return f&^hostAllocFlagsMask == 0 }
+
 // HostDevice is implemented by devices that can allocate page-locked
 // (pinned) host memory and queue copies between host and device memory on
 // their streams. It is separate from Device so that Device's implementers
-// need not grow; *CUDA and *Sim implement both.
+// need not grow; *CUDA and the simulated device (package simdev) implement
+// both.
 //
 // Host memory from HostAlloc is the caller's until FreeHost: the returned
 // slice must not be used after it, nor re-sliced beyond its capacity. The
@@ -64,10 +68,7 @@ type HostDevice interface {
 	MemcpyDtoDAsync(dst, src Ptr, size uint64, s Stream) error
 }
 
-var (
-	_ HostDevice = (*CUDA)(nil)
-	_ HostDevice = (*Sim)(nil)
-)
+var _ HostDevice = (*CUDA)(nil)
 
 // hostAllocs is the live cudaHostAlloc memory of the process, base address
 // to size, so that FreeHost refuses a pointer CUDA did not hand out
@@ -91,7 +92,7 @@ func (c *CUDA) HostAlloc(size uint64, flags HostAllocFlags) ([]byte, error) {
 	if size == 0 {
 		return nil, c.invalid("host alloc of 0 bytes")
 	}
-	if flags&^hostAllocFlagsMask != 0 {
+	if !flags.Valid() {
 		return nil, c.invalid("host alloc: unknown flags %#x", uint32(flags))
 	}
 	if size > maxHostSlice {

@@ -9,13 +9,14 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // fullHistory returns an allocator whose history ring of n entries is
 // full (Malloc/Free pairs of varied sizes).
 func fullHistory(b *testing.B, n int) *allocator.Allocator {
 	b.Helper()
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 4 << 30})
+	dev, err := simdev.New(simdev.Config{Capacity: 4 << 30})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/stats"
 	"github.com/allocd/allocd/trace"
@@ -29,7 +30,7 @@ func newDevices(t testing.TB, n int, history int) *allocator.Devices {
 	t.Helper()
 	var devs []cudart.Device
 	for i := range n {
-		dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 4 << 30, Index: i})
+		dev, err := simdev.New(simdev.Config{Capacity: 4 << 30, Index: i})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -29,21 +29,22 @@ import (
 	"strings"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
-// DefaultSimCapacity is a simulated device's memory when the SimConfig
+// DefaultSimCapacity is a simulated device's memory when the simdev.Config
 // given to Opener leaves it 0 and ALLOCD_SIM_CAPACITY is unset, in every
 // allocd tool: an H200's 141 GiB.
 const DefaultSimCapacity = 141 << 30
 
 // MaxSimDevices bounds sim:N. Each simulated device gets its own range of
-// addresses (cudart.SimRange), SimDeviceSpan apart.
+// addresses (simdev.Range), SimDeviceSpan apart.
 const MaxSimDevices = 64
 
 // SimDeviceSpan is how far planned Sim addresses move for each simulated
 // device past the first (PlanFor), so that no two simulated devices hand
 // out the same address, as no two GPUs of one process do.
-const SimDeviceSpan = cudart.SimDeviceSpan
+const SimDeviceSpan = simdev.DeviceSpan
 
 // ErrSpec is wrapped by every error of Parse and ParseOne.
 var ErrSpec = errors.New("bad device spec")
@@ -127,7 +128,7 @@ type Opener struct {
 	// Sim configures each simulated device; its Index is set per device,
 	// and its Addresses moved per device (PlanFor). A zero Capacity means
 	// DefaultSimCapacity.
-	Sim cudart.SimConfig
+	Sim simdev.Config
 	// DeviceCount, when set, replaces cudart.DeviceCount (for cuda:all).
 	DeviceCount func() (int, error)
 	// OpenCUDA, when set, replaces cudart.Open.
@@ -186,13 +187,13 @@ func (o Opener) Open(spec Spec) ([]cudart.Device, error) {
 // i by i × SimDeviceSpan (plan itself for device 0). Moving every address
 // by the same amount keeps their order, and best fit breaks ties by
 // address, so each device places blocks as the first does.
-func PlanFor(plan []cudart.SimAddress, i int) []cudart.SimAddress {
+func PlanFor(plan []simdev.Address, i int) []simdev.Address {
 	if i == 0 || len(plan) == 0 {
 		return plan
 	}
-	out := make([]cudart.SimAddress, len(plan))
+	out := make([]simdev.Address, len(plan))
 	for j, a := range plan {
-		out[j] = cudart.SimAddress{Addr: a.Addr + cudart.Ptr(uint64(i)*SimDeviceSpan), Size: a.Size}
+		out[j] = simdev.Address{Addr: a.Addr + cudart.Ptr(uint64(i)*SimDeviceSpan), Size: a.Size}
 	}
 	return out
 }
@@ -352,5 +353,5 @@ func (o Opener) OpenIndex(spec Spec, i int) (cudart.Device, error) {
 		cfg.Capacity = DefaultSimCapacity
 	}
 	cfg.Index, cfg.Addresses = i, PlanFor(o.Sim.Addresses, i)
-	return cudart.NewSim(cfg)
+	return simdev.New(cfg)
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 func TestParse(t *testing.T) {
@@ -73,8 +74,8 @@ func TestOpenSim(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	plan := []cudart.SimAddress{{Addr: 0x7f0000000000, Size: 2 << 20}}
-	devs, err := Opener{Sim: cudart.SimConfig{Capacity: 8 << 30, Addresses: plan}}.Open(spec)
+	plan := []simdev.Address{{Addr: 0x7f0000000000, Size: 2 << 20}}
+	devs, err := Opener{Sim: simdev.Config{Capacity: 8 << 30, Addresses: plan}}.Open(spec)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,8 +115,8 @@ func TestOpenSim(t *testing.T) {
 // fakeCUDA returns an Opener whose CUDA calls open Sims: count devices,
 // of which the one with index failAt (if any) cannot be opened. opened
 // collects the Sims it opened.
-func fakeCUDA(count int, countErr error, failAt int) (Opener, *[]*cudart.Sim) {
-	opened := &[]*cudart.Sim{}
+func fakeCUDA(count int, countErr error, failAt int) (Opener, *[]*simdev.Sim) {
+	opened := &[]*simdev.Sim{}
 	return Opener{
 		DeviceCount: func() (int, error) { return count, countErr },
 		OpenCUDA: func(i int) (cudart.Device, error) {
@@ -125,7 +126,7 @@ func fakeCUDA(count int, countErr error, failAt int) (Opener, *[]*cudart.Sim) {
 			if i >= count {
 				return nil, fmt.Errorf("cudart: open device %d: no such device: %w", i, cudart.ErrInvalidValue)
 			}
-			s, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Index: i, Name: "fake GPU"})
+			s, err := simdev.New(simdev.Config{Capacity: 1 << 30, Index: i, Name: "fake GPU"})
 			if err != nil {
 				return nil, err
 			}
@@ -224,7 +225,7 @@ func TestParseSize(t *testing.T) {
 // TestOpenIndex: sim:N opens device i of N alone, as Open would; an
 // index outside is an error.
 func TestOpenIndex(t *testing.T) {
-	o := Opener{Sim: cudart.SimConfig{Capacity: 1 << 30}}
+	o := Opener{Sim: simdev.Config{Capacity: 1 << 30}}
 	dev, err := o.OpenIndex(Spec{Sim: true, Count: 3}, 2)
 	if err != nil {
 		t.Fatal(err)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/trace"
 	"github.com/allocd/allocd/workload"
 )
@@ -397,10 +398,10 @@ func TestGPUReplayMatchesSim(t *testing.T) {
 	if len(files) == 0 {
 		t.Fatalf("no traces in %s", tracesDir())
 	}
-	simReplay := func(t *testing.T, conf string, ops *trace.Ops, plan []cudart.SimAddress) workload.ReplayResult {
+	simReplay := func(t *testing.T, conf string, ops *trace.Ops, plan []simdev.Address) workload.ReplayResult {
 		// At least the GPU's capacity: expandable ranges are sized from it,
 		// and a range smaller than a trace's needs changes the placement.
-		sim, err := cudart.NewSim(cudart.SimConfig{Capacity: max(dev.Info().TotalMemory, 141<<30), ManualEvents: true, Addresses: plan})
+		sim, err := simdev.New(simdev.Config{Capacity: max(dev.Info().TotalMemory, 141<<30), ManualEvents: true, Addresses: plan})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/stats"
 )
 
@@ -51,7 +52,7 @@ func openBackedSims(t testing.TB, n int, capacity uint64) []cudart.Device {
 	t.Helper()
 	devs := make([]cudart.Device, n)
 	for i := range n {
-		s, err := cudart.NewSim(cudart.SimConfig{Capacity: capacity, Index: i, Backed: true})
+		s, err := simdev.New(simdev.Config{Capacity: capacity, Index: i, Backed: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -452,7 +453,7 @@ func TestGPUMultiDeviceMetrics(t *testing.T) {
 func TestMultiDeviceMetricsOnSims(t *testing.T) {
 	devs := make([]cudart.Device, 2)
 	for i := range devs {
-		s, err := cudart.NewSim(cudart.SimConfig{Capacity: 8 * giB, Index: i})
+		s, err := simdev.New(simdev.Config{Capacity: 8 * giB, Index: i})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -6,6 +6,7 @@ import (
 
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/pinned"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestGPUPinnedHugeAlloc: cudaHostAlloc's refusal of a request larger than
@@ -17,7 +18,7 @@ func TestGPUPinnedHugeAlloc(t *testing.T) {
 
 // TestPinnedHugeAllocOnSim runs the same on the simulated device.
 func TestPinnedHugeAllocOnSim(t *testing.T) {
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Backed: true})
+	dev, err := simdev.New(simdev.Config{Capacity: 1 << 30, Backed: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +56,7 @@ func TestGPUPinnedStreams(t *testing.T) {
 
 // TestPinnedStreamsOnSim runs the same on the simulated device.
 func TestPinnedStreamsOnSim(t *testing.T) {
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Backed: true, ManualEvents: true})
+	dev, err := simdev.New(simdev.Config{Capacity: 1 << 30, Backed: true, ManualEvents: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/pinned"
+	"github.com/allocd/allocd/simdev"
 )
 
 // pinnedDevice is what the pinned tests need: a device for the device
@@ -41,7 +42,7 @@ func TestGPUPinnedReuseWaitsForCopy(t *testing.T) {
 // TestPinnedReuseWaitsForCopyOnSim runs the same on a backed Sim whose
 // events and copies wait until the test synchronises the stream.
 func TestPinnedReuseWaitsForCopyOnSim(t *testing.T) {
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Backed: true, ManualEvents: true})
+	dev, err := simdev.New(simdev.Config{Capacity: 1 << 30, Backed: true, ManualEvents: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +180,7 @@ func TestGPUPinnedRoundTrip(t *testing.T) {
 // TestPinnedRoundTripOnSim runs the same on a backed Sim whose events and
 // copies wait for the test to complete their streams.
 func TestPinnedRoundTripOnSim(t *testing.T) {
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 4 << 30, Backed: true, ManualEvents: true})
+	dev, err := simdev.New(simdev.Config{Capacity: 4 << 30, Backed: true, ManualEvents: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -314,7 +315,7 @@ func runPinnedRoundTrip(t *testing.T, dev pinnedDevice, ops int, maxSize int) {
 	if err := h.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if sim, ok := dev.(*cudart.Sim); ok {
+	if sim, ok := dev.(*simdev.Sim); ok {
 		if c := sim.HostCounters(); c.LiveHostAllocations != 0 {
 			t.Errorf("Close left %d host allocations", c.LiveHostAllocations)
 		}

@@ -27,7 +27,7 @@ func (a *Allocator) Check() error {
 		}
 		seenEv[uint64(p.ev)] = true
 	}
-	for _, ev := range a.idle {
+	for ev := range a.idle.All() {
 		if seenEv[uint64(ev)] {
 			bad("event %d is both idle and pending (or idle twice)", ev)
 		}

@@ -3,14 +3,14 @@ package pinned_test
 import (
 	"fmt"
 
-	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/pinned"
+	"github.com/allocd/allocd/simdev"
 )
 
 // Fill a pinned buffer from Go, copy it to the device, free it at once
 // (the allocator keeps it until the copy has run), and copy the data back.
 func Example() {
-	dev, _ := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Backed: true})
+	dev, _ := simdev.New(simdev.Config{Capacity: 1 << 30, Backed: true})
 	h, err := pinned.New(dev, pinned.DefaultConfig())
 	if err != nil {
 		panic(err)

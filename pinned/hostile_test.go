@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestHugeAllocIsOutOfMemory: a request the system cannot page-lock is an
@@ -207,7 +208,7 @@ func TestDestroyedStreamSyncFails(t *testing.T) {
 var errSyncFails = errors.New("synchronize fails")
 
 type syncFailDevice struct {
-	*cudart.Sim
+	*simdev.Sim
 	ok bool
 }
 
@@ -257,7 +258,7 @@ func TestEventQueryFailureDoesNotPin(t *testing.T) {
 	if st.PendingEvents != 0 || st.QueryFailureSyncs != 1 {
 		t.Errorf("%d pending events, %d query-failure syncs; want 0, 1", st.PendingEvents, st.QueryFailureSyncs)
 	}
-	for _, ev := range a.idle {
+	for ev := range a.idle.All() {
 		if dev.bad[ev] {
 			t.Error("the failed event went back to the idle list")
 		}

@@ -7,6 +7,7 @@ import (
 	"unsafe"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // The model test and the fuzz target drive an Allocator on a Sim with
@@ -53,7 +54,7 @@ type freedUse struct {
 
 type model struct {
 	t      testing.TB
-	dev    *cudart.Sim
+	dev    *simdev.Sim
 	a      *Allocator
 	s      [modelStreams]cudart.Stream
 	slot   [modelStreams]cudart.Ptr // device memory each stream copies to and from

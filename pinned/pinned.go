@@ -4,7 +4,7 @@
 // helpers that move bytes between its buffers and device memory on a
 // stream.
 //
-//	h, err := pinned.New(dev, pinned.DefaultConfig()) // dev: *cudart.CUDA or *cudart.Sim
+//	h, err := pinned.New(dev, pinned.DefaultConfig()) // dev: *cudart.CUDA or *simdev.Sim
 //	buf, err := h.Alloc(n)
 //	copy(buf.Bytes(), data)                            // fill it from Go
 //	err = h.CopyToDevice(p, buf, stream)               // p from allocator.Malloc
@@ -81,11 +81,12 @@ import (
 	"time"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/internal/eventpool"
 )
 
 // Device is what the Allocator needs of a device: page-locked memory,
 // async copies, events and a device-wide synchronisation. *cudart.CUDA and
-// *cudart.Sim implement it. A Device that also implements
+// *simdev.Sim implement it. A Device that also implements
 // cudart.StreamChecker (both do) has RecordStream's streams checked.
 type Device interface {
 	cudart.HostDevice
@@ -248,7 +249,7 @@ type Allocator struct {
 	stats   Stats
 	blocks  map[*block]struct{} // every block held; owner == the allocator
 	pending []pendingEvent
-	idle    []cudart.Event // created events not in use
+	idle    eventpool.Pool // created events not in use
 	reset   bool           // ResetAccumulatedStats ran: totals no longer add up
 }
 
@@ -566,7 +567,7 @@ func (a *Allocator) recordEvents(b *block) error {
 	start := len(a.pending)
 	rollback := func() {
 		for _, p := range a.pending[start:] {
-			a.idle = append(a.idle, p.ev)
+			a.idle.Put(p.ev)
 		}
 		clear(a.pending[start:])
 		a.pending = a.pending[:start]
@@ -584,7 +585,7 @@ func (a *Allocator) recordEvents(b *block) error {
 		ev, err := a.event()
 		if err == nil {
 			if err = a.dev.EventRecord(ev, s); err != nil {
-				a.idle = append(a.idle, ev)
+				a.idle.Put(ev)
 				if a.streamGone(s, err) {
 					rollback()
 					return a.syncForGoneStream(b, s, err)
@@ -629,12 +630,7 @@ func (a *Allocator) syncForGoneStream(b *block, s cudart.Stream, rerr error) err
 
 // event returns an idle event or a new one.
 func (a *Allocator) event() (cudart.Event, error) {
-	if n := len(a.idle); n > 0 {
-		ev := a.idle[n-1]
-		a.idle = a.idle[:n-1]
-		return ev, nil
-	}
-	ev, err := a.dev.EventCreate()
+	ev, err := a.idle.Get(a.dev)
 	if err != nil {
 		return 0, fmt.Errorf("pinned: creating an event: %w", err)
 	}
@@ -686,7 +682,7 @@ func (a *Allocator) processEvents() error {
 			continue
 		}
 		if reuse {
-			a.idle = append(a.idle, p.ev)
+			a.idle.Put(p.ev)
 		} else {
 			_ = a.dev.EventDestroy(p.ev) // it failed already; it is not used again either way
 		}
@@ -833,7 +829,7 @@ func (a *Allocator) Close() error {
 		if err := a.dev.EventSynchronize(p.ev); err != nil {
 			errs = append(errs, fmt.Errorf("pinned: close: waiting for an event: %w", err))
 		}
-		a.idle = append(a.idle, p.ev)
+		a.idle.Put(p.ev)
 	}
 	clear(a.pending)
 	a.pending = nil
@@ -858,12 +854,9 @@ func (a *Allocator) Close() error {
 	for c := range a.free {
 		a.free[c] = nil
 	}
-	for _, ev := range a.idle {
-		if err := a.dev.EventDestroy(ev); err != nil {
-			errs = append(errs, fmt.Errorf("pinned: close: destroying an event: %w", err))
-		}
+	for _, err := range a.idle.Destroy(a.dev) {
+		errs = append(errs, fmt.Errorf("pinned: close: destroying an event: %w", err))
 	}
-	a.idle = nil
 	st := &a.stats
 	st.Allocation.sub(st.Allocation.Current)
 	st.AllocatedBytes.sub(st.AllocatedBytes.Current)

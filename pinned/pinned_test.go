@@ -7,11 +7,12 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
-func newSim(t testing.TB, manual bool) *cudart.Sim {
+func newSim(t testing.TB, manual bool) *simdev.Sim {
 	t.Helper()
-	s, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Backed: true, ManualEvents: manual})
+	s, err := simdev.New(simdev.Config{Capacity: 1 << 30, Backed: true, ManualEvents: manual})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -20,7 +21,7 @@ func newSim(t testing.TB, manual bool) *cudart.Sim {
 
 // newAlloc returns an allocator over dev whose Check runs at cleanup and
 // whose Close must return every byte of host memory.
-func newAlloc(t testing.TB, dev *cudart.Sim, cfg Config) *Allocator {
+func newAlloc(t testing.TB, dev *simdev.Sim, cfg Config) *Allocator {
 	t.Helper()
 	a, err := New(dev, cfg)
 	if err != nil {
@@ -292,14 +293,14 @@ func TestOutOfMemoryReleasesCache(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dev.FailHostAlloc(1, nil) // one refusal: the retry succeeds
+	dev.Faults().FailHostAlloc(1, nil) // one refusal: the retry succeeds
 	f, err := a.Alloc(1 << 20)
 	if err != nil {
 		t.Fatalf("one refusal then room: %v", err)
 	}
 	_ = a.Free(f)
 	injected := errors.New("injected")
-	dev.FailHostAlloc(1, injected) // not an OOM: no retry
+	dev.Faults().FailHostAlloc(1, injected) // not an OOM: no retry
 	if _, err := a.Alloc(1 << 19); !errors.Is(err, injected) {
 		t.Errorf("injected failure: %v", err)
 	}
@@ -346,7 +347,7 @@ var errRecordFails = errors.New("event record fails")
 
 // recordFailDevice fails EventRecord on one live stream.
 type recordFailDevice struct {
-	*cudart.Sim
+	*simdev.Sim
 	fail cudart.Stream
 }
 

@@ -29,6 +29,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/debughttp"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/stats"
 )
 
@@ -131,7 +132,7 @@ func (d *Daemon) closeAllocator(g gpu) error {
 		zap.Int64("bytes_released", before.ReservedBytes[allocator.PoolAll].Current),
 		zap.Int64("live_blocks", before.Allocation[allocator.PoolAll].Current),
 	}
-	if sim, ok := g.dev.(*cudart.Sim); ok {
+	if sim, ok := g.dev.(*simdev.Sim); ok {
 		fields = append(fields, zap.Uint64("device_used_bytes", sim.Used()))
 	}
 	if errors.Is(err, allocator.ErrLiveBlocks) {

@@ -19,6 +19,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/server"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/stats"
 )
 
@@ -36,7 +37,7 @@ func newServeTestDaemonOn(t *testing.T, n int, opts ...allocator.Option) (*serve
 	t.Helper()
 	var devs []cudart.Device
 	for i := range n {
-		dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 4 << 30, Index: i})
+		dev, err := simdev.New(simdev.Config{Capacity: 4 << 30, Index: i})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestSignals: the first signal cancels the context with the signal as
@@ -78,7 +79,7 @@ func TestWriteFileAtomic(t *testing.T) {
 func TestCloseLogsEveryDevice(t *testing.T) {
 	var devs []cudart.Device
 	for i := range 2 {
-		sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Index: i})
+		sim, err := simdev.New(simdev.Config{Capacity: 1 << 30, Index: i})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -108,7 +109,7 @@ func TestCloseLogsEveryDevice(t *testing.T) {
 		t.Errorf("gpu 1 logged live_blocks %v, want 1", live)
 	}
 	for _, dev := range devs {
-		if used := dev.(*cudart.Sim).Used(); used != 0 {
+		if used := dev.(*simdev.Sim).Used(); used != 0 {
 			t.Errorf("device %d still holds %d bytes", dev.Info().Index, used)
 		}
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 const simUUID = "SIM-00000000-0000-0000-0000-000000000000"
@@ -190,15 +191,15 @@ func (f *fakeSource) Stats() allocator.Stats { return f.st }
 func (f *fakeSource) Device() cudart.Device  { return f.dev }
 
 // brokenDevice is a Sim whose MemGetInfo fails.
-type brokenDevice struct{ *cudart.Sim }
+type brokenDevice struct{ *simdev.Sim }
 
 func (brokenDevice) MemGetInfo() (uint64, uint64, error) {
 	return 0, 0, fmt.Errorf("sim: %w", cudart.ErrClosed)
 }
 
-func newSim(t testing.TB, index int) *cudart.Sim {
+func newSim(t testing.TB, index int) *simdev.Sim {
 	t.Helper()
-	s, err := cudart.NewSim(cudart.SimConfig{Capacity: 80 << 30, Index: index, Name: "NVIDIA H200"})
+	s, err := simdev.New(simdev.Config{Capacity: 80 << 30, Index: index, Name: "NVIDIA H200"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,13 +9,14 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/stats"
 )
 
 // Export an allocator's statistics to Prometheus: register a collector
 // with a registry of your own and serve it with promhttp.HandlerFor.
 func ExampleNewCollector() {
-	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+	sim, _ := simdev.New(simdev.Config{Capacity: 1 << 30})
 	defer sim.Close()
 	a, _ := allocator.New(sim, allocator.DefaultConfig())
 	defer a.Close()
@@ -46,7 +47,7 @@ allocd_ooms_total{UUID="SIM-00000000-0000-0000-0000-000000000000",gpu="0"} 1
 
 // Print torch.cuda.memory_summary()'s table for one device.
 func ExampleSummary() {
-	sim, _ := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+	sim, _ := simdev.New(simdev.Config{Capacity: 1 << 30})
 	defer sim.Close()
 	a, _ := allocator.New(sim, allocator.DefaultConfig())
 	defer a.Close()

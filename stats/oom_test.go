@@ -13,7 +13,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestEveryOOMCounts: a request larger than the device, one over the
@@ -22,7 +22,7 @@ import (
 // warning and leave an oom history entry.
 func TestEveryOOMCounts(t *testing.T) {
 	const capacity = 1 << 30
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: capacity})
+	sim, err := simdev.New(simdev.Config{Capacity: capacity})
 	if err != nil {
 		t.Fatal(err)
 	}

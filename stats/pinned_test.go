@@ -8,13 +8,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/pinned"
+	"github.com/allocd/allocd/simdev"
 )
 
-func newPinned(t *testing.T) (*pinned.Allocator, *cudart.Sim) {
+func newPinned(t *testing.T) (*pinned.Allocator, *simdev.Sim) {
 	t.Helper()
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Backed: true, ManualEvents: true, Index: 3})
+	dev, err := simdev.New(simdev.Config{Capacity: 1 << 30, Backed: true, ManualEvents: true, Index: 3})
 	if err != nil {
 		t.Fatal(err)
 	}

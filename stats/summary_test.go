@@ -7,6 +7,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // scripted runs a fixed sequence on a fresh allocator over a 1 GiB Sim
@@ -16,7 +17,7 @@ import (
 // empty cache. The allocator is left open, with three live allocations.
 func scripted(t testing.TB) *allocator.Allocator {
 	t.Helper()
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30})
+	dev, err := simdev.New(simdev.Config{Capacity: 1 << 30})
 	if err != nil {
 		t.Fatal(err)
 	}

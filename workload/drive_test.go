@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 	"go.uber.org/zap"
 )
@@ -31,7 +31,7 @@ func loadTestTrace(t *testing.T) *Trace {
 
 func newLoadAllocator(t *testing.T, manualEvents bool) *allocator.Allocator {
 	t.Helper()
-	dev, err := cudart.NewSim(cudart.SimConfig{Capacity: 141 << 30, ManualEvents: manualEvents})
+	dev, err := simdev.New(simdev.Config{Capacity: 141 << 30, ManualEvents: manualEvents})
 	if err != nil {
 		t.Fatal(err)
 	}

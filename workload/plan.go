@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 	"github.com/google/btree"
 )
@@ -19,8 +20,8 @@ type recordedSegment struct {
 func (s recordedSegment) end() uint64 { return s.addr + s.size }
 
 // CheckSegments checks the segment_alloc entries of a device trace as the
-// plan of a simulated device's addresses (device 0; SimConfig.Addresses):
-// each segment must pass cudart.CheckPlannedAddress (a positive size, an
+// plan of a simulated device's addresses (device 0; simdev.Config.Addresses):
+// each segment must pass simdev.CheckPlannedAddress (a positive size, an
 // address aligned to 2 MiB, no wrap past 2^64, inside the device's range),
 // and overlap no segment the trace still holds at that point (allocated
 // by an earlier segment_alloc and not freed by a segment_free at its
@@ -38,8 +39,8 @@ func CheckSegments(entries []snapshot.Entry) error {
 			}
 		case snapshot.ActionSegmentAlloc:
 			seg := recordedSegment{addr: e.Addr, size: e.Size, entry: i}
-			err := cudart.CheckPlannedAddress(plan, cudart.SimAddress{Addr: cudart.Ptr(e.Addr), Size: e.Size}, 0)
-			if pe := (*cudart.PlanError)(nil); errors.As(err, &pe) {
+			err := simdev.CheckPlannedAddress(plan, simdev.Address{Addr: cudart.Ptr(e.Addr), Size: e.Size}, 0)
+			if pe := (*simdev.PlanError)(nil); errors.As(err, &pe) {
 				return fmt.Errorf("trace entry %d, segment_alloc of %d bytes at %#x: %s: %w", i, e.Size, e.Addr, pe.Reason, cudart.ErrInvalidValue)
 			} else if err != nil {
 				return err

@@ -9,6 +9,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
@@ -46,11 +47,11 @@ type ReplayResult struct {
 // planned Sim addresses. A Sim given them hands out the addresses the
 // recorded program got, so best fit, which breaks ties by address, places
 // blocks exactly as the recorded allocator did.
-func SegmentAddresses(entries []snapshot.Entry) []cudart.SimAddress {
-	var out []cudart.SimAddress
+func SegmentAddresses(entries []snapshot.Entry) []simdev.Address {
+	var out []simdev.Address
 	for _, e := range entries {
 		if e.Action == snapshot.ActionSegmentAlloc {
-			out = append(out, cudart.SimAddress{Addr: cudart.Ptr(e.Addr), Size: e.Size})
+			out = append(out, simdev.Address{Addr: cudart.Ptr(e.Addr), Size: e.Size})
 		}
 	}
 	return out
@@ -99,7 +100,7 @@ type ReplayOptions struct {
 // a and closes it.
 func Replay(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayResult, error) {
 	dev := a.Device()
-	sim, _ := dev.(*cudart.Sim)
+	sim, _ := dev.(*simdev.Sim)
 	r := &replayer{a: a, dev: dev, sim: sim, streams: opt.Streams}
 	if r.streams == nil {
 		r.streams = map[uint64]cudart.Stream{}
@@ -132,7 +133,7 @@ func Replay(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayRe
 type replayer struct {
 	a           *allocator.Allocator
 	dev         cudart.Device
-	sim         *cudart.Sim
+	sim         *simdev.Sim
 	streams     map[uint64]cudart.Stream
 	created     []cudart.Stream // trace streams this replay created
 	sideCreated []cudart.Stream // side streams this replay created

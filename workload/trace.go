@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"path/filepath"
 
-	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/trace"
 )
@@ -19,7 +19,7 @@ type Trace struct {
 	Ops trace.Ops
 	// Addresses are the recorded segment addresses (SegmentAddresses),
 	// for a Sim to hand out again.
-	Addresses []cudart.SimAddress
+	Addresses []simdev.Address
 
 	planErr error // CheckSegments of the entries
 }

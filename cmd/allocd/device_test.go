@@ -6,15 +6,16 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // fakeCUDA replaces the CUDA calls of serve's devices with Sims: count devices,
 // of which the one with index failAt (if any) cannot be opened.
-func fakeCUDA(t *testing.T, count int, countErr error, failAt int) *[]*cudart.Sim {
+func fakeCUDA(t *testing.T, count int, countErr error, failAt int) *[]*simdev.Sim {
 	t.Helper()
 	oldCount, oldOpen := cudaDeviceCount, openCUDAIndex
 	t.Cleanup(func() { cudaDeviceCount, openCUDAIndex = oldCount, oldOpen })
-	opened := &[]*cudart.Sim{}
+	opened := &[]*simdev.Sim{}
 	cudaDeviceCount = func() (int, error) { return count, countErr }
 	openCUDAIndex = func(i int) (cudart.Device, error) {
 		if i == failAt {
@@ -23,7 +24,7 @@ func fakeCUDA(t *testing.T, count int, countErr error, failAt int) *[]*cudart.Si
 		if i >= count {
 			return nil, fmt.Errorf("cudart: open device %d: no such device: %w", i, cudart.ErrInvalidValue)
 		}
-		s, err := cudart.NewSim(cudart.SimConfig{Capacity: 1 << 30, Index: i, Name: "fake GPU"})
+		s, err := simdev.New(simdev.Config{Capacity: 1 << 30, Index: i, Name: "fake GPU"})
 		if err != nil {
 			return nil, err
 		}

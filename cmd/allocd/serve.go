@@ -20,6 +20,7 @@ import (
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/server"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/workload"
 )
 
@@ -247,7 +248,7 @@ func checkFloatFlag(flag string, v, lo, hi float64, what string) error {
 // CUDA driver the error is one line with the way to a simulated device;
 // the driver's full story (every library tried) is logged at debug level.
 func openServeDevices(spec devspec.Spec, setting string, capacity uint64, load *workload.Load, log *zap.Logger) ([]cudart.Device, error) {
-	o := devspec.Opener{Sim: cudart.SimConfig{Capacity: capacity}, DeviceCount: cudaDeviceCount, OpenCUDA: openCUDAIndex}
+	o := devspec.Opener{Sim: simdev.Config{Capacity: capacity}, DeviceCount: cudaDeviceCount, OpenCUDA: openCUDAIndex}
 	if load != nil && load.Trace != nil {
 		if err := load.Trace.CheckPlan(); spec.Sim && err != nil {
 			return nil, fmt.Errorf("--replay: %w", err)

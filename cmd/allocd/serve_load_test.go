@@ -12,6 +12,7 @@ import (
 
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/workload"
 )
 
@@ -154,7 +155,7 @@ func TestServeReplayDevice(t *testing.T) {
 	}
 	defer devspec.CloseAll(devs)
 	dev := devs[0]
-	sim := dev.(*cudart.Sim)
+	sim := dev.(*simdev.Sim)
 	if len(devs) != 1 || !sim.ManualEvents() {
 		t.Errorf("replay devices: %d, manual events %v; want 1 with manual events", len(devs), sim.ManualEvents())
 	}
@@ -167,7 +168,7 @@ func TestServeReplayDevice(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer devspec.CloseAll(syn)
-	if syn[0].(*cudart.Sim).ManualEvents() {
+	if syn[0].(*simdev.Sim).ManualEvents() {
 		t.Error("synthetic workload's device has manual events")
 	}
 
@@ -188,7 +189,7 @@ func TestServeReplayDevice(t *testing.T) {
 		t.Fatalf("sim:3 opened %d devices", len(devs3))
 	}
 	for i, dev := range devs3 {
-		sim := dev.(*cudart.Sim)
+		sim := dev.(*simdev.Sim)
 		if dev.Info().Index != i || !sim.ManualEvents() {
 			t.Errorf("device %d: index %d, manual events %v", i, dev.Info().Index, sim.ManualEvents())
 		}

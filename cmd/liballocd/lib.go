@@ -44,6 +44,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
+	"github.com/allocd/allocd/simdev"
 )
 
 // maxDevices bounds the device index: PyTorch's c10::DeviceIndex is an
@@ -222,7 +223,7 @@ func sameArgs(a, b settings) bool {
 	return a == b
 }
 
-// openDevice opens device index: a cudart.Sim under ALLOCD_DEVICE=sim, else
+// openDevice opens device index: a simdev.Sim under ALLOCD_DEVICE=sim, else
 // the CUDA device through the libcudart already loaded in the process.
 func openDevice(sim simSpec, index int) (cudart.Device, error) {
 	if !sim.on {
@@ -232,7 +233,7 @@ func openDevice(sim simSpec, index int) (cudart.Device, error) {
 		return nil, fmt.Errorf("allocd: device %d: ALLOCD_DEVICE gives %d simulated devices: %w",
 			index, sim.count, allocator.ErrNoSuchDevice)
 	}
-	s, err := cudart.NewSim(cudart.SimConfig{Capacity: sim.capacity, Index: index, ManualEvents: sim.manual})
+	s, err := simdev.New(simdev.Config{Capacity: sim.capacity, Index: index, ManualEvents: sim.manual})
 	if err != nil {
 		return nil, err
 	}

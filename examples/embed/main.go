@@ -37,6 +37,7 @@ import (
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/debughttp"
+	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/stats"
 )
 
@@ -74,7 +75,7 @@ func run(ctx context.Context, out io.Writer, args []string) error {
 	dev := a.Device()
 	info := dev.Info()
 	kind, why := "CUDA device", ""
-	if _, sim := dev.(*cudart.Sim); sim {
+	if _, sim := dev.(*simdev.Sim); sim {
 		kind, why = "simulated device", ", asked for by ALLOCD_DEVICE=sim"
 	}
 	fmt.Fprintf(out, "device: %s %d (%s, %s%s)\n", kind, info.Index, info.Name, allocator.FormatSize(info.TotalMemory), why)
@@ -104,7 +105,7 @@ func run(ctx context.Context, out io.Writer, args []string) error {
 
 	// 3. RecordStream: work queued on side reads weights, so its memory
 	// may be reused only once that work is done, even after Free.
-	if err := dev.MemsetAsync(weights, 0, 64<<20, side); errors.Is(err, cudart.ErrNotBacked) {
+	if err := dev.MemsetAsync(weights, 0, 64<<20, side); errors.Is(err, simdev.ErrNotBacked) {
 		fmt.Fprintln(out, "memset: skipped, the simulated device holds no data")
 	} else if err != nil {
 		return fmt.Errorf("memset on the side stream: %w", err)

@@ -1,6 +1,6 @@
 //go:build !linux
 
-package cudart
+package simdev
 
 // physicalMemory returns 0: the machine's physical memory is not known
 // here, and the Sim's host capacity alone bounds HostAlloc.

@@ -1,14 +1,16 @@
-package cudart
+package simdev
 
 import (
 	"bytes"
 	"errors"
 	"testing"
+
+	"github.com/allocd/allocd/cudart"
 )
 
 func newHostSim(t *testing.T, manual bool) *Sim {
 	t.Helper()
-	s, err := NewSim(SimConfig{Capacity: 1 << 30, Backed: true, ManualEvents: manual})
+	s, err := New(Config{Capacity: 1 << 30, Backed: true, ManualEvents: manual})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -17,31 +19,31 @@ func newHostSim(t *testing.T, manual bool) *Sim {
 
 func TestSimHostAllocFree(t *testing.T) {
 	s := newHostSim(t, false)
-	if _, err := s.HostAlloc(0, 0); !errors.Is(err, ErrInvalidValue) {
+	if _, err := s.HostAlloc(0, 0); !errors.Is(err, cudart.ErrInvalidValue) {
 		t.Errorf("HostAlloc(0) = %v, want ErrInvalidValue", err)
 	}
-	if _, err := s.HostAlloc(10, 8); !errors.Is(err, ErrInvalidValue) {
+	if _, err := s.HostAlloc(10, 8); !errors.Is(err, cudart.ErrInvalidValue) {
 		t.Errorf("HostAlloc with flag 8 = %v, want ErrInvalidValue", err)
 	}
-	b, err := s.HostAlloc(4096, HostAllocPortable|HostAllocMapped)
+	b, err := s.HostAlloc(4096, cudart.HostAllocPortable|cudart.HostAllocMapped)
 	if err != nil || len(b) != 4096 || cap(b) != 4096 {
 		t.Fatalf("HostAlloc = len %d cap %d, %v", len(b), cap(b), err)
 	}
-	if err := s.FreeHost(b[1:]); !errors.Is(err, ErrInvalidValue) {
+	if err := s.FreeHost(b[1:]); !errors.Is(err, cudart.ErrInvalidValue) {
 		t.Errorf("FreeHost of an interior slice = %v, want ErrInvalidValue", err)
 	}
 	if err := s.FreeHost(b); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.FreeHost(b); !errors.Is(err, ErrInvalidValue) {
+	if err := s.FreeHost(b); !errors.Is(err, cudart.ErrInvalidValue) {
 		t.Errorf("second FreeHost = %v, want ErrInvalidValue", err)
 	}
 	s.SetHostCapacity(1000)
-	if _, err := s.HostAlloc(1001, 0); !errors.Is(err, ErrOutOfMemory) {
+	if _, err := s.HostAlloc(1001, 0); !errors.Is(err, cudart.ErrOutOfMemory) {
 		t.Errorf("HostAlloc past the capacity = %v, want ErrOutOfMemory", err)
 	}
-	s.FailHostAlloc(1, nil)
-	if _, err := s.HostAlloc(10, 0); !errors.Is(err, ErrOutOfMemory) {
+	s.Faults().FailHostAlloc(1, nil)
+	if _, err := s.HostAlloc(10, 0); !errors.Is(err, cudart.ErrOutOfMemory) {
 		t.Errorf("injected fault = %v, want ErrOutOfMemory", err)
 	}
 	c := s.HostCounters()
@@ -60,7 +62,7 @@ func TestSimQueuedCopies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pin, _ := s.HostAlloc(64, HostAllocPortable)
+	pin, _ := s.HostAlloc(64, cudart.HostAllocPortable)
 	copy(pin, bytes.Repeat([]byte{1}, 64))
 	if err := s.MemcpyHtoDAsync(d, pin, st); err != nil {
 		t.Fatal(err)
@@ -133,13 +135,13 @@ func TestSimCopyErrors(t *testing.T) {
 	s := newHostSim(t, false)
 	d, _ := s.Malloc(64)
 	b, _ := s.HostAlloc(128, 0)
-	if err := s.MemcpyHtoDAsync(d, b, 0); !errors.Is(err, ErrInvalidValue) {
+	if err := s.MemcpyHtoDAsync(d, b, 0); !errors.Is(err, cudart.ErrInvalidValue) {
 		t.Errorf("copy past the allocation = %v, want ErrInvalidValue", err)
 	}
-	if err := s.MemcpyHtoDAsync(d, b[:64], 99); !errors.Is(err, ErrInvalidValue) {
+	if err := s.MemcpyHtoDAsync(d, b[:64], 99); !errors.Is(err, cudart.ErrInvalidValue) {
 		t.Errorf("copy on an unknown stream = %v, want ErrInvalidValue", err)
 	}
-	u, _ := NewSim(SimConfig{Capacity: 1 << 20})
+	u, _ := New(Config{Capacity: 1 << 20})
 	du, _ := u.Malloc(64)
 	if err := u.MemcpyDtoDAsync(du, du, 64, 0); !errors.Is(err, ErrNotBacked) {
 		t.Errorf("copy on an unbacked sim = %v, want ErrNotBacked", err)
@@ -147,13 +149,13 @@ func TestSimCopyErrors(t *testing.T) {
 }
 
 // TestSimHostAllocHuge: a HostAlloc past the Sim's host capacity, by
-// default or set, is ErrOutOfMemory before any Go memory is asked for, and
+// default or set, is cudart.ErrOutOfMemory before any Go memory is asked for, and
 // a capacity lowered below what is live refuses every HostAlloc until
 // memory is freed.
 func TestSimHostAllocHuge(t *testing.T) {
 	s := newHostSim(t, false)
 	for _, n := range []uint64{1 << 40, 1<<40 + 1, 1 << 62, 1<<63 + 5, ^uint64(0)} {
-		if b, err := s.HostAlloc(n, 0); !errors.Is(err, ErrOutOfMemory) {
+		if b, err := s.HostAlloc(n, 0); !errors.Is(err, cudart.ErrOutOfMemory) {
 			t.Errorf("HostAlloc(%d) = %d bytes, %v; want ErrOutOfMemory", n, len(b), err)
 		}
 	}
@@ -162,11 +164,11 @@ func TestSimHostAllocHuge(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.SetHostCapacity(1 << 10) // below what is live
-	if _, err := s.HostAlloc(1, 0); !errors.Is(err, ErrOutOfMemory) {
+	if _, err := s.HostAlloc(1, 0); !errors.Is(err, cudart.ErrOutOfMemory) {
 		t.Errorf("HostAlloc with the capacity below the live bytes = %v, want ErrOutOfMemory", err)
 	}
 	s.SetHostCapacity(^uint64(0)) // the machine's memory still bounds it
-	if _, err := s.HostAlloc(1<<62, 0); !errors.Is(err, ErrOutOfMemory) {
+	if _, err := s.HostAlloc(1<<62, 0); !errors.Is(err, cudart.ErrOutOfMemory) {
 		t.Errorf("HostAlloc(4 EiB) with an unbounded capacity = %v, want ErrOutOfMemory", err)
 	}
 	s.SetHostCapacity(0) // the default

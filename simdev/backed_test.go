@@ -1,17 +1,19 @@
-package cudart
+package simdev
 
 import (
 	"bytes"
 	"errors"
 	"strings"
 	"testing"
+
+	"github.com/allocd/allocd/cudart"
 )
 
 // TestSimUnbackedRefusesData: without Backed, memset and memcpy of a live
 // allocation fail with ErrNotBacked and say what was attempted; a bad
 // address is still reported as such; with Backed the bytes move.
 func TestSimUnbackedRefusesData(t *testing.T) {
-	s, err := NewSim(SimConfig{Capacity: 1 << 30})
+	s, err := New(Config{Capacity: 1 << 30})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -24,7 +26,7 @@ func TestSimUnbackedRefusesData(t *testing.T) {
 	for name, call := range map[string]func() error{
 		"memcpy host to device": func() error { return s.MemcpyHtoD(p, buf) },
 		"memcpy device to host": func() error { return s.MemcpyDtoH(buf, p) },
-		"memset":                func() error { return s.MemsetAsync(p, 7, 16, DefaultStream) },
+		"memset":                func() error { return s.MemsetAsync(p, 7, 16, cudart.DefaultStream) },
 	} {
 		err := call()
 		if !errors.Is(err, ErrNotBacked) || !strings.Contains(err.Error(), name) {
@@ -34,11 +36,11 @@ func TestSimUnbackedRefusesData(t *testing.T) {
 	if string(buf) != "allocd" {
 		t.Errorf("MemcpyDtoH wrote %q into the buffer", buf)
 	}
-	if err := s.MemcpyHtoD(p+8192, buf); !errors.Is(err, ErrInvalidValue) {
+	if err := s.MemcpyHtoD(p+8192, buf); !errors.Is(err, cudart.ErrInvalidValue) {
 		t.Errorf("memcpy outside any allocation: %v, want ErrInvalidValue", err)
 	}
 
-	b, err := NewSim(SimConfig{Capacity: 1 << 30, Backed: true})
+	b, err := New(Config{Capacity: 1 << 30, Backed: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,8 +1,10 @@
-package cudart
+package simdev
 
 import (
 	"fmt"
 	"unsafe"
+
+	"github.com/allocd/allocd/cudart"
 )
 
 // The Sim's page-locked host memory and stream-ordered copies.
@@ -13,7 +15,7 @@ import (
 // event recorded after it completes (CompleteEvent, EventSynchronize), when
 // its stream does (CompleteStream, StreamSynchronize) or when the device
 // does (CompleteAll, Synchronize, Free, FreeHost). Without
-// SimConfig.ManualEvents every recorded event completes at once, and so do
+// Config.ManualEvents every recorded event completes at once, and so do
 // copies. A copy with host memory not made by HostAlloc (pageable memory)
 // completes its stream's queued work, then happens at once, as CUDA does it. So a test on a Sim with ManualEvents
 // sees what a GPU would do to a buffer that is reused too early: the bytes
@@ -24,17 +26,14 @@ import (
 type simHost struct {
 	live     map[uintptr][]byte // HostAlloc memory by base address
 	used     uint64             // bytes of live HostAlloc memory
-	capacity uint64             // 0: DefaultSimHostCapacity
+	capacity uint64             // 0: DefaultHostCapacity
 	pending  []simCopy          // queued copies, in the order they were queued
 	seq      uint64             // sequence number of the last queued copy
-	failAt   int64              // fail the HostAlloc whose ordinal equals failAt
-	failErr  error
-	calls    int64
-	counters SimHostCounters
+	counters HostCounters
 }
 
-// SimHostCounters counts the host-memory calls a Sim has served.
-type SimHostCounters struct {
+// HostCounters counts the host-memory calls a Sim has served.
+type HostCounters struct {
 	// HostAllocs and HostFrees count successful HostAlloc and FreeHost
 	// calls; FailedHostAllocs the refused ones.
 	HostAllocs, HostFrees, FailedHostAllocs int64
@@ -49,13 +48,16 @@ type SimHostCounters struct {
 // simCopy is one queued copy: dst ← src when its stream reaches it.
 type simCopy struct {
 	seq    uint64
-	stream Stream
-	host   []byte // the host side, nil for device to device
-	dev    Ptr    // the device side (the destination of D2D)
-	src    Ptr    // the source of D2D
+	stream cudart.Stream
+	host   []byte     // the host side, nil for device to device
+	dev    cudart.Ptr // the device side (the destination of D2D)
+	src    cudart.Ptr // the source of D2D
 	n      uint64
 	dir    uint8 // copyHtoD, copyDtoH, copyDtoD
 }
+
+// maxHostSlice is the largest []byte this platform can hold.
+const maxHostSlice = uint64(^uint(0) >> 1)
 
 const (
 	copyHtoD uint8 = iota + 1
@@ -63,12 +65,12 @@ const (
 	copyDtoD
 )
 
-// DefaultSimHostCapacity is the Sim's page-locked memory when
+// DefaultHostCapacity is the Sim's page-locked memory when
 // SetHostCapacity has not set another: 64 GiB.
-const DefaultSimHostCapacity uint64 = 64 << 30
+const DefaultHostCapacity uint64 = 64 << 30
 
 // SetHostCapacity caps the Sim's live HostAlloc memory at n bytes (0:
-// DefaultSimHostCapacity); a HostAlloc past it fails with ErrOutOfMemory.
+// DefaultHostCapacity); a HostAlloc past it fails with cudart.ErrOutOfMemory.
 // Whatever n is, the live HostAlloc memory also stays within the machine's
 // physical memory where the system reports it (Linux), as page-locked
 // memory must: the Sim's host memory is Go memory, and a Go allocation the
@@ -85,7 +87,7 @@ func (s *Sim) SetHostCapacity(n uint64) {
 func (s *Sim) hostLimit() uint64 {
 	c := s.host.capacity
 	if c == 0 {
-		c = DefaultSimHostCapacity
+		c = DefaultHostCapacity
 	}
 	if m := physicalMemory(); m != 0 {
 		c = min(c, m)
@@ -93,22 +95,8 @@ func (s *Sim) hostLimit() uint64 {
 	return min(c, maxHostSlice)
 }
 
-// FailHostAlloc makes the n-th HostAlloc call from now (n = 1: the next)
-// fail with err, or with an out-of-memory error when err is nil. n <= 0
-// clears a pending fault.
-func (s *Sim) FailHostAlloc(n int, err error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if n <= 0 {
-		s.host.failAt = 0
-		return
-	}
-	s.host.failAt = s.host.calls + int64(n)
-	s.host.failErr = err
-}
-
 // HostCounters returns a copy of the host-memory counters.
-func (s *Sim) HostCounters() SimHostCounters {
+func (s *Sim) HostCounters() HostCounters {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	c := s.host.counters
@@ -118,30 +106,28 @@ func (s *Sim) HostCounters() SimHostCounters {
 	return c
 }
 
-// HostAlloc implements HostDevice with Go memory, which the Sim then treats
+// HostAlloc implements cudart.HostDevice with Go memory, which the Sim then treats
 // as page-locked. flags are checked as CUDA checks them and otherwise
 // ignored. A request past the host capacity (SetHostCapacity) fails with
-// ErrOutOfMemory, whatever its size.
-func (s *Sim) HostAlloc(size uint64, flags HostAllocFlags) ([]byte, error) {
+// cudart.ErrOutOfMemory, whatever its size.
+func (s *Sim) HostAlloc(size uint64, flags cudart.HostAllocFlags) ([]byte, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return nil, fmt.Errorf("cudart: sim host alloc: %w", ErrClosed)
+		return nil, fmt.Errorf("cudart: sim host alloc: %w", cudart.ErrClosed)
 	}
-	s.host.calls++
-	if s.host.failAt != 0 && s.host.calls == s.host.failAt {
-		s.host.failAt = 0
+	if ok, err := s.faults.hostAllocFault(); ok {
 		s.host.counters.FailedHostAllocs++
-		if s.host.failErr != nil {
-			return nil, s.host.failErr
+		if err != nil {
+			return nil, err
 		}
 		return nil, s.oom("cudaHostAlloc")
 	}
 	if size == 0 {
-		return nil, fmt.Errorf("cudart: sim host alloc of 0 bytes: %w", ErrInvalidValue)
+		return nil, fmt.Errorf("cudart: sim host alloc of 0 bytes: %w", cudart.ErrInvalidValue)
 	}
-	if flags&^hostAllocFlagsMask != 0 {
-		return nil, fmt.Errorf("cudart: sim host alloc: unknown flags %#x: %w", uint32(flags), ErrInvalidValue)
+	if !flags.Valid() {
+		return nil, fmt.Errorf("cudart: sim host alloc: unknown flags %#x: %w", uint32(flags), cudart.ErrInvalidValue)
 	}
 	// Checked before any Go memory is asked for: the runtime cannot
 	// refuse a make([]byte) with an error.
@@ -159,18 +145,18 @@ func (s *Sim) HostAlloc(size uint64, flags HostAllocFlags) ([]byte, error) {
 	return b, nil
 }
 
-// FreeHost implements HostDevice. Like cudaFreeHost it synchronises the
+// FreeHost implements cudart.HostDevice. Like cudaFreeHost it synchronises the
 // device first, so every queued copy runs.
 func (s *Sim) FreeHost(b []byte) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return fmt.Errorf("cudart: sim free host: %w", ErrClosed)
+		return fmt.Errorf("cudart: sim free host: %w", cudart.ErrClosed)
 	}
 	p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
 	live, ok := s.host.live[p]
 	if p == 0 || !ok {
-		return fmt.Errorf("cudart: sim free host of %#x, which is not a live host allocation: %w", p, ErrInvalidValue)
+		return fmt.Errorf("cudart: sim free host of %#x, which is not a live host allocation: %w", p, cudart.ErrInvalidValue)
 	}
 	s.completeAllLocked()
 	delete(s.host.live, p)
@@ -225,7 +211,7 @@ func (s *Sim) queueCopy(op string, c simCopy) error {
 
 // runCopy moves a copy's bytes. The device ranges were live when the copy
 // was queued and Free runs queued copies before it frees; a copy whose
-// range was unmapped (VirtualMemory) meanwhile moves nothing.
+// range was unmapped (cudart.VirtualMemory) meanwhile moves nothing.
 func (s *Sim) runCopy(op string, c *simCopy) error {
 	s.host.counters.CopiesRun++
 	dev, err := s.backed(op, c.dev, c.n)
@@ -262,7 +248,7 @@ func (s *Sim) runCopy(op string, c *simCopy) error {
 // runCopies runs, in queue order, the pending copies that match: all of
 // them (all), or those on stream st queued before sequence number upTo.
 // s.mu must be held.
-func (s *Sim) runCopies(all bool, st Stream, upTo uint64) {
+func (s *Sim) runCopies(all bool, st cudart.Stream, upTo uint64) {
 	if len(s.host.pending) == 0 {
 		return
 	}
@@ -279,25 +265,25 @@ func (s *Sim) runCopies(all bool, st Stream, upTo uint64) {
 	s.host.pending = kept
 }
 
-// MemcpyHtoDAsync implements HostDevice. Without SimConfig.Backed it fails
+// MemcpyHtoDAsync implements cudart.HostDevice. Without Config.Backed it fails
 // with ErrNotBacked.
-func (s *Sim) MemcpyHtoDAsync(dst Ptr, src []byte, st Stream) error {
+func (s *Sim) MemcpyHtoDAsync(dst cudart.Ptr, src []byte, st cudart.Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.queueCopy("memcpy async host to device", simCopy{stream: st, host: src, dev: dst, n: uint64(len(src)), dir: copyHtoD})
 }
 
-// MemcpyDtoHAsync implements HostDevice. Without SimConfig.Backed it fails
+// MemcpyDtoHAsync implements cudart.HostDevice. Without Config.Backed it fails
 // with ErrNotBacked.
-func (s *Sim) MemcpyDtoHAsync(dst []byte, src Ptr, st Stream) error {
+func (s *Sim) MemcpyDtoHAsync(dst []byte, src cudart.Ptr, st cudart.Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.queueCopy("memcpy async device to host", simCopy{stream: st, host: dst, dev: src, n: uint64(len(dst)), dir: copyDtoH})
 }
 
-// MemcpyDtoDAsync implements HostDevice. Without SimConfig.Backed it fails
+// MemcpyDtoDAsync implements cudart.HostDevice. Without Config.Backed it fails
 // with ErrNotBacked.
-func (s *Sim) MemcpyDtoDAsync(dst, src Ptr, size uint64, st Stream) error {
+func (s *Sim) MemcpyDtoDAsync(dst, src cudart.Ptr, size uint64, st cudart.Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.queueCopy("memcpy async device to device", simCopy{stream: st, dev: dst, src: src, n: size, dir: copyDtoD})

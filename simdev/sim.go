@@ -1,4 +1,13 @@
-package cudart
+// Package simdev is a simulated GPU: a cudart.Device in pure Go that models
+// capacity, address assignment (each device in its own range, Range;
+// optionally the addresses a recorded program got, Config.Addresses),
+// streams, events, virtual memory (cudart.VirtualMemory), stream-ordered
+// allocation (cudart.AsyncAllocator) and page-locked host memory with
+// queued copies (cudart.HostDevice). CI, the tests and `allocd replay` use
+// it on machines without a GPU; devspec opens it for the `sim` device
+// specification. Tests make chosen calls fail through a Sim's Faults. It
+// imports cudart and never the reverse, and uses no cgo.
+package simdev
 
 import (
 	"errors"
@@ -6,13 +15,14 @@ import (
 	"sync"
 	"time"
 
+	"github.com/allocd/allocd/cudart"
 	"github.com/google/btree"
 )
 
-// SimConfig configures a simulated device.
-type SimConfig struct {
+// Config configures a simulated device.
+type Config struct {
 	// Capacity is the device memory in bytes. Malloc fails with
-	// ErrOutOfMemory once the live allocations would exceed it.
+	// cudart.ErrOutOfMemory once the live allocations would exceed it.
 	Capacity uint64
 	// Index is the device ordinal reported by Info.
 	Index int
@@ -38,13 +48,13 @@ type SimConfig struct {
 	// otherwise it takes a fresh address. Best fit breaks ties by address,
 	// so replaying with the recorded addresses reproduces the recorded
 	// placement exactly. Every planned range must pass
-	// CheckPlannedAddress (inside SimRange(Index), aligned, not wrapping).
-	Addresses []SimAddress
+	// CheckPlannedAddress (inside Range(Index), aligned, not wrapping).
+	Addresses []Address
 }
 
-// SimAddress is one planned allocation: its address and size.
-type SimAddress struct {
-	Addr Ptr
+// Address is one planned allocation: its address and size.
+type Address struct {
+	Addr cudart.Ptr
 	Size uint64
 }
 
@@ -53,8 +63,8 @@ type SimAddress struct {
 // recording keeps most recorded addresses.
 const planLookahead = 64
 
-// SimCounters counts the calls a Sim has served.
-type SimCounters struct {
+// Counters counts the calls a Sim has served.
+type Counters struct {
 	Mallocs, Frees, FailedMallocs           int64
 	StreamCreates, StreamDestroys           int64
 	EventCreates, EventDestroys             int64
@@ -64,7 +74,7 @@ type SimCounters struct {
 }
 
 // The simulated address space. Device i owns the addresses
-// [i×SimDeviceSpan + simFloor, (i+1)×SimDeviceSpan) (SimRange), almost
+// [i×DeviceSpan + simFloor, (i+1)×DeviceSpan) (Range), almost
 // 64 PiB, so that several Sims in one process never hand out the same
 // address, a pointer freed on the wrong device's allocator is recognised as
 // foreign, and a device's range holds the expandable segments' reservations
@@ -75,49 +85,40 @@ type SimCounters struct {
 // holds the range CUDA hands out on Linux (0x7f...), where recorded
 // (planned) addresses lie; fresh addresses start at its bottom, below them.
 const (
-	// SimDeviceSpan is the address space between the ranges of
+	// DeviceSpan is the address space between the ranges of
 	// consecutive simulated devices (2^56 bytes, 64 PiB).
-	SimDeviceSpan uint64 = 1 << 56
-	// MaxSimIndex is the largest simulated device index.
-	MaxSimIndex = 126
+	DeviceSpan uint64 = 1 << 56
+	// MaxIndex is the largest simulated device index.
+	MaxIndex = 126
 
 	simFloor uint64 = 0x100000000000 // 16 TiB, the unused bottom of each span
 	simAlign uint64 = 2 << 20
 )
 
-// SimRange returns the addresses a simulated device of the given index owns,
+// Range returns the addresses a simulated device of the given index owns,
 // [lo, hi): every address it hands out, and every planned address it
-// accepts, lies inside. An index outside [0, MaxSimIndex] is an error
-// wrapping ErrInvalidValue.
-func SimRange(index int) (lo, hi Ptr, err error) {
-	if index < 0 || index > MaxSimIndex {
-		return 0, 0, fmt.Errorf("cudart: sim index %d is outside [0, %d]: %w", index, MaxSimIndex, ErrInvalidValue)
+// accepts, lies inside. An index outside [0, MaxIndex] is an error
+// wrapping cudart.ErrInvalidValue.
+func Range(index int) (lo, hi cudart.Ptr, err error) {
+	if index < 0 || index > MaxIndex {
+		return 0, 0, fmt.Errorf("cudart: sim index %d is outside [0, %d]: %w", index, MaxIndex, cudart.ErrInvalidValue)
 	}
-	base := uint64(index) * SimDeviceSpan
-	return Ptr(base + simFloor), Ptr(base + SimDeviceSpan), nil
+	base := uint64(index) * DeviceSpan
+	return cudart.Ptr(base + simFloor), cudart.Ptr(base + DeviceSpan), nil
 }
 
-// AddressRanger is a Device whose addresses all lie in one range, known
-// before it hands any out: a Sim is one (SimRange). Callers that hold
-// several devices find the owner of a pointer from it.
-type AddressRanger interface {
-	// AddressRange returns the range [lo, hi) that holds every address the
-	// device hands out.
-	AddressRange() (lo, hi Ptr)
-}
+var _ cudart.AddressRanger = (*Sim)(nil)
 
-var _ AddressRanger = (*Sim)(nil)
+// AddressRange implements AddressRanger: Range of the Sim's index.
+func (s *Sim) AddressRange() (lo, hi cudart.Ptr) { return s.lo, s.hi }
 
-// AddressRange implements AddressRanger: SimRange of the Sim's index.
-func (s *Sim) AddressRange() (lo, hi Ptr) { return s.lo, s.hi }
-
-// PlanError reports a planned address (SimConfig.Addresses) that a Sim
-// cannot hand out. It wraps ErrInvalidValue.
+// PlanError reports a planned address (Config.Addresses) that a Sim
+// cannot hand out. It wraps cudart.ErrInvalidValue.
 type PlanError struct {
 	// Entry is the index of the planned address in the plan.
 	Entry int
 	// Addr and Size are the planned range.
-	Addr Ptr
+	Addr cudart.Ptr
 	Size uint64
 	// Reason says what is wrong with it.
 	Reason string
@@ -127,17 +128,17 @@ func (e *PlanError) Error() string {
 	return fmt.Sprintf("cudart: planned address entry %d, [%#x, +%d): %s", e.Entry, uint64(e.Addr), e.Size, e.Reason)
 }
 
-// Unwrap returns ErrInvalidValue.
-func (e *PlanError) Unwrap() error { return ErrInvalidValue }
+// Unwrap returns cudart.ErrInvalidValue.
+func (e *PlanError) Unwrap() error { return cudart.ErrInvalidValue }
 
 // CheckPlannedAddress checks one planned range for a Sim of the given index:
 // a positive size, an address aligned to 2 MiB (as every address a Sim hands
-// out), no wrap past 2^64, and inside SimRange(index). It returns a
+// out), no wrap past 2^64, and inside Range(index). It returns a
 // *PlanError naming entry, or nil. Planned ranges may overlap one another:
 // a recorded program gets an address again once it has freed it, and a Sim
 // takes a planned range only while it is free.
-func CheckPlannedAddress(entry int, a SimAddress, index int) error {
-	lo, hi, err := SimRange(index)
+func CheckPlannedAddress(entry int, a Address, index int) error {
+	lo, hi, err := Range(index)
 	if err != nil {
 		return err
 	}
@@ -160,7 +161,7 @@ func CheckPlannedAddress(entry int, a SimAddress, index int) error {
 // simSpan is a range of a Sim's address space in use: a live allocation
 // or a reservation.
 type simSpan struct {
-	start   Ptr
+	start   cudart.Ptr
 	size    uint64
 	reserve bool // a reservation (Reserve), not an allocation
 }
@@ -170,54 +171,52 @@ func (r simSpan) end() uint64 { return uint64(r.start) + r.size }
 func simSpanLess(a, b simSpan) bool { return a.start < b.start }
 
 type simEvent struct {
-	stream   Stream
+	stream   cudart.Stream
 	recorded bool
 	done     bool
 	seq      uint64 // copies queued on stream up to this one precede it (host_sim.go)
 }
 
-// Sim is a simulated Device. It is safe for concurrent use. Every address
-// lies in the device's own range (SimRange). Addresses come from
-// SimConfig.Addresses when planned, and otherwise are fresh: aligned to
+// Sim is a simulated cudart.Device. It is safe for concurrent use. Every address
+// lies in the device's own range (Range). Addresses come from
+// Config.Addresses when planned, and otherwise are fresh: aligned to
 // 2 MiB, ascending, never reused until the range's end is reached. Two live
 // allocations or reservations never overlap; a range that is not free is
 // found in O(log n).
 type Sim struct {
-	cfg SimConfig
+	cfg Config
 
 	mu       sync.Mutex
 	closed   bool
-	lo, hi   Ptr                    // the device's addresses (SimRange)
-	next     Ptr                    // where the search for fresh addresses starts
+	lo, hi   cudart.Ptr             // the device's addresses (Range)
+	next     cudart.Ptr             // where the search for fresh addresses starts
 	spans    *btree.BTreeG[simSpan] // live allocations and reservations, by address
 	used     uint64
-	allocs   map[Ptr]uint64
-	memory   map[Ptr][]byte
-	streams  map[Stream]bool
-	nextStrm Stream
-	events   map[Event]*simEvent
-	nextEvt  Event
+	allocs   map[cudart.Ptr]uint64
+	memory   map[cudart.Ptr][]byte
+	streams  map[cudart.Stream]bool
+	nextStrm cudart.Stream
+	events   map[cudart.Event]*simEvent
+	nextEvt  cudart.Event
 	planUsed []bool // planned addresses already taken
 	planNext int    // first planned address not yet taken
-	failAt   int64  // fail the malloc whose ordinal equals failAt (0: none)
-	failErr  error
-	calls    int64 // malloc calls so far, failed ones included
-	counters SimCounters
+	faults   Faults // injected failures, for tests
+	counters Counters
 	vmm      simVMM  // virtual memory (sim_vmm.go)
 	host     simHost // host memory and queued copies (host_sim.go)
 }
 
-var _ Device = (*Sim)(nil)
+var _ cudart.Device = (*Sim)(nil)
 
-// NewSim returns a simulated device with the given configuration.
-// A zero Capacity, an Index outside [0, MaxSimIndex] and a planned address
+// New returns a simulated device with the given configuration.
+// A zero Capacity, an Index outside [0, MaxIndex] and a planned address
 // that CheckPlannedAddress refuses (a *PlanError) are errors wrapping
-// ErrInvalidValue.
-func NewSim(cfg SimConfig) (*Sim, error) {
+// cudart.ErrInvalidValue.
+func New(cfg Config) (*Sim, error) {
 	if cfg.Capacity == 0 {
-		return nil, fmt.Errorf("cudart: sim capacity must be positive: %w", ErrInvalidValue)
+		return nil, fmt.Errorf("cudart: sim capacity must be positive: %w", cudart.ErrInvalidValue)
 	}
-	lo, hi, err := SimRange(cfg.Index)
+	lo, hi, err := Range(cfg.Index)
 	if err != nil {
 		return nil, err
 	}
@@ -235,19 +234,19 @@ func NewSim(cfg SimConfig) (*Sim, error) {
 		hi:       hi,
 		next:     lo,
 		spans:    btree.NewG(16, simSpanLess),
-		allocs:   make(map[Ptr]uint64),
-		memory:   make(map[Ptr][]byte),
-		streams:  map[Stream]bool{DefaultStream: true},
+		allocs:   make(map[cudart.Ptr]uint64),
+		memory:   make(map[cudart.Ptr][]byte),
+		streams:  map[cudart.Stream]bool{cudart.DefaultStream: true},
 		nextStrm: 1,
-		events:   make(map[Event]*simEvent),
+		events:   make(map[cudart.Event]*simEvent),
 		nextEvt:  1,
 		planUsed: make([]bool, len(cfg.Addresses)),
 	}, nil
 }
 
-// Info implements Device.
-func (s *Sim) Info() Info {
-	return Info{Index: s.cfg.Index, Name: s.cfg.Name, UUID: fmt.Sprintf("SIM-%08x-0000-0000-0000-000000000000", s.cfg.Index), TotalMemory: s.cfg.Capacity}
+// Info implements cudart.Device.
+func (s *Sim) Info() cudart.Info {
+	return cudart.Info{Index: s.cfg.Index, Name: s.cfg.Name, UUID: fmt.Sprintf("SIM-%08x-0000-0000-0000-000000000000", s.cfg.Index), TotalMemory: s.cfg.Capacity}
 }
 
 func spin(d time.Duration) {
@@ -258,40 +257,31 @@ func spin(d time.Duration) {
 	}
 }
 
-// FailMalloc makes the n-th Malloc call from now (n = 1: the next one) fail
-// with err, or with an out-of-memory error when err is nil. n <= 0 clears a
-// pending fault. A Create (VirtualMemory) counts as a Malloc call.
-func (s *Sim) FailMalloc(n int, err error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if n <= 0 {
-		s.failAt = 0
-		return
-	}
-	s.failAt = s.calls + int64(n)
-	s.failErr = err
-}
+// Faults returns the Sim's fault injector: tests make chosen calls fail
+// through it.
+func (s *Sim) Faults() *Faults { return &s.faults }
 
 func (s *Sim) oom(op string) error {
-	return &CUDAError{Op: op, Code: 2, Name: "cudaErrorMemoryAllocation", Text: "out of memory"}
+	return &cudart.CUDAError{Op: op, Code: 2, Name: "cudaErrorMemoryAllocation", Text: "out of memory"}
 }
 
-// Malloc implements Device.
-func (s *Sim) Malloc(size uint64) (Ptr, error) {
+// Malloc implements cudart.Device.
+func (s *Sim) Malloc(size uint64) (cudart.Ptr, error) {
 	spin(s.cfg.MallocLatency)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return 0, fmt.Errorf("cudart: sim malloc: %w", ErrClosed)
+		return 0, fmt.Errorf("cudart: sim malloc: %w", cudart.ErrClosed)
 	}
-	if ok, err := s.injectedFault(&s.counters.FailedMallocs); ok {
+	if ok, err := s.faults.mallocFault(); ok {
+		s.counters.FailedMallocs++
 		if err == nil {
 			err = s.oom("cudaMalloc")
 		}
 		return 0, err
 	}
 	if size == 0 {
-		return 0, fmt.Errorf("cudart: sim malloc of 0 bytes: %w", ErrInvalidValue)
+		return 0, fmt.Errorf("cudart: sim malloc of 0 bytes: %w", cudart.ErrInvalidValue)
 	}
 	if size > s.cfg.Capacity-s.used {
 		s.counters.FailedMallocs++
@@ -315,7 +305,7 @@ func (s *Sim) Malloc(size uint64) (Ptr, error) {
 }
 
 // planned takes the planned address for a malloc of size, if one fits.
-func (s *Sim) planned(size uint64) (Ptr, bool) {
+func (s *Sim) planned(size uint64) (cudart.Ptr, bool) {
 	plan := s.cfg.Addresses
 	for s.planNext < len(plan) && s.planUsed[s.planNext] {
 		s.planNext++
@@ -333,12 +323,12 @@ func (s *Sim) planned(size uint64) (Ptr, bool) {
 // rangeFree reports whether [p, p+size) lies inside the Sim's range and
 // overlaps no live allocation and no reservation, in O(log n): the spans do
 // not overlap, so only the last one starting below p+size can reach p.
-func (s *Sim) rangeFree(p Ptr, size uint64) bool {
+func (s *Sim) rangeFree(p cudart.Ptr, size uint64) bool {
 	if size == 0 || p < s.lo || p >= s.hi || size > uint64(s.hi-p) {
 		return false
 	}
 	free := true
-	s.spans.DescendLessOrEqual(simSpan{start: p + Ptr(size-1)}, func(r simSpan) bool {
+	s.spans.DescendLessOrEqual(simSpan{start: p + cudart.Ptr(size-1)}, func(r simSpan) bool {
 		free = r.end() <= uint64(p)
 		return false
 	})
@@ -350,7 +340,7 @@ func (s *Sim) rangeFree(p Ptr, size uint64) bool {
 // range's end is reached, the first free range from its bottom. Until the
 // end is first reached no address is handed out twice (the addresses are
 // those of a bump pointer); after it, address space freed is reused.
-func (s *Sim) fresh(size uint64) (Ptr, bool) {
+func (s *Sim) fresh(size uint64) (cudart.Ptr, bool) {
 	span := uint64(s.hi - s.lo)
 	if size == 0 || size > span-simAlign {
 		return 0, false
@@ -361,14 +351,14 @@ func (s *Sim) fresh(size uint64) (Ptr, bool) {
 		p, ok = s.gapFrom(s.lo, n)
 	}
 	if ok {
-		s.next = p + Ptr(n)
+		s.next = p + cudart.Ptr(n)
 	}
 	return p, ok
 }
 
 // gapFrom returns the lowest 2 MiB-aligned address at or past from where n
 // bytes are free and inside the Sim's range.
-func (s *Sim) gapFrom(from Ptr, n uint64) (Ptr, bool) {
+func (s *Sim) gapFrom(from cudart.Ptr, n uint64) (cudart.Ptr, bool) {
 	p := uint64(from)
 	up := func(e uint64) uint64 { return (e + simAlign - 1) / simAlign * simAlign }
 	s.spans.DescendLessOrEqual(simSpan{start: from}, func(r simSpan) bool {
@@ -376,7 +366,7 @@ func (s *Sim) gapFrom(from Ptr, n uint64) (Ptr, bool) {
 		return false
 	})
 	found := false
-	s.spans.AscendGreaterOrEqual(simSpan{start: Ptr(p)}, func(r simSpan) bool {
+	s.spans.AscendGreaterOrEqual(simSpan{start: cudart.Ptr(p)}, func(r simSpan) bool {
 		if p > uint64(s.hi) || n > uint64(s.hi)-p {
 			return false
 		}
@@ -390,34 +380,21 @@ func (s *Sim) gapFrom(from Ptr, n uint64) (Ptr, bool) {
 	if !found && (p > uint64(s.hi) || n > uint64(s.hi)-p) {
 		return 0, false
 	}
-	return Ptr(p), true
+	return cudart.Ptr(p), true
 }
 
-// injectedFault counts a malloc-like call and reports whether FailMalloc
-// chose it to fail, with the error to return (nil: the caller's own
-// out-of-memory error). failed counts the failure. s.mu must be held.
-func (s *Sim) injectedFault(failed *int64) (bool, error) {
-	s.calls++
-	if s.failAt == 0 || s.calls != s.failAt {
-		return false, nil
-	}
-	s.failAt = 0
-	*failed++
-	return true, s.failErr
-}
-
-// Free implements Device. Like cudaFree it synchronises the device, so
+// Free implements cudart.Device. Like cudaFree it synchronises the device, so
 // every pending event completes.
-func (s *Sim) Free(p Ptr) error {
+func (s *Sim) Free(p cudart.Ptr) error {
 	spin(s.cfg.FreeLatency)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return fmt.Errorf("cudart: sim free: %w", ErrClosed)
+		return fmt.Errorf("cudart: sim free: %w", cudart.ErrClosed)
 	}
 	size, ok := s.allocs[p]
 	if !ok {
-		return fmt.Errorf("cudart: sim free of %#x, which is not a live allocation: %w", uint64(p), ErrInvalidValue)
+		return fmt.Errorf("cudart: sim free of %#x, which is not a live allocation: %w", uint64(p), cudart.ErrInvalidValue)
 	}
 	s.completeAllLocked()
 	delete(s.allocs, p)
@@ -428,12 +405,12 @@ func (s *Sim) Free(p Ptr) error {
 	return nil
 }
 
-// MemGetInfo implements Device.
+// MemGetInfo implements cudart.Device.
 func (s *Sim) MemGetInfo() (free, total uint64, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return 0, 0, fmt.Errorf("cudart: sim mem get info: %w", ErrClosed)
+		return 0, 0, fmt.Errorf("cudart: sim mem get info: %w", cudart.ErrClosed)
 	}
 	s.counters.MemGetInfos++
 	return s.cfg.Capacity - s.used, s.cfg.Capacity, nil
@@ -447,12 +424,12 @@ func (s *Sim) Used() uint64 {
 	return s.used
 }
 
-// Synchronize implements Device: every pending event completes.
+// Synchronize implements cudart.Device: every pending event completes.
 func (s *Sim) Synchronize() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return fmt.Errorf("cudart: sim synchronize: %w", ErrClosed)
+		return fmt.Errorf("cudart: sim synchronize: %w", cudart.ErrClosed)
 	}
 	s.counters.DeviceSyncs++
 	s.completeAllLocked()
@@ -468,12 +445,12 @@ func (s *Sim) completeAllLocked() {
 	}
 }
 
-// StreamCreate implements Device.
-func (s *Sim) StreamCreate() (Stream, error) {
+// StreamCreate implements cudart.Device.
+func (s *Sim) StreamCreate() (cudart.Stream, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return 0, fmt.Errorf("cudart: sim stream create: %w", ErrClosed)
+		return 0, fmt.Errorf("cudart: sim stream create: %w", cudart.ErrClosed)
 	}
 	st := s.nextStrm
 	s.nextStrm++
@@ -482,41 +459,41 @@ func (s *Sim) StreamCreate() (Stream, error) {
 	return st, nil
 }
 
-func (s *Sim) checkStream(op string, st Stream) error {
+func (s *Sim) checkStream(op string, st cudart.Stream) error {
 	if s.closed {
-		return fmt.Errorf("cudart: sim %s: %w", op, ErrClosed)
+		return fmt.Errorf("cudart: sim %s: %w", op, cudart.ErrClosed)
 	}
 	if !s.streams[st] {
-		return fmt.Errorf("cudart: sim %s: unknown stream %d: %w", op, st, ErrInvalidValue)
+		return fmt.Errorf("cudart: sim %s: unknown stream %d: %w", op, st, cudart.ErrInvalidValue)
 	}
 	return nil
 }
 
 // ValidStream reports whether st is the default stream or a live stream made
 // by StreamCreate.
-func (s *Sim) ValidStream(st Stream) bool {
+func (s *Sim) ValidStream(st cudart.Stream) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.streams[st]
 }
 
-// StreamDestroy implements Device.
-func (s *Sim) StreamDestroy(st Stream) error {
+// StreamDestroy implements cudart.Device.
+func (s *Sim) StreamDestroy(st cudart.Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.checkStream("stream destroy", st); err != nil {
 		return err
 	}
-	if st == DefaultStream {
-		return fmt.Errorf("cudart: sim stream destroy: the default stream cannot be destroyed: %w", ErrInvalidValue)
+	if st == cudart.DefaultStream {
+		return fmt.Errorf("cudart: sim stream destroy: the default stream cannot be destroyed: %w", cudart.ErrInvalidValue)
 	}
 	delete(s.streams, st)
 	s.counters.StreamDestroys++
 	return nil
 }
 
-// StreamSynchronize implements Device: every event recorded on st completes.
-func (s *Sim) StreamSynchronize(st Stream) error {
+// StreamSynchronize implements cudart.Device: every event recorded on st completes.
+func (s *Sim) StreamSynchronize(st cudart.Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.checkStream("stream synchronize", st); err != nil {
@@ -527,7 +504,7 @@ func (s *Sim) StreamSynchronize(st Stream) error {
 	return nil
 }
 
-func (s *Sim) completeStreamLocked(st Stream) {
+func (s *Sim) completeStreamLocked(st cudart.Stream) {
 	s.runCopies(false, st, s.host.seq)
 	for _, e := range s.events {
 		if e.recorded && e.stream == st {
@@ -536,12 +513,12 @@ func (s *Sim) completeStreamLocked(st Stream) {
 	}
 }
 
-// EventCreate implements Device.
-func (s *Sim) EventCreate() (Event, error) {
+// EventCreate implements cudart.Device.
+func (s *Sim) EventCreate() (cudart.Event, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return 0, fmt.Errorf("cudart: sim event create: %w", ErrClosed)
+		return 0, fmt.Errorf("cudart: sim event create: %w", cudart.ErrClosed)
 	}
 	e := s.nextEvt
 	s.nextEvt++
@@ -550,20 +527,20 @@ func (s *Sim) EventCreate() (Event, error) {
 	return e, nil
 }
 
-func (s *Sim) event(op string, e Event) (*simEvent, error) {
+func (s *Sim) event(op string, e cudart.Event) (*simEvent, error) {
 	if s.closed {
-		return nil, fmt.Errorf("cudart: sim %s: %w", op, ErrClosed)
+		return nil, fmt.Errorf("cudart: sim %s: %w", op, cudart.ErrClosed)
 	}
 	ev, ok := s.events[e]
 	if !ok {
-		return nil, fmt.Errorf("cudart: sim %s: unknown event %d: %w", op, e, ErrInvalidValue)
+		return nil, fmt.Errorf("cudart: sim %s: unknown event %d: %w", op, e, cudart.ErrInvalidValue)
 	}
 	return ev, nil
 }
 
-// EventRecord implements Device. With ManualEvents the event stays pending
+// EventRecord implements cudart.Device. With ManualEvents the event stays pending
 // until completed; otherwise it completes at once.
-func (s *Sim) EventRecord(e Event, st Stream) error {
+func (s *Sim) EventRecord(e cudart.Event, st cudart.Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ev, err := s.event("event record", e)
@@ -578,8 +555,8 @@ func (s *Sim) EventRecord(e Event, st Stream) error {
 	return nil
 }
 
-// EventQuery implements Device.
-func (s *Sim) EventQuery(e Event) (bool, error) {
+// EventQuery implements cudart.Device.
+func (s *Sim) EventQuery(e cudart.Event) (bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ev, err := s.event("event query", e)
@@ -590,8 +567,8 @@ func (s *Sim) EventQuery(e Event) (bool, error) {
 	return ev.done, nil
 }
 
-// EventSynchronize implements Device: the event completes.
-func (s *Sim) EventSynchronize(e Event) error {
+// EventSynchronize implements cudart.Device: the event completes.
+func (s *Sim) EventSynchronize(e cudart.Event) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ev, err := s.event("event synchronize", e)
@@ -603,8 +580,8 @@ func (s *Sim) EventSynchronize(e Event) error {
 	return nil
 }
 
-// EventDestroy implements Device.
-func (s *Sim) EventDestroy(e Event) error {
+// EventDestroy implements cudart.Device.
+func (s *Sim) EventDestroy(e cudart.Event) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, err := s.event("event destroy", e); err != nil {
@@ -616,7 +593,7 @@ func (s *Sim) EventDestroy(e Event) error {
 }
 
 // CompleteEvent marks e complete, as if the GPU had reached it.
-func (s *Sim) CompleteEvent(e Event) error {
+func (s *Sim) CompleteEvent(e cudart.Event) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ev, err := s.event("complete event", e)
@@ -638,7 +615,7 @@ func (s *Sim) completeEventLocked(ev *simEvent) {
 
 // CompleteStream marks every event recorded on st so far complete, as if the
 // GPU had finished the work queued on st.
-func (s *Sim) CompleteStream(st Stream) {
+func (s *Sim) CompleteStream(st cudart.Stream) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.completeStreamLocked(st)
@@ -666,9 +643,9 @@ func (s *Sim) PendingEvents() int {
 
 // region returns the backing bytes of [p, p+n), which must lie inside one
 // live allocation.
-func (s *Sim) region(op string, p Ptr, n uint64) ([]byte, error) {
+func (s *Sim) region(op string, p cudart.Ptr, n uint64) ([]byte, error) {
 	if s.closed {
-		return nil, fmt.Errorf("cudart: sim %s: %w", op, ErrClosed)
+		return nil, fmt.Errorf("cudart: sim %s: %w", op, cudart.ErrClosed)
 	}
 	var in simSpan
 	found := false
@@ -683,29 +660,29 @@ func (s *Sim) region(op string, p Ptr, n uint64) ([]byte, error) {
 		off := uint64(p - in.start)
 		return s.memory[in.start][off : off+n], nil
 	}
-	return nil, fmt.Errorf("cudart: sim %s: [%#x, +%d) is not inside a live allocation: %w", op, uint64(p), n, ErrInvalidValue)
+	return nil, fmt.Errorf("cudart: sim %s: [%#x, +%d) is not inside a live allocation: %w", op, uint64(p), n, cudart.ErrInvalidValue)
 }
 
-// ErrNotBacked: a memset or memcpy on a Sim without SimConfig.Backed,
+// ErrNotBacked: a memset or memcpy on a Sim without Config.Backed,
 // which has no memory to hold the bytes.
 var ErrNotBacked = errors.New("simulated device has no backing memory")
 
 // backed returns the regions of [p, p+n) for op, or an error: the address
 // range is checked first, then that the Sim holds bytes at all.
-func (s *Sim) backed(op string, p Ptr, n uint64) ([][]byte, error) {
+func (s *Sim) backed(op string, p cudart.Ptr, n uint64) ([][]byte, error) {
 	bs, err := s.regions(op, p, n)
 	if err != nil {
 		return nil, err
 	}
 	if !s.cfg.Backed {
-		return nil, fmt.Errorf("cudart: sim %s of %d bytes at %#x: %w (create it with SimConfig.Backed)", op, n, uint64(p), ErrNotBacked)
+		return nil, fmt.Errorf("cudart: sim %s of %d bytes at %#x: %w (create it with Config.Backed)", op, n, uint64(p), ErrNotBacked)
 	}
 	return bs, nil
 }
 
-// MemsetAsync implements Device. It takes effect at once. Without
-// SimConfig.Backed it fails with ErrNotBacked.
-func (s *Sim) MemsetAsync(p Ptr, value byte, size uint64, st Stream) error {
+// MemsetAsync implements cudart.Device. It takes effect at once. Without
+// Config.Backed it fails with ErrNotBacked.
+func (s *Sim) MemsetAsync(p cudart.Ptr, value byte, size uint64, st cudart.Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.checkStream("memset", st); err != nil {
@@ -723,9 +700,9 @@ func (s *Sim) MemsetAsync(p Ptr, value byte, size uint64, st Stream) error {
 	return nil
 }
 
-// MemcpyHtoD implements Device. Without SimConfig.Backed it fails with
+// MemcpyHtoD implements cudart.Device. Without Config.Backed it fails with
 // ErrNotBacked.
-func (s *Sim) MemcpyHtoD(dst Ptr, src []byte) error {
+func (s *Sim) MemcpyHtoD(dst cudart.Ptr, src []byte) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	bs, err := s.backed("memcpy host to device", dst, uint64(len(src)))
@@ -738,9 +715,9 @@ func (s *Sim) MemcpyHtoD(dst Ptr, src []byte) error {
 	return nil
 }
 
-// MemcpyDtoH implements Device. Without SimConfig.Backed it fails with
+// MemcpyDtoH implements cudart.Device. Without Config.Backed it fails with
 // ErrNotBacked.
-func (s *Sim) MemcpyDtoH(dst []byte, src Ptr) error {
+func (s *Sim) MemcpyDtoH(dst []byte, src cudart.Ptr) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	bs, err := s.backed("memcpy device to host", src, uint64(len(dst)))
@@ -754,7 +731,7 @@ func (s *Sim) MemcpyDtoH(dst []byte, src Ptr) error {
 }
 
 // Counters returns a copy of the call counters.
-func (s *Sim) Counters() SimCounters {
+func (s *Sim) Counters() Counters {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	c := s.counters
@@ -764,53 +741,53 @@ func (s *Sim) Counters() SimCounters {
 	return c
 }
 
-// Close implements Device. Later calls return ErrClosed.
+// Close implements cudart.Device. Later calls return cudart.ErrClosed.
 func (s *Sim) Close() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return fmt.Errorf("cudart: sim close: %w", ErrClosed)
+		return fmt.Errorf("cudart: sim close: %w", cudart.ErrClosed)
 	}
 	s.closed = true
 	return nil
 }
 
-var _ StreamChecker = (*Sim)(nil)
+var _ cudart.StreamChecker = (*Sim)(nil)
 
-// CheckStream implements StreamChecker.
-func (s *Sim) CheckStream(st Stream) error {
+// CheckStream implements cudart.StreamChecker.
+func (s *Sim) CheckStream(st cudart.Stream) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.checkStream("check stream", st)
 }
 
 // ManualEvents reports whether recorded events wait for the test to
-// complete them (SimConfig.ManualEvents).
+// complete them (Config.ManualEvents).
 func (s *Sim) ManualEvents() bool { return s.cfg.ManualEvents }
 
 var (
-	_ AsyncAllocator = (*Sim)(nil)
-	_ PoolReporter   = (*Sim)(nil)
+	_ cudart.AsyncAllocator = (*Sim)(nil)
+	_ cudart.PoolReporter   = (*Sim)(nil)
 )
 
-// MallocAsync implements AsyncAllocator: the simulated pool is the device
+// MallocAsync implements cudart.AsyncAllocator: the simulated pool is the device
 // itself, so it behaves as Malloc after checking the stream.
-func (s *Sim) MallocAsync(size uint64, st Stream) (Ptr, error) {
+func (s *Sim) MallocAsync(size uint64, st cudart.Stream) (cudart.Ptr, error) {
 	if !s.ValidStream(st) {
-		return 0, fmt.Errorf("cudart: sim malloc async: unknown stream %d: %w", st, ErrInvalidValue)
+		return 0, fmt.Errorf("cudart: sim malloc async: unknown stream %d: %w", st, cudart.ErrInvalidValue)
 	}
 	return s.Malloc(size)
 }
 
-// FreeAsync implements AsyncAllocator.
-func (s *Sim) FreeAsync(p Ptr, st Stream) error {
+// FreeAsync implements cudart.AsyncAllocator.
+func (s *Sim) FreeAsync(p cudart.Ptr, st cudart.Stream) error {
 	if !s.ValidStream(st) {
-		return fmt.Errorf("cudart: sim free async: unknown stream %d: %w", st, ErrInvalidValue)
+		return fmt.Errorf("cudart: sim free async: unknown stream %d: %w", st, cudart.ErrInvalidValue)
 	}
 	return s.Free(p)
 }
 
-// TrimPool implements AsyncAllocator; the simulated pool holds nothing
+// TrimPool implements cudart.AsyncAllocator; the simulated pool holds nothing
 // beyond live allocations.
 func (s *Sim) TrimPool() error { return nil }
 

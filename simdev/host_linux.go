@@ -1,4 +1,4 @@
-package cudart
+package simdev
 
 import (
 	"sync"

@@ -1,17 +1,19 @@
-package cudart
+package simdev
 
 import (
 	"bytes"
 	"errors"
 	"strings"
 	"testing"
+
+	"github.com/allocd/allocd/cudart"
 )
 
 const vmmMiB = uint64(1) << 20
 
 func newVMMSim(t *testing.T, capacity uint64, backed bool) *Sim {
 	t.Helper()
-	s, err := NewSim(SimConfig{Capacity: capacity, Backed: backed})
+	s, err := New(Config{Capacity: capacity, Backed: backed})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -34,7 +36,7 @@ func wantErr(t *testing.T, what string, err, want error, words ...string) {
 
 func TestSimVMMLifecycle(t *testing.T) {
 	s := newVMMSim(t, 100*vmmMiB, false)
-	var vm VirtualMemory = s
+	var vm cudart.VirtualMemory = s
 	if g, err := vm.Granularity(); err != nil || g != 2*vmmMiB {
 		t.Fatalf("Granularity = %d, %v", g, err)
 	}
@@ -53,7 +55,7 @@ func TestSimVMMLifecycle(t *testing.T) {
 	if uint64(r1)%(2*vmmMiB) != 0 || uint64(r2)%(2*vmmMiB) != 0 {
 		t.Errorf("reservations %#x, %#x are not 2 MiB aligned", r1, r2)
 	}
-	overlap := func(a Ptr, an uint64, b Ptr, bn uint64) bool {
+	overlap := func(a cudart.Ptr, an uint64, b cudart.Ptr, bn uint64) bool {
 		return uint64(a) < uint64(b)+bn && uint64(b) < uint64(a)+an
 	}
 	if overlap(r1, 1000*vmmMiB, r2, 4*vmmMiB) || overlap(r1, 1000*vmmMiB, m, vmmMiB) || overlap(r2, 4*vmmMiB, m, vmmMiB) {
@@ -78,26 +80,26 @@ func TestSimVMMLifecycle(t *testing.T) {
 	if free, _, _ := s.MemGetInfo(); s.Used() != 23*vmmMiB || free != 77*vmmMiB {
 		t.Errorf("after creating 22 MiB: used %d, free %d", s.Used(), free)
 	}
-	if err := vm.Map(r1+Ptr(40*vmmMiB), 20*vmmMiB, h1); err != nil {
+	if err := vm.Map(r1+cudart.Ptr(40*vmmMiB), 20*vmmMiB, h1); err != nil {
 		t.Fatal(err)
 	}
-	if err := vm.Map(r1+Ptr(60*vmmMiB), 2*vmmMiB, h2); err != nil {
+	if err := vm.Map(r1+cudart.Ptr(60*vmmMiB), 2*vmmMiB, h2); err != nil {
 		t.Fatal(err)
 	}
 	if got := s.Mappings(); len(got) != 2 || got[0] != [2]uint64{uint64(r1) + 40*vmmMiB, 20 * vmmMiB} {
 		t.Errorf("Mappings = %v", got)
 	}
 	// One unmap may cover several whole mappings side by side.
-	if err := vm.Unmap(r1+Ptr(40*vmmMiB), 22*vmmMiB); err != nil {
+	if err := vm.Unmap(r1+cudart.Ptr(40*vmmMiB), 22*vmmMiB); err != nil {
 		t.Fatal(err)
 	}
-	for _, h := range []Handle{h1, h2} {
+	for _, h := range []cudart.Handle{h1, h2} {
 		if err := vm.Release(h); err != nil {
 			t.Fatal(err)
 		}
 	}
 	for _, r := range []struct {
-		p Ptr
+		p cudart.Ptr
 		n uint64
 	}{{r1, 1000 * vmmMiB}, {r2, 4 * vmmMiB}} {
 		if err := vm.ReleaseRange(r.p, r.n); err != nil {
@@ -105,7 +107,7 @@ func TestSimVMMLifecycle(t *testing.T) {
 		}
 	}
 	c := s.VMMCounters()
-	want := SimVMMCounters{Reserves: 2, ReleaseRanges: 2, Creates: 2, Releases: 2, Maps: 2, Unmaps: 1, AccessCalls: 2}
+	want := VMMCounters{Reserves: 2, ReleaseRanges: 2, Creates: 2, Releases: 2, Maps: 2, Unmaps: 1, AccessCalls: 2}
 	if c != want {
 		t.Errorf("counters %+v, want %+v", c, want)
 	}
@@ -121,8 +123,8 @@ func TestSimVMMCreateOOM(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = s.Create(4 * vmmMiB)
-	wantErr(t, "Create past the capacity", err, ErrOutOfMemory, "cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY")
-	var ce *CUDAError
+	wantErr(t, "Create past the capacity", err, cudart.ErrOutOfMemory, "cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY")
+	var ce *cudart.CUDAError
 	if !errors.As(err, &ce) || ce.Code != 2 || ce.Op != "cuMemCreate" {
 		t.Errorf("Create OOM is not the driver's error: %#v", err)
 	}
@@ -133,15 +135,15 @@ func TestSimVMMCreateOOM(t *testing.T) {
 	if err := s.Release(h); err != nil {
 		t.Fatal(err)
 	}
-	s.FailMalloc(2, nil)
+	s.Faults().FailMalloc(2, nil)
 	p, err := s.Malloc(vmmMiB)
 	if err != nil {
 		t.Fatal(err)
 	}
 	_, err = s.Create(2 * vmmMiB)
-	wantErr(t, "Create as the 2nd malloc call after FailMalloc(2)", err, ErrOutOfMemory, "cuMemCreate")
+	wantErr(t, "Create as the 2nd malloc call after FailMalloc(2)", err, cudart.ErrOutOfMemory, "cuMemCreate")
 	boom := errors.New("injected")
-	s.FailMalloc(1, boom)
+	s.Faults().FailMalloc(1, boom)
 	if _, err := s.Create(2 * vmmMiB); !errors.Is(err, boom) {
 		t.Errorf("Create with an injected fault: %v", err)
 	}
@@ -177,15 +179,15 @@ func TestSimVMMErrors(t *testing.T) {
 		{"Reserve of 0 bytes", func() error { _, err := s.Reserve(0); return err }(), []string{"granularity"}},
 		{"Reserve of 1 MiB", func() error { _, err := s.Reserve(vmmMiB); return err }(), []string{"granularity"}},
 		{"Create of 3 MiB", func() error { _, err := s.Create(3 * vmmMiB); return err }(), []string{"granularity"}},
-		{"Map of an unknown handle", s.Map(r+Ptr(20*vmmMiB), 2*vmmMiB, 999), []string{"not live"}},
-		{"Map with a size mismatch", s.Map(r+Ptr(20*vmmMiB), 4*vmmMiB, h2), []string{"holds"}},
-		{"Map of a mapped handle", s.Map(r+Ptr(20*vmmMiB), 20*vmmMiB, h), []string{"already mapped"}},
-		{"Map unaligned", s.Map(r+Ptr(21*vmmMiB), 2*vmmMiB, h2), []string{"aligned"}},
+		{"Map of an unknown handle", s.Map(r+cudart.Ptr(20*vmmMiB), 2*vmmMiB, 999), []string{"not live"}},
+		{"Map with a size mismatch", s.Map(r+cudart.Ptr(20*vmmMiB), 4*vmmMiB, h2), []string{"holds"}},
+		{"Map of a mapped handle", s.Map(r+cudart.Ptr(20*vmmMiB), 20*vmmMiB, h), []string{"already mapped"}},
+		{"Map unaligned", s.Map(r+cudart.Ptr(21*vmmMiB), 2*vmmMiB, h2), []string{"aligned"}},
 		{"Map outside any reservation", s.Map(m, 2*vmmMiB, h2), []string{"not inside one reservation"}},
-		{"Map across the reservation's end", s.Map(r+Ptr(38*vmmMiB), 4*vmmMiB, h4), []string{"not inside one reservation"}},
-		{"Map past the reservation's end", s.Map(r+Ptr(40*vmmMiB), 2*vmmMiB, h2), []string{"not inside one reservation"}},
-		{"Map over a mapping", s.Map(r+Ptr(18*vmmMiB), 2*vmmMiB, h2), []string{"overlaps"}},
-		{"Unmap of unmapped memory", s.Unmap(r+Ptr(20*vmmMiB), 2*vmmMiB), []string{"not mapped"}},
+		{"Map across the reservation's end", s.Map(r+cudart.Ptr(38*vmmMiB), 4*vmmMiB, h4), []string{"not inside one reservation"}},
+		{"Map past the reservation's end", s.Map(r+cudart.Ptr(40*vmmMiB), 2*vmmMiB, h2), []string{"not inside one reservation"}},
+		{"Map over a mapping", s.Map(r+cudart.Ptr(18*vmmMiB), 2*vmmMiB, h2), []string{"overlaps"}},
+		{"Unmap of unmapped memory", s.Unmap(r+cudart.Ptr(20*vmmMiB), 2*vmmMiB), []string{"not mapped"}},
 		{"Unmap of part of a mapping", s.Unmap(r, 2*vmmMiB), []string{"covers part"}},
 		{"Unmap of a mapping and a gap", s.Unmap(r, 22*vmmMiB), []string{"not mapped"}},
 		{"Unmap of a bad size", s.Unmap(r, vmmMiB), []string{"granularity"}},
@@ -195,16 +197,16 @@ func TestSimVMMErrors(t *testing.T) {
 		{"ReleaseRange with the wrong size", s.ReleaseRange(r, 20*vmmMiB), []string{"not a reservation"}},
 		{"ReleaseRange with a mapping inside", s.ReleaseRange(r, 40*vmmMiB), []string{"still mapped"}},
 	} {
-		wantErr(t, tc.name, tc.err, ErrInvalidValue, tc.words...)
+		wantErr(t, tc.name, tc.err, cudart.ErrInvalidValue, tc.words...)
 	}
 	// A second mapping beside the first, then unmapped with it in one call.
-	if err := s.Map(r+Ptr(20*vmmMiB), 2*vmmMiB, h2); err != nil {
+	if err := s.Map(r+cudart.Ptr(20*vmmMiB), 2*vmmMiB, h2); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.Unmap(r, 22*vmmMiB); err != nil {
 		t.Fatal(err)
 	}
-	for _, x := range []Handle{h, h2, h4} {
+	for _, x := range []cudart.Handle{h, h2, h4} {
 		if err := s.Release(x); err != nil {
 			t.Fatal(err)
 		}
@@ -225,7 +227,7 @@ func TestSimVMMErrors(t *testing.T) {
 		"Release":      s.Release(h),
 		"ReleaseRange": s.ReleaseRange(r, 40*vmmMiB),
 	} {
-		wantErr(t, name+" after Close", err, ErrClosed)
+		wantErr(t, name+" after Close", err, cudart.ErrClosed)
 	}
 }
 
@@ -234,7 +236,7 @@ func TestSimVMMErrors(t *testing.T) {
 func TestSimPlanAvoidsReservations(t *testing.T) {
 	probe := newVMMSim(t, 100*vmmMiB, false)
 	r, _ := probe.Reserve(20 * vmmMiB) // where the first reservation lands
-	s, err := NewSim(SimConfig{Capacity: 100 * vmmMiB, Addresses: []SimAddress{{Addr: r, Size: 2 * vmmMiB}}})
+	s, err := New(Config{Capacity: 100 * vmmMiB, Addresses: []Address{{Addr: r, Size: 2 * vmmMiB}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -260,10 +262,10 @@ func TestSimVMMBacked(t *testing.T) {
 	if err := s.Map(r, 2*vmmMiB, h1); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Map(r+Ptr(2*vmmMiB), 2*vmmMiB, h2); err != nil {
+	if err := s.Map(r+cudart.Ptr(2*vmmMiB), 2*vmmMiB, h2); err != nil {
 		t.Fatal(err)
 	}
-	at := r + Ptr(2*vmmMiB-3) // three bytes in the first page, five in the second
+	at := r + cudart.Ptr(2*vmmMiB-3) // three bytes in the first page, five in the second
 	src := []byte("abcdefgh")
 	if err := s.MemcpyHtoD(at, src); err != nil {
 		t.Fatal(err)
@@ -272,19 +274,19 @@ func TestSimVMMBacked(t *testing.T) {
 	if err := s.MemcpyDtoH(got, at); err != nil || !bytes.Equal(got, src) {
 		t.Fatalf("round trip across two mappings: %q, %v", got, err)
 	}
-	if err := s.MemsetAsync(at+1, 'z', 4, DefaultStream); err != nil {
+	if err := s.MemsetAsync(at+1, 'z', 4, cudart.DefaultStream); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.MemcpyDtoH(got, at); err != nil || string(got) != "azzzzfgh" {
 		t.Errorf("after memset: %q, %v", got, err)
 	}
-	err := s.MemcpyHtoD(r+Ptr(4*vmmMiB-2), src)
-	wantErr(t, "memcpy running past the mapped memory", err, ErrInvalidValue, "mapped memory")
+	err := s.MemcpyHtoD(r+cudart.Ptr(4*vmmMiB-2), src)
+	wantErr(t, "memcpy running past the mapped memory", err, cudart.ErrInvalidValue, "mapped memory")
 	if err := s.Unmap(r, 2*vmmMiB); err != nil {
 		t.Fatal(err)
 	}
-	wantErr(t, "memset of unmapped memory", s.MemsetAsync(r, 0, 16, DefaultStream), ErrInvalidValue)
-	if err := s.MemcpyDtoH(got[:4], r+Ptr(2*vmmMiB)); err != nil || string(got[:4]) != "zzfg" {
+	wantErr(t, "memset of unmapped memory", s.MemsetAsync(r, 0, 16, cudart.DefaultStream), cudart.ErrInvalidValue)
+	if err := s.MemcpyDtoH(got[:4], r+cudart.Ptr(2*vmmMiB)); err != nil || string(got[:4]) != "zzfg" {
 		t.Errorf("the second mapping after unmapping the first: %q, %v", got[:4], err)
 	}
 }
@@ -293,13 +295,13 @@ func TestSimVMMBacked(t *testing.T) {
 // grant, and a bad handle in the middle leaves nothing mapped.
 func TestSimMapRange(t *testing.T) {
 	s := newVMMSim(t, 100*vmmMiB, true)
-	var rm RangeMapper = s
+	var rm cudart.RangeMapper = s
 	const page = 2 * vmmMiB
 	r, err := s.Reserve(8 * page)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var hs []Handle
+	var hs []cudart.Handle
 	for range 3 {
 		h, err := s.Create(page)
 		if err != nil {
@@ -307,8 +309,8 @@ func TestSimMapRange(t *testing.T) {
 		}
 		hs = append(hs, h)
 	}
-	bad := append(append([]Handle(nil), hs[:2]...), Handle(0xdead))
-	wantErr(t, "MapRange with a handle that is not live", rm.MapRange(r, page, bad), ErrInvalidValue, "not live")
+	bad := append(append([]cudart.Handle(nil), hs[:2]...), cudart.Handle(0xdead))
+	wantErr(t, "MapRange with a handle that is not live", rm.MapRange(r, page, bad), cudart.ErrInvalidValue, "not live")
 	if c := s.VMMCounters(); c.LiveMappings != 0 || c.Maps != 0 || c.AccessCalls != 0 || c.MappedBytes != 0 {
 		t.Fatalf("after a failed MapRange: %+v", c)
 	}

@@ -1,8 +1,10 @@
-package cudart
+package simdev
 
 import (
 	"fmt"
 	"sort"
+
+	"github.com/allocd/allocd/cudart"
 )
 
 // The Sim's virtual memory management, which expandable segments build on.
@@ -15,7 +17,7 @@ import (
 //     Malloc: a reservation never overlaps an allocation or another
 //     reservation. Address space costs nothing against Capacity.
 //   - Create allocates physical memory, counted against Capacity (Used and
-//     MemGetInfo include it). It counts as a malloc call for FailMalloc.
+//     MemGetInfo include it). It counts as a malloc call for Faults.FailMalloc.
 //   - Map maps a whole handle (from its offset 0) at a granularity-aligned
 //     address inside one reservation, over no existing mapping; a handle is
 //     mapped at most once at a time.
@@ -23,15 +25,15 @@ import (
 //   - Release refuses a handle that is still mapped, ReleaseRange a
 //     reservation with anything mapped inside.
 //
-// With SimConfig.Backed, a handle gets host memory and MemsetAsync,
+// With Config.Backed, a handle gets host memory and MemsetAsync,
 // MemcpyHtoD and MemcpyDtoH reach mapped ranges, across mappings that lie
 // side by side.
 
 // simGranularity is the Sim's mapping granularity, as on current GPUs.
 const simGranularity uint64 = 2 << 20
 
-// SimVMMCounters counts the virtual memory calls a Sim has served.
-type SimVMMCounters struct {
+// VMMCounters counts the virtual memory calls a Sim has served.
+type VMMCounters struct {
 	Reserves, ReleaseRanges int64
 	Creates, FailedCreates  int64
 	Releases                int64
@@ -48,41 +50,41 @@ type SimVMMCounters struct {
 
 type simHandle struct {
 	size   uint64
-	mem    []byte // with Backed
-	mapped Ptr    // where it is mapped, 0 when not
+	mem    []byte     // with Backed
+	mapped cudart.Ptr // where it is mapped, 0 when not
 }
 
 type simMapping struct {
-	addr   Ptr
+	addr   cudart.Ptr
 	size   uint64
-	handle Handle
+	handle cudart.Handle
 }
 
 // simVMM is the Sim's virtual memory state, guarded by Sim.mu.
 type simVMM struct {
-	reservations map[Ptr]uint64 // start → size
-	handles      map[Handle]*simHandle
-	mappings     map[Ptr]*simMapping // start → mapping
-	granules     map[Ptr]*simMapping // every mapped granule → its mapping
-	nextHandle   Handle
+	reservations map[cudart.Ptr]uint64 // start → size
+	handles      map[cudart.Handle]*simHandle
+	mappings     map[cudart.Ptr]*simMapping // start → mapping
+	granules     map[cudart.Ptr]*simMapping // every mapped granule → its mapping
+	nextHandle   cudart.Handle
 	mapped       uint64
-	counters     SimVMMCounters
+	counters     VMMCounters
 }
 
 func (v *simVMM) init() {
 	if v.handles == nil {
-		v.reservations = make(map[Ptr]uint64)
-		v.handles = make(map[Handle]*simHandle)
-		v.mappings = make(map[Ptr]*simMapping)
-		v.granules = make(map[Ptr]*simMapping)
+		v.reservations = make(map[cudart.Ptr]uint64)
+		v.handles = make(map[cudart.Handle]*simHandle)
+		v.mappings = make(map[cudart.Ptr]*simMapping)
+		v.granules = make(map[cudart.Ptr]*simMapping)
 		v.nextHandle = 1
 	}
 }
 
 // reservationOf returns the reservation holding [p, p+size), if one does,
 // in O(log n) (s.spans).
-func (s *Sim) reservationOf(p Ptr, size uint64) (Ptr, bool) {
-	var base Ptr
+func (s *Sim) reservationOf(p cudart.Ptr, size uint64) (cudart.Ptr, bool) {
+	var base cudart.Ptr
 	found := false
 	s.spans.DescendLessOrEqual(simSpan{start: p}, func(r simSpan) bool {
 		base, found = r.start, r.reserve && size <= r.size && uint64(p-r.start) <= r.size-size
@@ -91,35 +93,35 @@ func (s *Sim) reservationOf(p Ptr, size uint64) (Ptr, bool) {
 	return base, found
 }
 
-var _ VirtualMemory = (*Sim)(nil)
+var _ cudart.VirtualMemory = (*Sim)(nil)
 
 func (s *Sim) vmmCheck(op string, size uint64) error {
 	if s.closed {
-		return fmt.Errorf("cudart: sim %s: %w", op, ErrClosed)
+		return fmt.Errorf("cudart: sim %s: %w", op, cudart.ErrClosed)
 	}
 	if size == 0 || size%simGranularity != 0 {
-		return fmt.Errorf("cudart: sim %s: size %d is not a positive multiple of the granularity %d: %w", op, size, simGranularity, ErrInvalidValue)
+		return fmt.Errorf("cudart: sim %s: size %d is not a positive multiple of the granularity %d: %w", op, size, simGranularity, cudart.ErrInvalidValue)
 	}
 	s.vmm.init()
 	return nil
 }
 
-// Granularity implements VirtualMemory: 2 MiB.
+// Granularity implements cudart.VirtualMemory: 2 MiB.
 func (s *Sim) Granularity() (uint64, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return 0, fmt.Errorf("cudart: sim granularity: %w", ErrClosed)
+		return 0, fmt.Errorf("cudart: sim granularity: %w", cudart.ErrClosed)
 	}
 	return simGranularity, nil
 }
 
-// Reserve implements VirtualMemory. The range comes from the Sim's address
+// Reserve implements cudart.VirtualMemory. The range comes from the Sim's address
 // range as Malloc's fresh addresses do, aligned to 2 MiB; it never overlaps
 // an allocation or another reservation, and costs nothing against
 // Capacity. With no free range of size left it fails with an error wrapping
-// ErrOutOfMemory.
-func (s *Sim) Reserve(size uint64) (Ptr, error) {
+// cudart.ErrOutOfMemory.
+func (s *Sim) Reserve(size uint64) (cudart.Ptr, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.vmmCheck("reserve", size); err != nil {
@@ -127,7 +129,7 @@ func (s *Sim) Reserve(size uint64) (Ptr, error) {
 	}
 	p, ok := s.fresh(size)
 	if !ok {
-		return 0, fmt.Errorf("cudart: sim reserve of %d bytes: no free range of that size in the device's addresses [%#x, %#x): %w", size, uint64(s.lo), uint64(s.hi), ErrOutOfMemory)
+		return 0, fmt.Errorf("cudart: sim reserve of %d bytes: no free range of that size in the device's addresses [%#x, %#x): %w", size, uint64(s.lo), uint64(s.hi), cudart.ErrOutOfMemory)
 	}
 	s.vmm.reservations[p] = size
 	s.spans.ReplaceOrInsert(simSpan{start: p, size: size, reserve: true})
@@ -135,9 +137,9 @@ func (s *Sim) Reserve(size uint64) (Ptr, error) {
 	return p, nil
 }
 
-// ReleaseRange implements VirtualMemory. p and size must be a reservation's
+// ReleaseRange implements cudart.VirtualMemory. p and size must be a reservation's
 // exactly, and nothing may be mapped inside it.
-func (s *Sim) ReleaseRange(p Ptr, size uint64) error {
+func (s *Sim) ReleaseRange(p cudart.Ptr, size uint64) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.vmmCheck("release range", size); err != nil {
@@ -145,11 +147,11 @@ func (s *Sim) ReleaseRange(p Ptr, size uint64) error {
 	}
 	n, ok := s.vmm.reservations[p]
 	if !ok || n != size {
-		return fmt.Errorf("cudart: sim release range [%#x, +%d): not a reservation: %w", uint64(p), size, ErrInvalidValue)
+		return fmt.Errorf("cudart: sim release range [%#x, +%d): not a reservation: %w", uint64(p), size, cudart.ErrInvalidValue)
 	}
 	for _, m := range s.vmm.mappings {
 		if m.addr >= p && uint64(m.addr-p) < size {
-			return fmt.Errorf("cudart: sim release range [%#x, +%d): [%#x, +%d) is still mapped: %w", uint64(p), size, uint64(m.addr), m.size, ErrInvalidValue)
+			return fmt.Errorf("cudart: sim release range [%#x, +%d): [%#x, +%d) is still mapped: %w", uint64(p), size, uint64(m.addr), m.size, cudart.ErrInvalidValue)
 		}
 	}
 	delete(s.vmm.reservations, p)
@@ -158,17 +160,18 @@ func (s *Sim) ReleaseRange(p Ptr, size uint64) error {
 	return nil
 }
 
-// Create implements VirtualMemory. The memory counts against Capacity; past
-// it, or when FailMalloc says so (a Create counts as a malloc call), it
-// fails with an error wrapping ErrOutOfMemory.
-func (s *Sim) Create(size uint64) (Handle, error) {
+// Create implements cudart.VirtualMemory. The memory counts against Capacity; past
+// it, or when Faults.FailMalloc says so (a Create counts as a malloc call), it
+// fails with an error wrapping cudart.ErrOutOfMemory.
+func (s *Sim) Create(size uint64) (cudart.Handle, error) {
 	spin(s.cfg.MallocLatency)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return 0, fmt.Errorf("cudart: sim create: %w", ErrClosed)
+		return 0, fmt.Errorf("cudart: sim create: %w", cudart.ErrClosed)
 	}
-	if ok, err := s.injectedFault(&s.vmm.counters.FailedCreates); ok {
+	if ok, err := s.faults.mallocFault(); ok {
+		s.vmm.counters.FailedCreates++
 		if err == nil {
 			err = createOOM()
 		}
@@ -194,23 +197,23 @@ func (s *Sim) Create(size uint64) (Handle, error) {
 }
 
 func createOOM() error {
-	return &CUDAError{Op: "cuMemCreate", Code: 2, Name: "CUDA_ERROR_OUT_OF_MEMORY", Text: "out of memory"}
+	return &cudart.CUDAError{Op: "cuMemCreate", Code: 2, Name: "CUDA_ERROR_OUT_OF_MEMORY", Text: "out of memory"}
 }
 
-// Release implements VirtualMemory. A handle still mapped is refused.
-func (s *Sim) Release(h Handle) error {
+// Release implements cudart.VirtualMemory. A handle still mapped is refused.
+func (s *Sim) Release(h cudart.Handle) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return fmt.Errorf("cudart: sim release: %w", ErrClosed)
+		return fmt.Errorf("cudart: sim release: %w", cudart.ErrClosed)
 	}
 	s.vmm.init()
 	sh, ok := s.vmm.handles[h]
 	if !ok {
-		return fmt.Errorf("cudart: sim release of handle %#x, which is not live: %w", uint64(h), ErrInvalidValue)
+		return fmt.Errorf("cudart: sim release of handle %#x, which is not live: %w", uint64(h), cudart.ErrInvalidValue)
 	}
 	if sh.mapped != 0 {
-		return fmt.Errorf("cudart: sim release of handle %#x, still mapped at %#x: %w", uint64(h), uint64(sh.mapped), ErrInvalidValue)
+		return fmt.Errorf("cudart: sim release of handle %#x, still mapped at %#x: %w", uint64(h), uint64(sh.mapped), cudart.ErrInvalidValue)
 	}
 	delete(s.vmm.handles, h)
 	s.used -= sh.size
@@ -218,10 +221,10 @@ func (s *Sim) Release(h Handle) error {
 	return nil
 }
 
-// Map implements VirtualMemory: the whole of h (size must be its size) is
+// Map implements cudart.VirtualMemory: the whole of h (size must be its size) is
 // mapped at p, which must be granularity-aligned inside one reservation and
 // overlap no mapping. A handle is mapped at most once at a time.
-func (s *Sim) Map(p Ptr, size uint64, h Handle) error {
+func (s *Sim) Map(p cudart.Ptr, size uint64, h cudart.Handle) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.vmmCheck("map", size); err != nil {
@@ -237,7 +240,7 @@ func (s *Sim) Map(p Ptr, size uint64, h Handle) error {
 // MapRange implements cudart.RangeMapper: it maps hs[i] at p + i*page,
 // checking each as Map does, and grants access once. On error it unmaps
 // what it mapped.
-func (s *Sim) MapRange(p Ptr, page uint64, hs []Handle) error {
+func (s *Sim) MapRange(p cudart.Ptr, page uint64, hs []cudart.Handle) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(hs) == 0 {
@@ -247,9 +250,9 @@ func (s *Sim) MapRange(p Ptr, page uint64, hs []Handle) error {
 		return err
 	}
 	for i, h := range hs {
-		if err := s.mapLocked(p+Ptr(uint64(i)*page), page, h); err != nil {
+		if err := s.mapLocked(p+cudart.Ptr(uint64(i)*page), page, h); err != nil {
 			for j := range i {
-				s.removeMapping(p + Ptr(uint64(j)*page))
+				s.removeMapping(p + cudart.Ptr(uint64(j)*page))
 				s.vmm.counters.Maps-- // undone: not a mapping made
 			}
 			return err
@@ -260,30 +263,30 @@ func (s *Sim) MapRange(p Ptr, page uint64, hs []Handle) error {
 }
 
 // mapLocked is Map's checks and mapping, s.mu held.
-func (s *Sim) mapLocked(p Ptr, size uint64, h Handle) error {
+func (s *Sim) mapLocked(p cudart.Ptr, size uint64, h cudart.Handle) error {
 	v := &s.vmm
 	sh, ok := v.handles[h]
 	switch {
 	case !ok:
-		return fmt.Errorf("cudart: sim map of handle %#x, which is not live: %w", uint64(h), ErrInvalidValue)
+		return fmt.Errorf("cudart: sim map of handle %#x, which is not live: %w", uint64(h), cudart.ErrInvalidValue)
 	case sh.size != size:
-		return fmt.Errorf("cudart: sim map of %d bytes of handle %#x, which holds %d: %w", size, uint64(h), sh.size, ErrInvalidValue)
+		return fmt.Errorf("cudart: sim map of %d bytes of handle %#x, which holds %d: %w", size, uint64(h), sh.size, cudart.ErrInvalidValue)
 	case sh.mapped != 0:
-		return fmt.Errorf("cudart: sim map of handle %#x, already mapped at %#x: %w", uint64(h), uint64(sh.mapped), ErrInvalidValue)
+		return fmt.Errorf("cudart: sim map of handle %#x, already mapped at %#x: %w", uint64(h), uint64(sh.mapped), cudart.ErrInvalidValue)
 	case uint64(p)%simGranularity != 0:
-		return fmt.Errorf("cudart: sim map at %#x, which is not %d-byte aligned: %w", uint64(p), simGranularity, ErrInvalidValue)
+		return fmt.Errorf("cudart: sim map at %#x, which is not %d-byte aligned: %w", uint64(p), simGranularity, cudart.ErrInvalidValue)
 	}
 	if _, ok := s.reservationOf(p, size); !ok {
-		return fmt.Errorf("cudart: sim map at [%#x, +%d): not inside one reservation: %w", uint64(p), size, ErrInvalidValue)
+		return fmt.Errorf("cudart: sim map at [%#x, +%d): not inside one reservation: %w", uint64(p), size, cudart.ErrInvalidValue)
 	}
-	for g := p; uint64(g-p) < size; g += Ptr(simGranularity) {
+	for g := p; uint64(g-p) < size; g += cudart.Ptr(simGranularity) {
 		if m := v.granules[g]; m != nil {
-			return fmt.Errorf("cudart: sim map at [%#x, +%d): overlaps the mapping [%#x, +%d): %w", uint64(p), size, uint64(m.addr), m.size, ErrInvalidValue)
+			return fmt.Errorf("cudart: sim map at [%#x, +%d): overlaps the mapping [%#x, +%d): %w", uint64(p), size, uint64(m.addr), m.size, cudart.ErrInvalidValue)
 		}
 	}
 	m := &simMapping{addr: p, size: size, handle: h}
 	v.mappings[p] = m
-	for g := p; uint64(g-p) < size; g += Ptr(simGranularity) {
+	for g := p; uint64(g-p) < size; g += cudart.Ptr(simGranularity) {
 		v.granules[g] = m
 	}
 	sh.mapped = p
@@ -294,10 +297,10 @@ func (s *Sim) mapLocked(p Ptr, size uint64, h Handle) error {
 
 // removeMapping removes the mapping that starts at p and returns its size
 // (s.mu held; the mapping must exist). It counts nothing.
-func (s *Sim) removeMapping(p Ptr) uint64 {
+func (s *Sim) removeMapping(p cudart.Ptr) uint64 {
 	v := &s.vmm
 	m := v.mappings[p]
-	for x := m.addr; uint64(x-m.addr) < m.size; x += Ptr(simGranularity) {
+	for x := m.addr; uint64(x-m.addr) < m.size; x += cudart.Ptr(simGranularity) {
 		delete(v.granules, x)
 	}
 	delete(v.mappings, m.addr)
@@ -306,9 +309,9 @@ func (s *Sim) removeMapping(p Ptr) uint64 {
 	return m.size
 }
 
-// Unmap implements VirtualMemory: [p, p+size) must cover one or more whole
+// Unmap implements cudart.VirtualMemory: [p, p+size) must cover one or more whole
 // mappings exactly, with no gap.
-func (s *Sim) Unmap(p Ptr, size uint64) error {
+func (s *Sim) Unmap(p cudart.Ptr, size uint64) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.vmmCheck("unmap", size); err != nil {
@@ -319,21 +322,21 @@ func (s *Sim) Unmap(p Ptr, size uint64) error {
 		m := v.granules[g]
 		switch {
 		case m == nil:
-			return fmt.Errorf("cudart: sim unmap of [%#x, +%d): %#x is not mapped: %w", uint64(p), size, uint64(g), ErrInvalidValue)
+			return fmt.Errorf("cudart: sim unmap of [%#x, +%d): %#x is not mapped: %w", uint64(p), size, uint64(g), cudart.ErrInvalidValue)
 		case m.addr != g || uint64(m.addr-p)+m.size > size:
-			return fmt.Errorf("cudart: sim unmap of [%#x, +%d): covers part of the mapping [%#x, +%d): %w", uint64(p), size, uint64(m.addr), m.size, ErrInvalidValue)
+			return fmt.Errorf("cudart: sim unmap of [%#x, +%d): covers part of the mapping [%#x, +%d): %w", uint64(p), size, uint64(m.addr), m.size, cudart.ErrInvalidValue)
 		}
-		g += Ptr(m.size)
+		g += cudart.Ptr(m.size)
 	}
 	for g := p; uint64(g-p) < size; {
-		g += Ptr(s.removeMapping(g))
+		g += cudart.Ptr(s.removeMapping(g))
 	}
 	v.counters.Unmaps++
 	return nil
 }
 
 // VMMCounters returns a copy of the virtual memory call counters.
-func (s *Sim) VMMCounters() SimVMMCounters {
+func (s *Sim) VMMCounters() VMMCounters {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	c := s.vmm.counters
@@ -366,14 +369,14 @@ func (s *Sim) Mappings() [][2]uint64 {
 // mappedRegions returns the backing bytes of [p, p+n) when the range lies
 // in mappings side by side (one slice per mapping; nil slices without
 // Backed), and false when it does not.
-func (s *Sim) mappedRegions(p Ptr, n uint64) ([][]byte, bool) {
+func (s *Sim) mappedRegions(p cudart.Ptr, n uint64) ([][]byte, bool) {
 	v := &s.vmm
 	if len(v.granules) == 0 {
 		return nil, false
 	}
 	var out [][]byte
 	for cur, end := uint64(p), uint64(p)+n; cur < end || n == 0; {
-		m := v.granules[Ptr(cur/simGranularity*simGranularity)]
+		m := v.granules[cudart.Ptr(cur/simGranularity*simGranularity)]
 		if m == nil {
 			return nil, false
 		}
@@ -395,7 +398,7 @@ func (s *Sim) mappedRegions(p Ptr, n uint64) ([][]byte, bool) {
 // regions returns the backing bytes of [p, p+n), which must lie inside one
 // live allocation or in mappings side by side: one slice per allocation or
 // mapping touched, nil slices without Backed.
-func (s *Sim) regions(op string, p Ptr, n uint64) ([][]byte, error) {
+func (s *Sim) regions(op string, p cudart.Ptr, n uint64) ([][]byte, error) {
 	b, err := s.region(op, p, n)
 	if err == nil {
 		return [][]byte{b}, nil
@@ -406,5 +409,5 @@ func (s *Sim) regions(op string, p Ptr, n uint64) ([][]byte, error) {
 	if bs, ok := s.mappedRegions(p, n); ok {
 		return bs, nil
 	}
-	return nil, fmt.Errorf("cudart: sim %s: [%#x, +%d) is not inside a live allocation or mapped memory: %w", op, uint64(p), n, ErrInvalidValue)
+	return nil, fmt.Errorf("cudart: sim %s: [%#x, +%d) is not inside a live allocation or mapped memory: %w", op, uint64(p), n, cudart.ErrInvalidValue)
 }

@@ -1,53 +1,55 @@
-package cudart
+package simdev
 
 import (
 	"fmt"
 	"math"
 	"testing"
 	"time"
+
+	"github.com/allocd/allocd/cudart"
 )
 
 // TestSimPlanRefused: a plan with an address the Sim cannot hand out is
-// refused by NewSim with an error that names the entry and its address.
+// refused by New with an error that names the entry and its address.
 func TestSimPlanRefused(t *testing.T) {
 	const mib = 1 << 20
-	good := SimAddress{Addr: 0x7f0000000000, Size: 2 * mib}
+	good := Address{Addr: 0x7f0000000000, Size: 2 * mib}
 	for _, tc := range []struct {
 		name string
-		bad  SimAddress
+		bad  Address
 		why  string
 	}{
-		{"unaligned", SimAddress{Addr: 0x7f0000000200, Size: 2 * mib}, "aligned"},
-		{"wraps past 2^64", SimAddress{Addr: Ptr(math.MaxUint64 - 2*mib + 1), Size: 20 * mib}, "wraps"},
-		{"at zero", SimAddress{Addr: 0, Size: 2 * mib}, "outside"},
-		{"below the range", SimAddress{Addr: 0x200000, Size: 2 * mib}, "outside"},
-		{"above the range", SimAddress{Addr: 1 << 63, Size: 2 * mib}, "outside"},
-		{"in device 1's range", SimAddress{Addr: Ptr(SimDeviceSpan + 0x7f0000000000), Size: 2 * mib}, "outside"},
-		{"runs past the range", SimAddress{Addr: Ptr(SimDeviceSpan - 2*mib), Size: 4 * mib}, "outside"},
-		{"empty", SimAddress{Addr: 0x7f0000200000, Size: 0}, "size"},
+		{"unaligned", Address{Addr: 0x7f0000000200, Size: 2 * mib}, "aligned"},
+		{"wraps past 2^64", Address{Addr: cudart.Ptr(math.MaxUint64 - 2*mib + 1), Size: 20 * mib}, "wraps"},
+		{"at zero", Address{Addr: 0, Size: 2 * mib}, "outside"},
+		{"below the range", Address{Addr: 0x200000, Size: 2 * mib}, "outside"},
+		{"above the range", Address{Addr: 1 << 63, Size: 2 * mib}, "outside"},
+		{"in device 1's range", Address{Addr: cudart.Ptr(DeviceSpan + 0x7f0000000000), Size: 2 * mib}, "outside"},
+		{"runs past the range", Address{Addr: cudart.Ptr(DeviceSpan - 2*mib), Size: 4 * mib}, "outside"},
+		{"empty", Address{Addr: 0x7f0000200000, Size: 0}, "size"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := NewSim(SimConfig{Capacity: 1 << 30, Addresses: []SimAddress{good, tc.bad}})
-			wantErr(t, "NewSim", err, ErrInvalidValue, "entry 1", hex(tc.bad.Addr), tc.why)
+			_, err := New(Config{Capacity: 1 << 30, Addresses: []Address{good, tc.bad}})
+			wantErr(t, "New", err, cudart.ErrInvalidValue, "entry 1", hex(tc.bad.Addr), tc.why)
 		})
 	}
-	if _, err := NewSim(SimConfig{Capacity: 1 << 30, Addresses: []SimAddress{good, good}}); err != nil {
+	if _, err := New(Config{Capacity: 1 << 30, Addresses: []Address{good, good}}); err != nil {
 		t.Errorf("a plan that reuses an address (freed, then allocated again) was refused: %v", err)
 	}
 }
 
-func hex(p Ptr) string { return fmt.Sprintf("%#x", uint64(p)) }
+func hex(p cudart.Ptr) string { return fmt.Sprintf("%#x", uint64(p)) }
 
 // TestSimNeverHandsOutAnAddressTwice: a planned address where fresh
 // addresses start is taken by its Malloc, and the next fresh Malloc goes
 // around it instead of handing it out again.
 func TestSimNeverHandsOutAnAddressTwice(t *testing.T) {
-	probe, err := NewSim(SimConfig{Capacity: 1 << 30})
+	probe, err := New(Config{Capacity: 1 << 30})
 	if err != nil {
 		t.Fatal(err)
 	}
 	first, _ := probe.Malloc(2 << 20) // where fresh addresses start
-	s, err := NewSim(SimConfig{Capacity: 1 << 30, Addresses: []SimAddress{{Addr: first, Size: 2 << 20}}})
+	s, err := New(Config{Capacity: 1 << 30, Addresses: []Address{{Addr: first, Size: 2 << 20}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,33 +74,33 @@ func TestSimNeverHandsOutAnAddressTwice(t *testing.T) {
 func TestSimRangesDistinct(t *testing.T) {
 	var sims [2]*Sim
 	for i := range sims {
-		s, err := NewSim(SimConfig{Capacity: 141 << 30, Index: i})
+		s, err := New(Config{Capacity: 141 << 30, Index: i})
 		if err != nil {
 			t.Fatal(err)
 		}
 		sims[i] = s
 	}
-	lo0, hi0, err := SimRange(0)
+	lo0, hi0, err := Range(0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	lo1, hi1, err := SimRange(1)
+	lo1, hi1, err := Range(1)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if lo1 < hi0 && lo0 < hi1 {
 		t.Fatalf("ranges overlap: [%#x, %#x) and [%#x, %#x)", uint64(lo0), uint64(hi0), uint64(lo1), uint64(hi1))
 	}
-	in := func(i int, p Ptr, size uint64) {
+	in := func(i int, p cudart.Ptr, size uint64) {
 		t.Helper()
-		lo, hi, _ := SimRange(i)
+		lo, hi, _ := Range(i)
 		if p < lo || uint64(p)+size > uint64(hi) {
 			t.Errorf("device %d: [%#x, +%d) is outside its range [%#x, %#x)", i, uint64(p), size, uint64(lo), uint64(hi))
 		}
 	}
 	// Expandable segments reserve 1.125 × capacity per stream and pool.
 	const reserve = 160 << 30
-	var res []Ptr
+	var res []cudart.Ptr
 	for range 16 {
 		r, err := sims[0].Reserve(reserve)
 		if err != nil {
@@ -122,13 +124,13 @@ func TestSimRangesDistinct(t *testing.T) {
 			t.Errorf("device 1's Malloc returned %#x, inside device 0's [%#x, +%d)", uint64(p1), uint64(r), uint64(reserve))
 		}
 	}
-	for _, i := range []int{-1, MaxSimIndex + 1} {
-		if _, err := NewSim(SimConfig{Capacity: 1 << 30, Index: i}); err == nil {
+	for _, i := range []int{-1, MaxIndex + 1} {
+		if _, err := New(Config{Capacity: 1 << 30, Index: i}); err == nil {
 			t.Errorf("a Sim with index %d was made", i)
 		}
 	}
-	if _, hi, err := SimRange(MaxSimIndex); err != nil || hi > 1<<63 {
-		t.Errorf("SimRange(MaxSimIndex) ends at %#x, %v; want at most 2^63", uint64(hi), err)
+	if _, hi, err := Range(MaxIndex); err != nil || hi > 1<<63 {
+		t.Errorf("Range(MaxIndex) ends at %#x, %v; want at most 2^63", uint64(hi), err)
 	}
 }
 
@@ -136,14 +138,14 @@ func TestSimRangesDistinct(t *testing.T) {
 // range, freed address space is handed out again rather than addresses
 // outside the range; a range with no room left refuses with out of memory.
 func TestSimAddressSpaceReused(t *testing.T) {
-	s, err := NewSim(SimConfig{Capacity: 1 << 30})
+	s, err := New(Config{Capacity: 1 << 30})
 	if err != nil {
 		t.Fatal(err)
 	}
-	lo, hi, _ := SimRange(0)
+	lo, hi, _ := Range(0)
 	span := uint64(hi - lo)
 	chunk := span / 8 &^ (simAlign - 1) // eight reservations fill the range
-	var got []Ptr
+	var got []cudart.Ptr
 	for range 8 {
 		r, err := s.Reserve(chunk)
 		if err != nil {
@@ -168,11 +170,11 @@ func TestSimAddressSpaceReused(t *testing.T) {
 // planned range is checked in O(log n).
 func TestSimManyPlannedSegmentsFast(t *testing.T) {
 	const n, size = 40000, 2 << 20
-	plan := make([]SimAddress, n)
+	plan := make([]Address, n)
 	for i := range plan {
-		plan[i] = SimAddress{Addr: Ptr(0x7f0000000000 + uint64(i)*size), Size: size}
+		plan[i] = Address{Addr: cudart.Ptr(0x7f0000000000 + uint64(i)*size), Size: size}
 	}
-	s, err := NewSim(SimConfig{Capacity: 141 << 30, Addresses: plan})
+	s, err := New(Config{Capacity: 141 << 30, Addresses: plan})
 	if err != nil {
 		t.Fatal(err)
 	}
