@@ -278,15 +278,23 @@ type Allocator struct {
 	capped   bool   // per_process_memory_fraction set
 	reserved uint64 // bytes held from the device
 
-	stats         Stats
-	be            backend         // the policy behind the public calls (backend.go)
-	async         *asyncAllocator // be, for backend:cudaMallocAsync; nil otherwise
-	src           source          // where segments come from (segments.go)
-	exp           *expandable     // non-nil for expandable_segments:True
-	history       *history        // nil unless recording history
-	curStack      uint32          // the stack of the Malloc or Free in progress
-	lastDeviceErr error           // the device's last out-of-memory error
-	ownsDevice    bool            // opened by Open: Close closes the device
+	stats      Stats
+	be         backend         // the policy behind the public calls (backend.go)
+	async      *asyncAllocator // be, for backend:cudaMallocAsync; nil otherwise
+	src        source          // where segments come from (segments.go)
+	exp        *expandable     // non-nil for expandable_segments:True
+	history    *history        // nil unless recording history
+	ownsDevice bool            // opened by Open: Close closes the device
+}
+
+// call is the state of one Malloc or Free on its way down the slow path:
+// the caller's stack in the history and the device's out-of-memory error.
+// It lives on the caller's stack and is passed by pointer; steps that run
+// outside a Malloc or Free (EmptyCache, stream sweeps) pass nil, and
+// their events carry no stack.
+type call struct {
+	stack  uint32 // interned stack of the caller (history.capture), or 0
+	devErr error  // the device's last out-of-memory error in this call
 }
 
 // New returns an allocator for dev. It reads the device's total memory once
@@ -511,7 +519,7 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
 		defer a.deescalate(sh)
 	}
 	p.free.Delete(b)
-	a.allocFoundBlock(p, b, rounded, size)
+	a.allocFoundBlock(nil, p, b, rounded, size)
 	return cudart.Ptr(b.Ptr)
 }
 
@@ -529,23 +537,23 @@ func (a *Allocator) slowMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, e
 	// sh stays while a device malloc runs unlocked (release_lock_on_cudamalloc).
 	sh.busy++
 	defer func() { sh.busy-- }()
+	var c call
 	if h := a.history; h != nil && h.depth > 0 {
-		a.curStack = h.capture()
-		defer a.endCall()
+		c.stack = h.capture()
 	}
 	if size > a.allowed || size > maxRequestSize {
 		// No release of the cache can help: fail without touching it.
-		return 0, a.outOfMemory(size, size, stream, nil)
+		return 0, a.outOfMemory(&c, size, size, stream, nil)
 	}
-	return a.be.malloc(sh, size)
+	return a.backendMalloc(&c, sh, size)
 }
 
 // malloc is the native policy's Malloc in world mode, after the checks
 // every backend shares.
-func (n native) malloc(sh *shard, size uint64) (cudart.Ptr, error) {
+func (n native) malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
 	a, stream := n.a, sh.stream
 	if a.pending > 0 {
-		if err := a.processEvents(); err != nil {
+		if err := a.processEvents(c); err != nil {
 			return 0, err
 		}
 	}
@@ -554,11 +562,11 @@ func (n native) malloc(sh *shard, size uint64) (cudart.Ptr, error) {
 	b := a.getFreeBlock(p, uint64(stream), rounded)
 	if b == nil {
 		var err error
-		if b, err = a.src.grow(p, stream, size, rounded); err != nil {
+		if b, err = a.grow(c, p, stream, size, rounded); err != nil {
 			return 0, err
 		}
 	}
-	a.allocFoundBlock(p, b, rounded, size)
+	a.allocFoundBlock(c, p, b, rounded, size)
 	return cudart.Ptr(b.Ptr), nil
 }
 
@@ -607,10 +615,10 @@ func (a *Allocator) gcEnabled() bool {
 // outOfMemory is every out-of-memory return, as PyTorch handles it: count
 // it in num_ooms, record an oom event (with the device's free bytes as its
 // address, as PyTorch records it), log it once and return the error.
-func (a *Allocator) outOfMemory(size, allocSize uint64, stream cudart.Stream, cause error) *OOMError {
+func (a *Allocator) outOfMemory(c *call, size, allocSize uint64, stream cudart.Stream, cause error) *OOMError {
 	a.stats.NumOOMs++
 	oom := a.oomError(size, allocSize, cause)
-	a.record(actionOOM, oom.DeviceFree, allocSize, stream)
+	a.record(c, actionOOM, oom.DeviceFree, allocSize, stream)
 	a.log.Warn("out of memory", zap.Error(oom))
 	return oom
 }
@@ -642,7 +650,7 @@ func shouldSplit(p *pool, b *blocks.Block, size, maxSplit uint64) bool {
 
 // allocFoundBlock is PyTorch's alloc_found_block: split off the remainder
 // when worth it, mark the block allocated and count it.
-func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested uint64) {
+func (a *Allocator) allocFoundBlock(c *call, p *pool, b *blocks.Block, size, requested uint64) {
 	wasSplit := b.IsSplit()
 	st := &p.sh.stats
 	if shouldSplit(p, b, size, a.cfg.MaxSplitSize) {
@@ -673,7 +681,7 @@ func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested ui
 	}
 	if a.world {
 		a.settleShard(p.sh)
-		a.record(actionAlloc, b.Ptr, requested, cudart.Stream(b.Segment.Stream))
+		a.record(c, actionAlloc, b.Ptr, requested, cudart.Stream(b.Segment.Stream))
 	}
 }
 
@@ -748,7 +756,7 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 	}
 	sh.active.del(ptr)
 	a.release(pl, b)
-	a.freeBlock(pl, b)
+	a.freeBlock(nil, pl, b)
 	a.repay(sh, pl.stat)
 	return true
 }
@@ -772,15 +780,15 @@ func (a *Allocator) slowFree(p cudart.Ptr) error {
 	if a.closed {
 		return fmt.Errorf("allocator: free of %#x: %w", uint64(p), ErrClosed)
 	}
+	var c call
 	if h := a.history; h != nil && h.depth > 0 {
-		a.curStack = h.capture()
-		defer a.endCall()
+		c.stack = h.capture()
 	}
-	return a.be.free(p)
+	return a.backendFree(&c, p)
 }
 
 // free is the native policy's Free in world mode.
-func (n native) free(p cudart.Ptr) error {
+func (n native) free(c *call, p cudart.Ptr) error {
 	a := n.a
 	b := a.activeBlock(uint64(p))
 	if b == nil {
@@ -789,7 +797,7 @@ func (n native) free(p cudart.Ptr) error {
 	pl := a.poolOf(b)
 	pl.sh.active.del(b.Ptr)
 	a.release(pl, b)
-	a.record(actionFreeRequested, b.Ptr, b.Requested, cudart.Stream(b.Segment.Stream))
+	a.record(c, actionFreeRequested, b.Ptr, b.Requested, cudart.Stream(b.Segment.Stream))
 	if len(b.StreamUses) > 0 {
 		if err := a.insertEvents(b); err != nil {
 			// The block cannot be tracked by events; wait for the device
@@ -800,12 +808,12 @@ func (n native) free(p cudart.Ptr) error {
 			}
 			b.StreamUses = b.StreamUses[:0]
 			if b.EventCount == 0 {
-				a.freeBlock(pl, b)
+				a.freeBlock(c, pl, b)
 			}
 		}
 		return nil
 	}
-	a.freeBlock(pl, b)
+	a.freeBlock(c, pl, b)
 	return nil
 }
 
@@ -828,7 +836,7 @@ func (a *Allocator) unknownPointer(op string, p cudart.Ptr) error {
 
 // freeBlock is PyTorch's free_block: merge with free neighbours, index the
 // result and settle the statistics.
-func (a *Allocator) freeBlock(p *pool, b *blocks.Block) {
+func (a *Allocator) freeBlock(c *call, p *pool, b *blocks.Block) {
 	sh := p.sh
 	ptr, size, requested := b.Ptr, b.Size, b.Requested // before merging moves them
 	var netCount, netBytes int64
@@ -851,7 +859,7 @@ func (a *Allocator) freeBlock(p *pool, b *blocks.Block) {
 	st.RequestedBytes.sub(p.stat, int64(requested))
 	if a.world {
 		a.settleShard(sh)
-		a.record(actionFreeCompleted, ptr, requested, cudart.Stream(b.Segment.Stream))
+		a.record(c, actionFreeCompleted, ptr, requested, cudart.Stream(b.Segment.Stream))
 	}
 }
 
@@ -957,7 +965,7 @@ func (a *Allocator) queue(s cudart.Stream) *eventQueue {
 
 // processEvents is PyTorch's process_events: in each stream's queue,
 // retire events from the front while they have completed.
-func (a *Allocator) processEvents() error {
+func (a *Allocator) processEvents(c *call) error {
 	for i := range a.queues {
 		q := &a.queues[i]
 		for len(q.items) > 0 {
@@ -971,21 +979,21 @@ func (a *Allocator) processEvents() error {
 			}
 			q.items[0] = pendingEvent{}
 			q.items = q.items[1:]
-			a.retire(pe)
+			a.retire(c, pe)
 		}
 	}
 	a.dropEmptyQueues()
 	return nil
 }
 
-func (a *Allocator) retire(pe pendingEvent) {
+func (a *Allocator) retire(c *call, pe pendingEvent) {
 	a.spareEvents = append(a.spareEvents, pe.event)
 	a.pending--
 	pe.block.EventCount--
 	pl := a.poolOf(pe.block)
 	pl.sh.pendingEv--
 	if pe.block.EventCount == 0 {
-		a.freeBlock(pl, pe.block)
+		a.freeBlock(c, pl, pe.block)
 	}
 }
 
@@ -997,7 +1005,7 @@ func (a *Allocator) dropEmptyQueues() {
 
 // synchronizeAndFreeEvents waits for every pending event and returns their
 // blocks to the pools.
-func (a *Allocator) synchronizeAndFreeEvents() error {
+func (a *Allocator) synchronizeAndFreeEvents(c *call) error {
 	if a.pending == 0 {
 		return nil
 	}
@@ -1011,7 +1019,7 @@ func (a *Allocator) synchronizeAndFreeEvents() error {
 			}
 			q.items[0] = pendingEvent{}
 			q.items = q.items[1:]
-			a.retire(pe)
+			a.retire(c, pe)
 		}
 	}
 	a.dropEmptyQueues()
@@ -1020,11 +1028,11 @@ func (a *Allocator) synchronizeAndFreeEvents() error {
 
 // releaseCachedBlocks is PyTorch's release_cached_blocks: wait for pending
 // events, then return every whole free segment to the device.
-func (a *Allocator) releaseCachedBlocks() error {
-	if err := a.synchronizeAndFreeEvents(); err != nil {
+func (a *Allocator) releaseCachedBlocks(c *call) error {
+	if err := a.synchronizeAndFreeEvents(c); err != nil {
 		return err
 	}
-	return a.src.releaseCached()
+	return a.releaseSourceCached(c)
 }
 
 // EmptyCache waits for pending stream events, then returns every cached
@@ -1045,7 +1053,7 @@ func (a *Allocator) EmptyCache() error {
 }
 
 // emptyCache is the native policy's EmptyCache: release_cached_blocks.
-func (n native) emptyCache() error { return n.a.releaseCachedBlocks() }
+func (n native) emptyCache() error { return n.a.releaseCachedBlocks(nil) }
 
 // Close waits for pending events and returns every segment to the device,
 // including segments with blocks still allocated; it then reports those
@@ -1113,7 +1121,7 @@ func (n native) close() (int, []error) {
 	for _, sh := range a.shards {
 		live += sh.active.len()
 	}
-	if err := a.synchronizeAndFreeEvents(); err != nil {
+	if err := a.synchronizeAndFreeEvents(nil); err != nil {
 		errs = append(errs, err)
 		if serr := a.dev.Synchronize(); serr != nil {
 			errs = append(errs, serr)
