@@ -499,27 +499,15 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
 	if b == nil {
 		return 0
 	}
-	// The statistics this block would change, as allocFoundBlock will.
-	maxSplit := a.cfg.MaxSplitSize
-	got, splitCount, splitBytes := b.Size, int64(0), int64(0)
-	if shouldSplit(p, b, rounded, maxSplit) {
-		got = rounded
-		if !b.Segment.Expandable && !b.IsSplit() {
-			splitCount, splitBytes = 1, int64(b.Size-rounded)
-		}
-	}
-	var over int64
-	if got >= maxSplit {
-		over = 1
-	}
-	if !a.fitsOrBorrow(sh, p.stat, 1, int64(got), int64(size), splitCount, splitBytes, over) {
+	d := a.mallocDelta(p, b, rounded, size)
+	if !a.fitsOrBorrow(sh, p.stat, &d) {
 		if !a.escalate(sh) {
 			return 0
 		}
 		defer a.deescalate(sh)
 	}
 	p.free.Delete(b)
-	a.allocFoundBlock(nil, p, b, rounded, size)
+	a.allocFoundBlock(nil, p, b, &d)
 	return cudart.Ptr(b.Ptr)
 }
 
@@ -566,7 +554,8 @@ func (n native) malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
 			return 0, err
 		}
 	}
-	a.allocFoundBlock(c, p, b, rounded, size)
+	d := a.mallocDelta(p, b, rounded, size)
+	a.allocFoundBlock(c, p, b, &d)
 	return cudart.Ptr(b.Ptr), nil
 }
 
@@ -640,48 +629,35 @@ func (a *Allocator) oomError(size, allocSize uint64, cause error) *OOMError {
 	return e
 }
 
-func shouldSplit(p *pool, b *blocks.Block, size, maxSplit uint64) bool {
-	remaining := b.Size - size
-	if p.small || b.Segment.Expandable {
+// splits is PyTorch's should_split: whether a free block of blockSize
+// bytes, handing out size bytes, gives up its remainder as a free block.
+func splits(small, expandable bool, blockSize, size, maxSplit uint64) bool {
+	remaining := blockSize - size
+	if small || expandable {
 		return remaining >= minBlockSize
 	}
 	return size < maxSplit && remaining > smallSize
 }
 
+// mallocDelta is mallocChange for the free block b of pool p.
+func (a *Allocator) mallocDelta(p *pool, b *blocks.Block, rounded, requested uint64) delta {
+	return mallocChange(p.small, b.Segment.Expandable, b.IsSplit(), b.Size, rounded, requested, a.cfg.MaxSplitSize)
+}
+
 // allocFoundBlock is PyTorch's alloc_found_block: split off the remainder
-// when worth it, mark the block allocated and count it.
-func (a *Allocator) allocFoundBlock(c *call, p *pool, b *blocks.Block, size, requested uint64) {
-	wasSplit := b.IsSplit()
-	st := &p.sh.stats
-	if shouldSplit(p, b, size, a.cfg.MaxSplitSize) {
-		rest := blocks.Split(b, size, &p.recycler)
-		p.free.Insert(rest)
-		switch {
-		case b.Segment.Expandable: // PyTorch leaves them out of inactive_split
-		case wasSplit:
-			st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
-		default:
-			st.InactiveSplitBytes.inc(p.stat, int64(rest.Size))
-			st.InactiveSplit.inc(p.stat, 1)
-		}
-	} else if wasSplit && !b.Segment.Expandable {
-		st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
-		st.InactiveSplit.sub(p.stat, 1)
+// when d (b's mallocDelta) hands out less than b, mark the block
+// allocated and make the change d.
+func (a *Allocator) allocFoundBlock(c *call, p *pool, b *blocks.Block, d *delta) {
+	if got := uint64(d.allocBytes); got < b.Size {
+		p.free.Insert(blocks.Split(b, got, &p.recycler))
 	}
 	b.Allocated = true
-	b.Requested = requested
+	b.Requested = uint64(d.requested)
 	p.sh.active.put(b.Ptr, b)
-	st.Allocation.inc(p.stat, 1)
-	st.AllocatedBytes.inc(p.stat, int64(b.Size))
-	st.Active.inc(p.stat, 1)
-	st.ActiveBytes.inc(p.stat, int64(b.Size))
-	st.RequestedBytes.inc(p.stat, int64(requested))
-	if b.Size >= a.cfg.MaxSplitSize {
-		st.OversizeAllocations.inc(1)
-	}
+	p.sh.stats.apply(p.stat, d)
 	if a.world {
 		a.settleShard(p.sh)
-		a.record(c, actionAlloc, b.Ptr, requested, cudart.Stream(b.Segment.Stream))
+		a.record(c, actionAlloc, b.Ptr, b.Requested, cudart.Stream(b.Segment.Stream))
 	}
 }
 
@@ -726,21 +702,10 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 		pl = &sh.small
 	}
 	if !b.Segment.Expandable {
-		// The inactive-split change freeBlock will make: the merged block
-		// counts when it is split, its free neighbours stop counting.
-		var n, merged int64
-		left, right := b.Prev, b.Next
-		if left != nil && left.Indexed() {
-			n, merged, left = n+1, merged+int64(left.Size), left.Prev
-		}
-		if right != nil && right.Indexed() {
-			n, merged, right = n+1, merged+int64(right.Size), right.Next
-		}
-		count, bytes := -n, -merged
-		if left != nil || right != nil {
-			count, bytes = count+1, bytes+int64(b.Size)+merged
-		}
-		if !a.fitsOrBorrow(sh, pl.stat, 0, 0, 0, count, bytes, 0) {
+		// Only the inactive-split statistics can grow; in an expandable
+		// segment they do not change.
+		d := freeDelta(b)
+		if !a.fitsOrBorrow(sh, pl.stat, &d) {
 			if !a.escalate(sh) {
 				return false
 			}
@@ -749,7 +714,7 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 		if !sh.noPark {
 			sh.active.del(ptr)
 			a.release(pl, b)
-			a.park(sh, pl, b, count, bytes)
+			a.park(sh, pl, b, &d)
 			a.repay(sh, pl.stat)
 			return true
 		}
@@ -835,28 +800,15 @@ func (a *Allocator) unknownPointer(op string, p cudart.Ptr) error {
 }
 
 // freeBlock is PyTorch's free_block: merge with free neighbours, index the
-// result and settle the statistics.
+// result and make the change freeDelta says.
 func (a *Allocator) freeBlock(c *call, p *pool, b *blocks.Block) {
 	sh := p.sh
-	ptr, size, requested := b.Ptr, b.Size, b.Requested // before merging moves them
-	var netCount, netBytes int64
-	n, merged := blocks.Merge(b, p.free, &p.recycler)
-	netCount -= int64(n)
-	netBytes -= int64(merged)
+	ptr, requested := b.Ptr, b.Requested // before merging moves them
+	d := freeDelta(b)
+	blocks.Merge(b, p.free, &p.recycler)
 	b.Requested = 0
 	p.free.Insert(b)
-	if b.IsSplit() {
-		netCount++
-		netBytes += int64(b.Size)
-	}
-	st := &sh.stats
-	if !b.Segment.Expandable {
-		adjustHot(&st.InactiveSplit, p.stat, netCount)
-		adjustHot(&st.InactiveSplitBytes, p.stat, netBytes)
-	}
-	st.Active.sub(p.stat, 1)
-	st.ActiveBytes.sub(p.stat, int64(size))
-	st.RequestedBytes.sub(p.stat, int64(requested))
+	sh.stats.apply(p.stat, &d)
 	if a.world {
 		a.settleShard(sh)
 		a.record(c, actionFreeCompleted, ptr, requested, cudart.Stream(b.Segment.Stream))
@@ -872,15 +824,6 @@ func (a *Allocator) activeBlock(p uint64) *blocks.Block {
 		}
 	}
 	return nil
-}
-
-func adjust(a *StatArray, p Pool, n int64) {
-	switch {
-	case n > 0:
-		a.add(p, n)
-	case n < 0:
-		a.sub(p, -n)
-	}
 }
 
 // RecordStream marks the allocation p as used by stream s, as

@@ -215,12 +215,14 @@ func (m *asyncAllocator) syncReserved() {
 	a.reserved = reserved
 	// The pool does not say which size class holds its memory; count it in
 	// the large pool, where nearly all of it is.
-	adjust(&a.stats.ReservedBytes, PoolLarge, delta)
+	a.stats.ReservedBytes.adjust(PoolLarge, delta)
+	a.stats.ReservedBytes.raisePeak(PoolLarge)
 	segs := int64(0)
 	if reserved > 0 {
 		segs = 1
 	}
-	adjust(&a.stats.Segment, PoolLarge, segs-a.stats.Segment[PoolLarge].Current)
+	a.stats.Segment.adjust(PoolLarge, segs-a.stats.Segment[PoolLarge].Current)
+	a.stats.Segment.raisePeak(PoolLarge)
 }
 
 func (m *asyncAllocator) recordStream(ptr cudart.Ptr, s cudart.Stream) error {
