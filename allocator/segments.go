@@ -11,7 +11,9 @@ package allocator
 //   - *expandable (expandable.go): virtual ranges per stream and pool,
 //     grown by mapping pages (expandable_segments:True).
 //
-// Both run in world mode only.
+// Both run in world mode; with release_lock_on_cudamalloc, allocBlock
+// leaves world mode around the device malloc, and the other goroutines'
+// calls may change the cache meanwhile.
 
 import (
 	"errors"

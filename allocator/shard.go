@@ -16,12 +16,13 @@ package allocator
 // every shard's mutex in stream order (lockWorld). Device calls, the OOM
 // path, EmptyCache, garbage collection, event queues, history, new
 // streams, RecordStream, statistics reads, snapshots and Check all see one
-// consistent whole there, exactly as under the single mutex before. A hot
+// consistent whole there, as if one mutex guarded the allocator. A hot
 // path that cannot finish (a miss, pending events, history on, a new
 // stream) changes nothing (but may flush its front cache, front.go),
-// unlocks its shard and redoes the call in world mode. Fields read by the hot path outside its
-// shard (closed, pending, history, async, the configuration and cap) are
-// written only in world mode, when every shard lock is held.
+// unlocks its shard and redoes the call in world mode. Fields read by the
+// hot path outside its shard (closed, pending, history, async, the
+// configuration and cap) are written only in world mode, when every shard
+// lock is held.
 //
 // # Exact statistics
 //
@@ -124,9 +125,8 @@ type shard struct {
 // would pass its caps takes what it needs from here with atomic
 // operations, without the other shards' locks, and one whose caps stand far
 // above its values gives the excess back. Only holders of a shard lock
-// touch it (shareCaps and Check hold them all), so with the caps it keeps
-// the invariant the caps alone kept before: caps plus reservoir add up to
-// no more than the peak.
+// touch it (shareCaps and Check hold them all). Invariant: for each
+// statistic, the caps plus the reservoir add up to no more than the peak.
 type reservoir struct {
 	_    [64]byte // its own cache lines, away from the allocator's fields
 	r    [numHot][numPools]atomic.Int64
@@ -510,7 +510,8 @@ func (a *Allocator) shardOf(s cudart.Stream) *shard {
 
 // addShard creates the shard of stream s in world mode: it is created
 // locked, so that unlockWorld unlocks it with the others, and kept in
-// stream order, the order of the free indexes before sharding.
+// stream order: the order in which world mode walks the pools (pools,
+// freeIndexes), which PyTorch's one free index over all streams has.
 func (a *Allocator) addShard(s cudart.Stream) *shard {
 	sh := newShard(s)
 	sh.mu.Lock()
@@ -777,7 +778,7 @@ func (a *Allocator) freeIndexes() []*blocks.FreeIndex {
 }
 
 // pools lists every shard's pool of one kind, in stream order (world
-// mode): the order one free index over all streams had.
+// mode): the order of PyTorch's one free index over all streams.
 func (a *Allocator) pools(small bool) []*pool {
 	out := make([]*pool, 0, len(a.shards))
 	for _, sh := range a.shards {
@@ -871,10 +872,8 @@ func (a *Allocator) checkShards() []error {
 
 // spinLock takes mu, spinning (yielding the processor) before it sleeps.
 // Shard locks and the allocator's mutex are mostly held for a moment (a
-// hot path, an escalation), and a goroutine that sleeps on one waits, once
-// woken, in the waker's run queue: on two cores, mixed on two streams
-// spent a quarter of its goroutines' time so when world mode slept on
-// the allocator's mutex behind escalations.
+// hot path, an escalation), while a goroutine that sleeps on one waits,
+// once woken, in the waker's run queue, behind it.
 func spinLock(mu *sync.Mutex) {
 	if !mu.TryLock() {
 		spinLockSlow(mu)
