@@ -499,7 +499,7 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
 	if b == nil {
 		return 0
 	}
-	d := a.mallocDelta(p, b, rounded, size)
+	d := a.mallocDeltaOf(p, b, rounded, size)
 	if !a.fitsOrBorrow(sh, p.stat, &d) {
 		if !a.escalate(sh) {
 			return 0
@@ -554,7 +554,7 @@ func (n native) malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
 			return 0, err
 		}
 	}
-	d := a.mallocDelta(p, b, rounded, size)
+	d := a.mallocDeltaOf(p, b, rounded, size)
 	a.allocFoundBlock(c, p, b, &d)
 	return cudart.Ptr(b.Ptr), nil
 }
@@ -639,13 +639,13 @@ func splits(small, expandable bool, blockSize, size, maxSplit uint64) bool {
 	return size < maxSplit && remaining > smallSize
 }
 
-// mallocDelta is mallocChange for the free block b of pool p.
-func (a *Allocator) mallocDelta(p *pool, b *blocks.Block, rounded, requested uint64) delta {
-	return mallocChange(p.small, b.Segment.Expandable, b.IsSplit(), b.Size, rounded, requested, a.cfg.MaxSplitSize)
+// mallocDeltaOf is mallocDelta for handing out the free block b of pool p.
+func (a *Allocator) mallocDeltaOf(p *pool, b *blocks.Block, rounded, requested uint64) delta {
+	return mallocDelta(p.small, b.Segment.Expandable, b.IsSplit(), b.Size, rounded, requested, a.cfg.MaxSplitSize)
 }
 
 // allocFoundBlock is PyTorch's alloc_found_block: split off the remainder
-// when d (b's mallocDelta) hands out less than b, mark the block
+// when d (b's mallocDeltaOf) hands out less than b, mark the block
 // allocated and make the change d.
 func (a *Allocator) allocFoundBlock(c *call, p *pool, b *blocks.Block, d *delta) {
 	if got := uint64(d.allocBytes); got < b.Size {

@@ -104,7 +104,7 @@ func (a *Allocator) takeParked(sh *shard, size, rounded uint64) cudart.Ptr {
 	// allocFoundBlock's statistics on m, which hands out rounded bytes
 	// (the checks above leave it whole or split at b's end).
 	wasSplit := b.Prev != nil || (right == nil && b.Next != nil) || (right != nil && right.Next != nil)
-	d := mallocChange(p.small, false, wasSplit, msize, rounded, size, maxSplit)
+	d := mallocDelta(p.small, false, wasSplit, msize, rounded, size, maxSplit)
 	if !a.fitsOrBorrow(sh, p.stat, &d) {
 		return 0
 	}

@@ -275,7 +275,7 @@ type delta struct {
 	over                int64 // OversizeAllocations
 }
 
-// mallocChange is the change of handing out a free block of size bytes
+// mallocDelta is the change of handing out a free block of size bytes
 // for a request of requested bytes, rounded to rounded (PyTorch's
 // alloc_found_block): the block is split, and only rounded bytes handed
 // out, when splits says so. It counts one allocation, active block and
@@ -283,7 +283,7 @@ type delta struct {
 // out and requested, and the inactive split blocks: the block, when it
 // was part of a larger segment, stops counting; its remainder, when split
 // off, counts (PyTorch leaves blocks of expandable segments out).
-func mallocChange(small, expandable, wasSplit bool, size, rounded, requested, maxSplit uint64) delta {
+func mallocDelta(small, expandable, wasSplit bool, size, rounded, requested, maxSplit uint64) delta {
 	split := splits(small, expandable, size, rounded, maxSplit)
 	got := size
 	if split {
