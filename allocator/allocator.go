@@ -499,7 +499,8 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
 	if b == nil {
 		return 0
 	}
-	d := a.mallocDeltaOf(p, b, rounded, size)
+	var d delta
+	a.mallocDeltaOf(&d, p, b, rounded, size)
 	if !a.fitsOrBorrow(sh, p.stat, &d) {
 		if !a.escalate(sh) {
 			return 0
@@ -554,7 +555,8 @@ func (n native) malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
 			return 0, err
 		}
 	}
-	d := a.mallocDeltaOf(p, b, rounded, size)
+	var d delta
+	a.mallocDeltaOf(&d, p, b, rounded, size)
 	a.allocFoundBlock(c, p, b, &d)
 	return cudart.Ptr(b.Ptr), nil
 }
@@ -640,8 +642,8 @@ func splits(small, expandable bool, blockSize, size, maxSplit uint64) bool {
 }
 
 // mallocDeltaOf is mallocDelta for handing out the free block b of pool p.
-func (a *Allocator) mallocDeltaOf(p *pool, b *blocks.Block, rounded, requested uint64) delta {
-	return mallocDelta(p.small, b.Segment.Expandable, b.IsSplit(), b.Size, rounded, requested, a.cfg.MaxSplitSize)
+func (a *Allocator) mallocDeltaOf(d *delta, p *pool, b *blocks.Block, rounded, requested uint64) {
+	mallocDelta(d, p.small, b.Segment.Expandable, b.IsSplit(), b.Size, rounded, requested, a.cfg.MaxSplitSize)
 }
 
 // allocFoundBlock is PyTorch's alloc_found_block: split off the remainder
@@ -704,7 +706,8 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 	if !b.Segment.Expandable {
 		// Only the inactive-split statistics can grow; in an expandable
 		// segment they do not change.
-		d := freeDelta(b)
+		var d delta
+		freeDelta(&d, b)
 		if !a.fitsOrBorrow(sh, pl.stat, &d) {
 			if !a.escalate(sh) {
 				return false
@@ -804,7 +807,8 @@ func (a *Allocator) unknownPointer(op string, p cudart.Ptr) error {
 func (a *Allocator) freeBlock(c *call, p *pool, b *blocks.Block) {
 	sh := p.sh
 	ptr, requested := b.Ptr, b.Requested // before merging moves them
-	d := freeDelta(b)
+	var d delta
+	freeDelta(&d, b)
 	blocks.Merge(b, p.free, &p.recycler)
 	b.Requested = 0
 	p.free.Insert(b)

@@ -33,7 +33,8 @@ func TestMallocDelta(t *testing.T) {
 		{"expandable split, not counted", false, true, true, 64 * mb, 20 * mb, 20 * mb, none,
 			delta{allocs: 1, allocBytes: 20 * mb, active: 1, activeBytes: 20 * mb, requested: 20 * mb}},
 	} {
-		if got := mallocDelta(tc.small, tc.expandable, tc.wasSplit, tc.size, tc.rounded, tc.req, tc.maxSplit); got != tc.want {
+		got := delta{allocs: 7, split: 7, over: 7} // overwritten
+		if mallocDelta(&got, tc.small, tc.expandable, tc.wasSplit, tc.size, tc.rounded, tc.req, tc.maxSplit); got != tc.want {
 			t.Errorf("%s: %+v, want %+v", tc.name, got, tc.want)
 		}
 	}

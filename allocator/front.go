@@ -104,7 +104,8 @@ func (a *Allocator) takeParked(sh *shard, size, rounded uint64) cudart.Ptr {
 	// allocFoundBlock's statistics on m, which hands out rounded bytes
 	// (the checks above leave it whole or split at b's end).
 	wasSplit := b.Prev != nil || (right == nil && b.Next != nil) || (right != nil && right.Next != nil)
-	d := mallocDelta(p.small, false, wasSplit, msize, rounded, size, maxSplit)
+	var d delta
+	mallocDelta(&d, p.small, false, wasSplit, msize, rounded, size, maxSplit)
 	if !a.fitsOrBorrow(sh, p.stat, &d) {
 		return 0
 	}

@@ -275,7 +275,7 @@ type delta struct {
 	over                int64 // OversizeAllocations
 }
 
-// mallocDelta is the change of handing out a free block of size bytes
+// mallocDelta sets d to the change of handing out a free block of size bytes
 // for a request of requested bytes, rounded to rounded (PyTorch's
 // alloc_found_block): the block is split, and only rounded bytes handed
 // out, when splits says so. It counts one allocation, active block and
@@ -283,13 +283,21 @@ type delta struct {
 // out and requested, and the inactive split blocks: the block, when it
 // was part of a larger segment, stops counting; its remainder, when split
 // off, counts (PyTorch leaves blocks of expandable segments out).
-func mallocDelta(small, expandable, wasSplit bool, size, rounded, requested, maxSplit uint64) delta {
+//
+// It and freeDelta fill in the caller's delta, field by field, rather
+// than return one: a returned struct is copied in 16-byte moves that
+// cannot take the 8-byte values just stored, which cost the hot path
+// more than the rest of its statistics.
+func mallocDelta(d *delta, small, expandable, wasSplit bool, size, rounded, requested, maxSplit uint64) {
 	split := splits(small, expandable, size, rounded, maxSplit)
 	got := size
 	if split {
 		got = rounded
 	}
-	d := delta{allocs: 1, allocBytes: int64(got), active: 1, activeBytes: int64(got), requested: int64(requested)}
+	d.allocs, d.allocBytes = 1, int64(got)
+	d.active, d.activeBytes = 1, int64(got)
+	d.requested = int64(requested)
+	d.split, d.splitBytes, d.over = 0, 0, 0
 	if !expandable {
 		switch {
 		case split && wasSplit: // the remainder takes the block's place
@@ -303,19 +311,21 @@ func mallocDelta(small, expandable, wasSplit bool, size, rounded, requested, max
 	if got >= maxSplit {
 		d.over = 1
 	}
-	return d
 }
 
-// freeDelta is the change of returning the allocated block b, already
+// freeDelta sets d to the change of returning the allocated block b, already
 // released, to its pool (PyTorch's free_block), merging it with its free
 // neighbours: one active block and its active and requested bytes less;
 // the neighbours stop counting as inactive split blocks, and the merged
 // block counts when it is still part of a larger segment (blocks of
 // expandable segments are left out).
-func freeDelta(b *blocks.Block) delta {
-	d := delta{active: -1, activeBytes: -int64(b.Size), requested: -int64(b.Requested)}
+func freeDelta(d *delta, b *blocks.Block) {
+	d.allocs, d.allocBytes = 0, 0
+	d.active, d.activeBytes = -1, -int64(b.Size)
+	d.requested = -int64(b.Requested)
+	d.split, d.splitBytes, d.over = 0, 0, 0
 	if b.Segment.Expandable {
-		return d
+		return
 	}
 	var n, merged int64 // free neighbours, and their bytes
 	left, right := b.Prev, b.Next
@@ -329,19 +339,27 @@ func freeDelta(b *blocks.Block) delta {
 	if left != nil || right != nil { // the merged block has neighbours
 		d.split, d.splitBytes = d.split+1, d.splitBytes+int64(b.Size)+merged
 	}
-	return d
 }
 
-// apply makes the change d to the statistics of pool p.
+// apply makes the change d to the statistics of pool p. It skips the
+// statistics that a malloc or a free leaves alone (a free's allocation
+// count, changed on release; most changes' inactive split and oversize
+// counts).
 func (h *hotStats) apply(p Pool, d *delta) {
-	h.Allocation.adjust(p, d.allocs)
-	h.AllocatedBytes.adjust(p, d.allocBytes)
+	if d.allocs != 0 || d.allocBytes != 0 {
+		h.Allocation.adjust(p, d.allocs)
+		h.AllocatedBytes.adjust(p, d.allocBytes)
+	}
 	h.Active.adjust(p, d.active)
 	h.ActiveBytes.adjust(p, d.activeBytes)
 	h.RequestedBytes.adjust(p, d.requested)
-	h.InactiveSplit.adjust(p, d.split)
-	h.InactiveSplitBytes.adjust(p, d.splitBytes)
-	h.OversizeAllocations.adjust(d.over)
+	if d.split != 0 || d.splitBytes != 0 {
+		h.InactiveSplit.adjust(p, d.split)
+		h.InactiveSplitBytes.adjust(p, d.splitBytes)
+	}
+	if d.over != 0 {
+		h.OversizeAllocations.adjust(d.over)
+	}
 }
 
 // adjust changes s by n, up or down, and keeps no peak: the peak of a
@@ -349,8 +367,11 @@ func (h *hotStats) apply(p Pool, d *delta) {
 // statistic of the allocator's own raises its peak after (raisePeak).
 func (s *Stat) adjust(n int64) {
 	s.Current += n
-	s.Allocated += max(n, 0)
-	s.Freed += max(-n, 0)
+	if n >= 0 {
+		s.Allocated += n
+	} else {
+		s.Freed -= n
+	}
 }
 
 // adjust is Stat.adjust in all pools and in p.
