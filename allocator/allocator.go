@@ -289,9 +289,10 @@ type Allocator struct {
 
 // call is the state of one Malloc or Free on its way down the slow path:
 // the caller's stack in the history and the device's out-of-memory error.
-// It lives on the caller's stack and is passed by pointer; steps that run
-// outside a Malloc or Free (EmptyCache, stream sweeps) pass nil, and
-// their events carry no stack.
+// It lives on the caller's stack and is passed by pointer. Steps that run
+// outside a world-mode Malloc or Free (EmptyCache, Close, stream sweeps,
+// the hot paths, which record nothing) pass nil; their events carry no
+// stack.
 type call struct {
 	stack  uint32 // interned stack of the caller (history.capture), or 0
 	devErr error  // the device's last out-of-memory error in this call
