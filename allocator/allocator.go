@@ -279,15 +279,24 @@ type Allocator struct {
 	capped   bool   // per_process_memory_fraction set
 	reserved uint64 // bytes held from the device
 
-	stats         Stats
-	be            backend         // the policy behind the public calls (backend.go)
-	async         *asyncAllocator // be, for backend:cudaMallocAsync; nil otherwise
-	src           source          // where segments come from (segments.go)
-	exp           *expandable     // non-nil for expandable_segments:True
-	history       *history        // nil unless recording history
-	curStack      uint32          // the stack of the Malloc or Free in progress
-	lastDeviceErr error           // the device's last out-of-memory error
-	ownsDevice    bool            // opened by Open: Close closes the device
+	stats      Stats
+	be         backend         // the policy behind the public calls (backend.go)
+	async      *asyncAllocator // be, for backend:cudaMallocAsync; nil otherwise
+	src        source          // where segments come from (segments.go)
+	exp        *expandable     // non-nil for expandable_segments:True
+	history    *history        // nil unless recording history
+	ownsDevice bool            // opened by Open: Close closes the device
+}
+
+// call is the state of one Malloc or Free on its way down the slow path:
+// the caller's stack in the history and the device's out-of-memory error.
+// It lives on the caller's stack and is passed by pointer. Steps that run
+// outside a world-mode Malloc or Free (EmptyCache, Close, stream sweeps,
+// the hot paths, which record nothing) pass nil; their events carry no
+// stack.
+type call struct {
+	stack  uint32 // interned stack of the caller (history.capture), or 0
+	devErr error  // the device's last out-of-memory error in this call
 }
 
 // New returns an allocator for dev. It reads the device's total memory once
@@ -492,27 +501,16 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
 	if b == nil {
 		return 0
 	}
-	// The statistics this block would change, as allocFoundBlock will.
-	maxSplit := a.cfg.MaxSplitSize
-	got, splitCount, splitBytes := b.Size, int64(0), int64(0)
-	if shouldSplit(p, b, rounded, maxSplit) {
-		got = rounded
-		if !b.Segment.Expandable && !b.IsSplit() {
-			splitCount, splitBytes = 1, int64(b.Size-rounded)
-		}
-	}
-	var over int64
-	if got >= maxSplit {
-		over = 1
-	}
-	if !a.fitsOrBorrow(sh, p.stat, 1, int64(got), int64(size), splitCount, splitBytes, over) {
+	var d delta
+	a.mallocDeltaOf(&d, p, b, rounded, size)
+	if !a.fitsOrBorrow(sh, p.stat, &d) {
 		if !a.escalate(sh) {
 			return 0
 		}
 		defer a.deescalate(sh)
 	}
 	p.free.Delete(b)
-	a.allocFoundBlock(p, b, rounded, size)
+	a.allocFoundBlock(nil, p, b, &d)
 	return cudart.Ptr(b.Ptr)
 }
 
@@ -530,23 +528,23 @@ func (a *Allocator) slowMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, e
 	// sh stays while a device malloc runs unlocked (release_lock_on_cudamalloc).
 	sh.busy++
 	defer func() { sh.busy-- }()
+	var c call
 	if h := a.history; h != nil && h.depth > 0 {
-		a.curStack = h.capture()
-		defer a.endCall()
+		c.stack = h.capture()
 	}
 	if size > a.allowed || size > maxRequestSize {
 		// No release of the cache can help: fail without touching it.
-		return 0, a.outOfMemory(size, size, stream, nil)
+		return 0, a.outOfMemory(&c, size, size, stream, nil)
 	}
-	return a.be.malloc(sh, size)
+	return a.backendMalloc(&c, sh, size)
 }
 
 // malloc is the native policy's Malloc in world mode, after the checks
 // every backend shares.
-func (n native) malloc(sh *shard, size uint64) (cudart.Ptr, error) {
+func (n native) malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
 	a, stream := n.a, sh.stream
 	if a.pending > 0 {
-		if err := a.processEvents(); err != nil {
+		if err := a.processEvents(c); err != nil {
 			return 0, err
 		}
 	}
@@ -555,11 +553,13 @@ func (n native) malloc(sh *shard, size uint64) (cudart.Ptr, error) {
 	b := a.getFreeBlock(p, uint64(stream), rounded)
 	if b == nil {
 		var err error
-		if b, err = a.src.grow(p, stream, size, rounded); err != nil {
+		if b, err = a.grow(c, p, stream, size, rounded); err != nil {
 			return 0, err
 		}
 	}
-	a.allocFoundBlock(p, b, rounded, size)
+	var d delta
+	a.mallocDeltaOf(&d, p, b, rounded, size)
+	a.allocFoundBlock(c, p, b, &d)
 	return cudart.Ptr(b.Ptr), nil
 }
 
@@ -608,10 +608,10 @@ func (a *Allocator) gcEnabled() bool {
 // outOfMemory is every out-of-memory return, as PyTorch handles it: count
 // it in num_ooms, record an oom event (with the device's free bytes as its
 // address, as PyTorch records it), log it once and return the error.
-func (a *Allocator) outOfMemory(size, allocSize uint64, stream cudart.Stream, cause error) *OOMError {
+func (a *Allocator) outOfMemory(c *call, size, allocSize uint64, stream cudart.Stream, cause error) *OOMError {
 	a.stats.NumOOMs++
 	oom := a.oomError(size, allocSize, cause)
-	a.record(actionOOM, oom.DeviceFree, allocSize, stream)
+	a.record(c, actionOOM, oom.DeviceFree, allocSize, stream)
 	a.log.Warn("out of memory", zap.Error(oom))
 	return oom
 }
@@ -633,48 +633,35 @@ func (a *Allocator) oomError(size, allocSize uint64, cause error) *OOMError {
 	return e
 }
 
-func shouldSplit(p *pool, b *blocks.Block, size, maxSplit uint64) bool {
-	remaining := b.Size - size
-	if p.small || b.Segment.Expandable {
+// splits is PyTorch's should_split: whether a free block of blockSize
+// bytes, handing out size bytes, gives up its remainder as a free block.
+func splits(small, expandable bool, blockSize, size, maxSplit uint64) bool {
+	remaining := blockSize - size
+	if small || expandable {
 		return remaining >= minBlockSize
 	}
 	return size < maxSplit && remaining > smallSize
 }
 
+// mallocDeltaOf is mallocDelta for handing out the free block b of pool p.
+func (a *Allocator) mallocDeltaOf(d *delta, p *pool, b *blocks.Block, rounded, requested uint64) {
+	mallocDelta(d, p.small, b.Segment.Expandable, b.IsSplit(), b.Size, rounded, requested, a.cfg.MaxSplitSize)
+}
+
 // allocFoundBlock is PyTorch's alloc_found_block: split off the remainder
-// when worth it, mark the block allocated and count it.
-func (a *Allocator) allocFoundBlock(p *pool, b *blocks.Block, size, requested uint64) {
-	wasSplit := b.IsSplit()
-	st := &p.sh.stats
-	if shouldSplit(p, b, size, a.cfg.MaxSplitSize) {
-		rest := blocks.Split(b, size, &p.recycler)
-		p.free.Insert(rest)
-		switch {
-		case b.Segment.Expandable: // PyTorch leaves them out of inactive_split
-		case wasSplit:
-			st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
-		default:
-			st.InactiveSplitBytes.inc(p.stat, int64(rest.Size))
-			st.InactiveSplit.inc(p.stat, 1)
-		}
-	} else if wasSplit && !b.Segment.Expandable {
-		st.InactiveSplitBytes.sub(p.stat, int64(b.Size))
-		st.InactiveSplit.sub(p.stat, 1)
+// when d (b's mallocDeltaOf) hands out less than b, mark the block
+// allocated and make the change d.
+func (a *Allocator) allocFoundBlock(c *call, p *pool, b *blocks.Block, d *delta) {
+	if got := uint64(d.allocBytes); got < b.Size {
+		p.free.Insert(blocks.Split(b, got, &p.recycler))
 	}
 	b.Allocated = true
-	b.Requested = requested
+	b.Requested = uint64(d.requested)
 	p.sh.active.put(b.Ptr, b)
-	st.Allocation.inc(p.stat, 1)
-	st.AllocatedBytes.inc(p.stat, int64(b.Size))
-	st.Active.inc(p.stat, 1)
-	st.ActiveBytes.inc(p.stat, int64(b.Size))
-	st.RequestedBytes.inc(p.stat, int64(requested))
-	if b.Size >= a.cfg.MaxSplitSize {
-		st.OversizeAllocations.inc(1)
-	}
+	p.sh.stats.apply(p.stat, d)
 	if a.world {
 		a.settleShard(p.sh)
-		a.record(actionAlloc, b.Ptr, requested, cudart.Stream(b.Segment.Stream))
+		a.record(c, actionAlloc, b.Ptr, b.Requested, cudart.Stream(b.Segment.Stream))
 	}
 }
 
@@ -719,21 +706,11 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 		pl = &sh.small
 	}
 	if !b.Segment.Expandable {
-		// The inactive-split change freeBlock will make: the merged block
-		// counts when it is split, its free neighbours stop counting.
-		var n, merged int64
-		left, right := b.Prev, b.Next
-		if left != nil && left.Indexed() {
-			n, merged, left = n+1, merged+int64(left.Size), left.Prev
-		}
-		if right != nil && right.Indexed() {
-			n, merged, right = n+1, merged+int64(right.Size), right.Next
-		}
-		count, bytes := -n, -merged
-		if left != nil || right != nil {
-			count, bytes = count+1, bytes+int64(b.Size)+merged
-		}
-		if !a.fitsOrBorrow(sh, pl.stat, 0, 0, 0, count, bytes, 0) {
+		// Only the inactive-split statistics can grow; in an expandable
+		// segment they do not change.
+		var d delta
+		freeDelta(&d, b)
+		if !a.fitsOrBorrow(sh, pl.stat, &d) {
 			if !a.escalate(sh) {
 				return false
 			}
@@ -742,14 +719,14 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 		if !sh.noPark {
 			sh.active.del(ptr)
 			a.release(pl, b)
-			a.park(sh, pl, b, count, bytes)
+			a.park(sh, pl, b, &d)
 			a.repay(sh, pl.stat)
 			return true
 		}
 	}
 	sh.active.del(ptr)
 	a.release(pl, b)
-	a.freeBlock(pl, b)
+	a.freeBlock(nil, pl, b)
 	a.repay(sh, pl.stat)
 	return true
 }
@@ -773,15 +750,15 @@ func (a *Allocator) slowFree(p cudart.Ptr) error {
 	if a.closed {
 		return fmt.Errorf("allocator: free of %#x: %w", uint64(p), ErrClosed)
 	}
+	var c call
 	if h := a.history; h != nil && h.depth > 0 {
-		a.curStack = h.capture()
-		defer a.endCall()
+		c.stack = h.capture()
 	}
-	return a.be.free(p)
+	return a.backendFree(&c, p)
 }
 
 // free is the native policy's Free in world mode.
-func (n native) free(p cudart.Ptr) error {
+func (n native) free(c *call, p cudart.Ptr) error {
 	a := n.a
 	b := a.activeBlock(uint64(p))
 	if b == nil {
@@ -790,7 +767,7 @@ func (n native) free(p cudart.Ptr) error {
 	pl := a.poolOf(b)
 	pl.sh.active.del(b.Ptr)
 	a.release(pl, b)
-	a.record(actionFreeRequested, b.Ptr, b.Requested, cudart.Stream(b.Segment.Stream))
+	a.record(c, actionFreeRequested, b.Ptr, b.Requested, cudart.Stream(b.Segment.Stream))
 	if len(b.StreamUses) > 0 {
 		if err := a.insertEvents(b); err != nil {
 			// The block cannot be tracked by events; wait for the device
@@ -801,12 +778,12 @@ func (n native) free(p cudart.Ptr) error {
 			}
 			b.StreamUses = b.StreamUses[:0]
 			if b.EventCount == 0 {
-				a.freeBlock(pl, b)
+				a.freeBlock(c, pl, b)
 			}
 		}
 		return nil
 	}
-	a.freeBlock(pl, b)
+	a.freeBlock(c, pl, b)
 	return nil
 }
 
@@ -828,31 +805,19 @@ func (a *Allocator) unknownPointer(op string, p cudart.Ptr) error {
 }
 
 // freeBlock is PyTorch's free_block: merge with free neighbours, index the
-// result and settle the statistics.
-func (a *Allocator) freeBlock(p *pool, b *blocks.Block) {
+// result and make the change freeDelta says.
+func (a *Allocator) freeBlock(c *call, p *pool, b *blocks.Block) {
 	sh := p.sh
-	ptr, size, requested := b.Ptr, b.Size, b.Requested // before merging moves them
-	var netCount, netBytes int64
-	n, merged := blocks.Merge(b, p.free, &p.recycler)
-	netCount -= int64(n)
-	netBytes -= int64(merged)
+	ptr, requested := b.Ptr, b.Requested // before merging moves them
+	var d delta
+	freeDelta(&d, b)
+	blocks.Merge(b, p.free, &p.recycler)
 	b.Requested = 0
 	p.free.Insert(b)
-	if b.IsSplit() {
-		netCount++
-		netBytes += int64(b.Size)
-	}
-	st := &sh.stats
-	if !b.Segment.Expandable {
-		adjustHot(&st.InactiveSplit, p.stat, netCount)
-		adjustHot(&st.InactiveSplitBytes, p.stat, netBytes)
-	}
-	st.Active.sub(p.stat, 1)
-	st.ActiveBytes.sub(p.stat, int64(size))
-	st.RequestedBytes.sub(p.stat, int64(requested))
+	sh.stats.apply(p.stat, &d)
 	if a.world {
 		a.settleShard(sh)
-		a.record(actionFreeCompleted, ptr, requested, cudart.Stream(b.Segment.Stream))
+		a.record(c, actionFreeCompleted, ptr, requested, cudart.Stream(b.Segment.Stream))
 	}
 }
 
@@ -865,15 +830,6 @@ func (a *Allocator) activeBlock(p uint64) *blocks.Block {
 		}
 	}
 	return nil
-}
-
-func adjust(a *StatArray, p Pool, n int64) {
-	switch {
-	case n > 0:
-		a.add(p, n)
-	case n < 0:
-		a.sub(p, -n)
-	}
 }
 
 // RecordStream marks the allocation p as used by stream s, as
@@ -954,7 +910,7 @@ func (a *Allocator) queue(s cudart.Stream) *eventQueue {
 
 // processEvents is PyTorch's process_events: in each stream's queue,
 // retire events from the front while they have completed.
-func (a *Allocator) processEvents() error {
+func (a *Allocator) processEvents(c *call) error {
 	for i := range a.queues {
 		q := &a.queues[i]
 		for len(q.items) > 0 {
@@ -968,21 +924,21 @@ func (a *Allocator) processEvents() error {
 			}
 			q.items[0] = pendingEvent{}
 			q.items = q.items[1:]
-			a.retire(pe)
+			a.retire(c, pe)
 		}
 	}
 	a.dropEmptyQueues()
 	return nil
 }
 
-func (a *Allocator) retire(pe pendingEvent) {
+func (a *Allocator) retire(c *call, pe pendingEvent) {
 	a.spareEvents.Put(pe.event)
 	a.pending--
 	pe.block.EventCount--
 	pl := a.poolOf(pe.block)
 	pl.sh.pendingEv--
 	if pe.block.EventCount == 0 {
-		a.freeBlock(pl, pe.block)
+		a.freeBlock(c, pl, pe.block)
 	}
 }
 
@@ -994,7 +950,7 @@ func (a *Allocator) dropEmptyQueues() {
 
 // synchronizeAndFreeEvents waits for every pending event and returns their
 // blocks to the pools.
-func (a *Allocator) synchronizeAndFreeEvents() error {
+func (a *Allocator) synchronizeAndFreeEvents(c *call) error {
 	if a.pending == 0 {
 		return nil
 	}
@@ -1008,7 +964,7 @@ func (a *Allocator) synchronizeAndFreeEvents() error {
 			}
 			q.items[0] = pendingEvent{}
 			q.items = q.items[1:]
-			a.retire(pe)
+			a.retire(c, pe)
 		}
 	}
 	a.dropEmptyQueues()
@@ -1017,11 +973,11 @@ func (a *Allocator) synchronizeAndFreeEvents() error {
 
 // releaseCachedBlocks is PyTorch's release_cached_blocks: wait for pending
 // events, then return every whole free segment to the device.
-func (a *Allocator) releaseCachedBlocks() error {
-	if err := a.synchronizeAndFreeEvents(); err != nil {
+func (a *Allocator) releaseCachedBlocks(c *call) error {
+	if err := a.synchronizeAndFreeEvents(c); err != nil {
 		return err
 	}
-	return a.src.releaseCached()
+	return a.releaseSourceCached(c)
 }
 
 // EmptyCache waits for pending stream events, then returns every cached
@@ -1042,7 +998,7 @@ func (a *Allocator) EmptyCache() error {
 }
 
 // emptyCache is the native policy's EmptyCache: release_cached_blocks.
-func (n native) emptyCache() error { return n.a.releaseCachedBlocks() }
+func (n native) emptyCache() error { return n.a.releaseCachedBlocks(nil) }
 
 // Close waits for pending events and returns every segment to the device,
 // including segments with blocks still allocated; it then reports those
@@ -1106,7 +1062,7 @@ func (n native) close() (int, []error) {
 	for _, sh := range a.shards {
 		live += sh.active.len()
 	}
-	if err := a.synchronizeAndFreeEvents(); err != nil {
+	if err := a.synchronizeAndFreeEvents(nil); err != nil {
 		errs = append(errs, err)
 		if serr := a.dev.Synchronize(); serr != nil {
 			errs = append(errs, serr)

@@ -51,15 +51,15 @@ func asyncPoolOf(size uint64) Pool {
 
 // mallocStream serves a request from the device's pool, trimming it and
 // retrying once on out of memory.
-func (m *asyncAllocator) mallocStream(size uint64, stream cudart.Stream) (cudart.Ptr, error) {
+func (m *asyncAllocator) mallocStream(c *call, size uint64, stream cudart.Stream) (cudart.Ptr, error) {
 	a := m.a
-	if err := m.process(false); err != nil {
+	if err := m.process(c, false); err != nil {
 		return 0, err
 	}
 	ptr, err := m.dev.MallocAsync(size, stream)
 	if err != nil && errors.Is(err, cudart.ErrOutOfMemory) {
 		// Release what the pool caches, wait for deferred frees, retry once.
-		if err = m.process(true); err == nil {
+		if err = m.process(c, true); err == nil {
 			if err = m.dev.TrimPool(); err == nil {
 				a.stats.NumAllocRetries++
 				ptr, err = m.dev.MallocAsync(size, stream)
@@ -68,7 +68,7 @@ func (m *asyncAllocator) mallocStream(size uint64, stream cudart.Stream) (cudart
 	}
 	if err != nil {
 		if errors.Is(err, cudart.ErrOutOfMemory) {
-			return 0, a.outOfMemory(size, size, stream, err)
+			return 0, a.outOfMemory(c, size, size, stream, err)
 		}
 		return 0, fmt.Errorf("allocator: device malloc async of %d bytes: %w", size, err)
 	}
@@ -82,11 +82,11 @@ func (m *asyncAllocator) mallocStream(size uint64, stream cudart.Stream) (cudart
 	st.ActiveBytes.add(p, int64(size))
 	st.RequestedBytes.add(p, int64(size))
 	m.syncReserved()
-	a.record(actionAlloc, uint64(ptr), size, stream)
+	a.record(c, actionAlloc, uint64(ptr), size, stream)
 	return ptr, nil
 }
 
-func (m *asyncAllocator) free(ptr cudart.Ptr) error {
+func (m *asyncAllocator) free(c *call, ptr cudart.Ptr) error {
 	a := m.a
 	al := m.live[uint64(ptr)]
 	if al == nil {
@@ -119,7 +119,7 @@ func (m *asyncAllocator) free(ptr cudart.Ptr) error {
 			delete(m.live, al.ptr)
 			m.freed(al)
 			m.pending = append(m.pending, al)
-			a.record(actionFreeRequested, al.ptr, al.size, al.stream)
+			a.record(c, actionFreeRequested, al.ptr, al.size, al.stream)
 			return nil
 		}
 	}
@@ -128,7 +128,7 @@ func (m *asyncAllocator) free(ptr cudart.Ptr) error {
 	}
 	delete(m.live, al.ptr)
 	m.freed(al)
-	m.completed(al)
+	m.completed(c, al)
 	return nil
 }
 
@@ -141,7 +141,7 @@ func (m *asyncAllocator) freed(al *asyncAlloc) {
 }
 
 // asyncCompleted counts the memory's return to the pool (free completed).
-func (m *asyncAllocator) completed(al *asyncAlloc) {
+func (m *asyncAllocator) completed(c *call, al *asyncAlloc) {
 	a := m.a
 	p := asyncPoolOf(al.size)
 	a.stats.Active.sub(p, 1)
@@ -149,12 +149,12 @@ func (m *asyncAllocator) completed(al *asyncAlloc) {
 	a.stats.RequestedBytes.sub(p, int64(al.requested))
 	a.stats.NumDeviceFree++
 	m.syncReserved()
-	a.record(actionFreeCompleted, al.ptr, al.size, al.stream)
+	a.record(c, actionFreeCompleted, al.ptr, al.size, al.stream)
 }
 
 // asyncProcess issues the deferred frees whose events have completed; with
 // wait it first waits for all of them.
-func (m *asyncAllocator) process(wait bool) error {
+func (m *asyncAllocator) process(c *call, wait bool) error {
 	a := m.a
 	if len(m.pending) == 0 {
 		return nil
@@ -188,7 +188,7 @@ func (m *asyncAllocator) process(wait bool) error {
 			firstErr = fmt.Errorf("allocator: device free async of %#x: %w", al.ptr, err)
 		}
 		a.spareEvents.PutAll(al.events)
-		m.completed(al)
+		m.completed(c, al)
 	}
 	for i := len(keep); i < len(m.pending); i++ {
 		m.pending[i] = nil
@@ -215,12 +215,14 @@ func (m *asyncAllocator) syncReserved() {
 	a.reserved = reserved
 	// The pool does not say which size class holds its memory; count it in
 	// the large pool, where nearly all of it is.
-	adjust(&a.stats.ReservedBytes, PoolLarge, delta)
+	a.stats.ReservedBytes.adjust(PoolLarge, delta)
+	a.stats.ReservedBytes.raisePeak(PoolLarge)
 	segs := int64(0)
 	if reserved > 0 {
 		segs = 1
 	}
-	adjust(&a.stats.Segment, PoolLarge, segs-a.stats.Segment[PoolLarge].Current)
+	a.stats.Segment.adjust(PoolLarge, segs-a.stats.Segment[PoolLarge].Current)
+	a.stats.Segment.raisePeak(PoolLarge)
 }
 
 func (m *asyncAllocator) recordStream(ptr cudart.Ptr, s cudart.Stream) error {
@@ -246,7 +248,7 @@ func (m *asyncAllocator) recordStream(ptr cudart.Ptr, s cudart.Stream) error {
 
 func (m *asyncAllocator) emptyCache() error {
 	a := m.a
-	if err := m.process(true); err != nil {
+	if err := m.process(nil, true); err != nil {
 		return err
 	}
 	if err := a.dev.Synchronize(); err != nil {
@@ -263,7 +265,7 @@ func (m *asyncAllocator) emptyCache() error {
 func (m *asyncAllocator) closeAll() []error {
 	a := m.a
 	var errs []error
-	if err := m.process(true); err != nil {
+	if err := m.process(nil, true); err != nil {
 		errs = append(errs, err)
 	}
 	for _, al := range m.live {

@@ -16,14 +16,17 @@ package allocator
 // Stats, Snapshot and the metrics are shared, so callers, the collector
 // and the debug pages see one Allocator whichever backend serves it.
 
-import "github.com/allocd/allocd/cudart"
+import (
+	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/cudart"
+)
 
 // backend is what differs between the two policies. Every method runs in
 // world mode.
 type backend interface {
 	// malloc serves a checked request of size bytes on sh's stream.
-	malloc(sh *shard, size uint64) (cudart.Ptr, error)
-	free(p cudart.Ptr) error
+	malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error)
+	free(c *call, p cudart.Ptr) error
 	recordStream(p cudart.Ptr, s cudart.Stream) error
 	emptyCache() error
 	// close returns everything to the device and reports how many
@@ -40,8 +43,8 @@ type backend interface {
 // devices.go.
 type native struct{ a *Allocator }
 
-func (m *asyncAllocator) malloc(sh *shard, size uint64) (cudart.Ptr, error) {
-	return m.mallocStream(size, sh.stream)
+func (m *asyncAllocator) malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
+	return m.mallocStream(c, size, sh.stream)
 }
 
 func (m *asyncAllocator) close() (int, []error) {
@@ -59,4 +62,37 @@ func (m *asyncAllocator) holds(p cudart.Ptr) holding {
 		}
 	}
 	return holdNone
+}
+
+// backendMalloc and backendFree call the backend's malloc and free, and
+// grow and releaseSourceCached the segment source's grow and
+// releaseCached, by the concrete type: escape analysis cannot follow a
+// call through an interface, so the call context passed down would move
+// to the heap, one allocation per world-mode Malloc or Free.
+func (a *Allocator) backendMalloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
+	if m := a.async; m != nil {
+		return m.malloc(c, sh, size)
+	}
+	return native{a}.malloc(c, sh, size)
+}
+
+func (a *Allocator) backendFree(c *call, p cudart.Ptr) error {
+	if m := a.async; m != nil {
+		return m.free(c, p)
+	}
+	return native{a}.free(c, p)
+}
+
+func (a *Allocator) grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+	if e := a.exp; e != nil {
+		return e.grow(c, p, stream, size, rounded)
+	}
+	return mallocSource{a}.grow(c, p, stream, size, rounded)
+}
+
+func (a *Allocator) releaseSourceCached(c *call) error {
+	if e := a.exp; e != nil {
+		return e.releaseCached(c)
+	}
+	return mallocSource{a}.releaseCached(c)
 }

@@ -330,29 +330,29 @@ func expandableFit(p *pool, b *blocks.Block) *blocks.Block {
 }
 
 // The source interface, over the functions below.
-func (e *expandable) grow(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
-	return e.a.growExpandable(p, stream, size, rounded)
+func (e *expandable) grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+	return e.a.growExpandable(c, p, stream, size, rounded)
 }
-func (e *expandable) releaseCached() error { return e.a.releaseExpandable() }
-func (e *expandable) close() []error       { return e.a.closeExpandable() }
-func (e *expandable) check() []error       { return e.a.checkExpandable() }
+func (e *expandable) releaseCached(c *call) error { return e.a.releaseExpandable(c) }
+func (e *expandable) close() []error              { return e.a.closeExpandable() }
+func (e *expandable) check() []error              { return e.a.checkExpandable() }
 
 // growExpandable is grow for expandable segments: map pages for the
 // request; if the device says no, release cached memory (unmap free pages)
 // and try once more; then fail with an OOMError.
-func (a *Allocator) growExpandable(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+func (a *Allocator) growExpandable(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
 	allocSize := allocationSize(rounded)
-	b, err := a.allocExpandable(p, stream, rounded, allocSize, false)
+	b, err := a.allocExpandable(c, p, stream, rounded, allocSize, false)
 	if b == nil && err == nil {
-		if err = a.releaseCachedBlocks(); err == nil {
-			b, err = a.allocExpandable(p, stream, rounded, allocSize, true)
+		if err = a.releaseCachedBlocks(c); err == nil {
+			b, err = a.allocExpandable(c, p, stream, rounded, allocSize, true)
 		}
 	}
 	if err != nil {
 		return nil, err
 	}
 	if b == nil {
-		return nil, a.outOfMemory(size, allocSize, stream, a.lastDeviceErr)
+		return nil, a.outOfMemory(c, size, allocSize, stream, c.devErr)
 	}
 	return b, nil
 }
@@ -360,53 +360,53 @@ func (a *Allocator) growExpandable(p *pool, stream cudart.Stream, size, rounded 
 // allocExpandable is alloc_block with expandable segments: the per-process
 // cap is checked against the request's segment size, as PyTorch does, then
 // try_allocate_expandable_block. It returns (nil, nil) when the device is
-// out of memory or the cap is reached.
-func (a *Allocator) allocExpandable(p *pool, stream cudart.Stream, rounded, allocSize uint64, isRetry bool) (*blocks.Block, error) {
+// out of memory (c.devErr says why) or the cap is reached (c.devErr nil).
+func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, rounded, allocSize uint64, isRetry bool) (*blocks.Block, error) {
 	if isRetry {
 		a.stats.NumAllocRetries++
 	}
-	a.lastDeviceErr = nil
+	c.devErr = nil
 	if a.capped && a.reserved+allocSize > a.allowed {
 		return nil, nil
 	}
-	c, err := a.findExpandableBlock(p, uint64(stream), rounded)
+	b, err := a.findExpandableBlock(p, uint64(stream), rounded)
 	if err != nil {
 		return nil, err
 	}
 	if a.exp.reclaim {
 		sums, _ := a.hotSums()
 		a.exp.allocMark = max(a.exp.allocMark, uint64(sums[3][PoolAll])+rounded)
-		if excess := a.growthExcess(c, rounded); excess > 0 {
+		if excess := a.growthExcess(b, rounded); excess > 0 {
 			defer a.dropSpare()
 			a.exp.keep, a.exp.keepSize = true, a.exp.pageSize(p)
-			err := a.reclaimPages(excess)
+			err := a.reclaimPages(c, excess)
 			a.exp.keep = false
 			if err != nil {
 				return nil, err
 			}
 			// Unmapping moved blocks around: look again.
-			if c, err = a.findExpandableBlock(p, uint64(stream), rounded); err != nil {
+			if b, err = a.findExpandableBlock(p, uint64(stream), rounded); err != nil {
 				return nil, err
 			}
 		}
 	}
-	if c.Unmapped {
-		if ok, err := a.mapBlock(p, c, min(c.Size, rounded)); !ok {
+	if b.Unmapped {
+		if ok, err := a.mapBlock(c, p, b, min(b.Size, rounded)); !ok {
 			return nil, err
 		}
 	}
-	for c.Size < rounded {
-		next := c.Next
+	for b.Size < rounded {
+		next := b.Next
 		if next == nil || !next.Unmapped {
-			return nil, fmt.Errorf("allocator: expandable segment %#x: %v is followed by %v, not by unmapped pages", c.Segment.Ptr, c, next)
+			return nil, fmt.Errorf("allocator: expandable segment %#x: %v is followed by %v, not by unmapped pages", b.Segment.Ptr, b, next)
 		}
-		if ok, err := a.mapBlock(p, next, min(rounded-c.Size, next.Size)); !ok {
+		if ok, err := a.mapBlock(c, p, next, min(rounded-b.Size, next.Size)); !ok {
 			return nil, err
 		}
-		c = next // it absorbed c
+		b = next // it absorbed b
 	}
-	p.free.Delete(c)
-	return c, nil
+	p.free.Delete(b)
+	return b, nil
 }
 
 // findExpandableBlock is find_expandable_block: the lowest-addressed
@@ -470,14 +470,14 @@ func (a *Allocator) reserveExpandable(p *pool, stream uint64) (*blocks.Block, er
 // of the unmapped block b, split off the rest (still unmapped), merge b
 // with free neighbours and index it. It reports false, with a nil error
 // when the device is out of memory; nothing changes then.
-func (a *Allocator) mapBlock(p *pool, b *blocks.Block, size uint64) (bool, error) {
+func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bool, error) {
 	seg := b.Segment
 	es := a.exp.of(seg)
 	page := seg.PageSize
 	begin := (b.Ptr - seg.Ptr) / page
 	end := (b.Ptr - seg.Ptr + size + page - 1) / page
 	t0 := time.Now()
-	if ok, err := a.mapPages(es, begin, end); !ok {
+	if ok, err := a.mapPages(c, es, begin, end); !ok {
 		return false, err
 	}
 	elapsed := time.Since(t0)
@@ -495,7 +495,7 @@ func (a *Allocator) mapBlock(p *pool, b *blocks.Block, size uint64) (bool, error
 	a.stats.ReservedBytes.add(p.stat, int64(n))
 	a.stats.NumDeviceAlloc++
 	a.stats.DeviceMallocLatency.observe(elapsed)
-	a.record(actionSegmentMap, start, n, cudart.Stream(seg.Stream))
+	a.record(c, actionSegmentMap, start, n, cudart.Stream(seg.Stream))
 	a.log.Debug("expandable segment mapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
 		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.reserved), zap.Duration("took", elapsed))
 	return true, nil
@@ -507,7 +507,7 @@ func (a *Allocator) mapBlock(p *pool, b *blocks.Block, size uint64) (bool, error
 // call when the device is a cudart.RangeMapper, else run by run.
 // On out of memory it releases what it made and returns (false, nil); on
 // another failure it undoes what it did and returns the error.
-func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
+func (a *Allocator) mapPages(c *call, es *expSegment, begin, end uint64) (bool, error) {
 	vm, page := a.exp.vm, es.seg.PageSize
 	hs, lens := a.exp.handles[:0], a.exp.lens[:0]
 	var moved, across int64
@@ -527,7 +527,7 @@ func (a *Allocator) mapPages(es *expSegment, begin, end uint64) (bool, error) {
 	fail := func(err error, what string) (bool, error) {
 		undo()
 		if errors.Is(err, cudart.ErrOutOfMemory) {
-			a.lastDeviceErr = err
+			c.devErr = err
 			return false, nil
 		}
 		return false, fmt.Errorf("allocator: %s for expandable segment %#x: %w", what, es.seg.Ptr, err)
@@ -673,7 +673,7 @@ func (a *Allocator) dropSpare() {
 // neighbours and returned; the rest of b at either end (partial pages,
 // and pages of runs that reach beyond b) stays mapped as free blocks. It
 // returns nil when b covers no whole run.
-func (a *Allocator) unmapBlock(b *blocks.Block) (*blocks.Block, error) {
+func (a *Allocator) unmapBlock(c *call, b *blocks.Block) (*blocks.Block, error) {
 	seg := b.Segment
 	es := a.exp.of(seg)
 	begin, end := es.runsInside(b)
@@ -701,7 +701,7 @@ func (a *Allocator) unmapBlock(b *blocks.Block) (*blocks.Block, error) {
 	a.reserved -= n
 	a.stats.ReservedBytes.sub(p.stat, int64(n))
 	a.stats.NumDeviceFree++
-	a.record(actionSegmentUnmap, start, n, cudart.Stream(seg.Stream))
+	a.record(c, actionSegmentUnmap, start, n, cudart.Stream(seg.Stream))
 	a.log.Debug("expandable segment unmapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
 		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.reserved))
 	return b, nil
@@ -780,7 +780,7 @@ const (
 // more, are unmapped: the smallest block whose pages cover that target,
 // else the largest blocks first. Before the first unmap it waits for the
 // streams that own the chosen blocks' segments (see syncStreams).
-func (a *Allocator) reclaimPages(want uint64) error {
+func (a *Allocator) reclaimPages(c *call, want uint64) error {
 	cands := a.exp.cands[:0]
 	for _, small := range [2]bool{false, true} {
 		for _, p := range a.pools(small) {
@@ -808,12 +808,12 @@ func (a *Allocator) reclaimPages(want uint64) error {
 	}
 	var got uint64
 	list := a.exp.scratch[:0]
-	for _, c := range cands {
+	for _, cand := range cands {
 		if got >= target {
 			break
 		}
-		list = append(list, c.b)
-		got += c.bytes
+		list = append(list, cand.b)
+		got += cand.bytes
 	}
 	a.exp.scratch = list[:0]
 	if err := a.syncStreams(list); err != nil {
@@ -821,7 +821,7 @@ func (a *Allocator) reclaimPages(want uint64) error {
 	}
 	a.stats.NumReclaims++
 	for _, b := range list {
-		if _, err := a.unmapBlock(b); err != nil {
+		if _, err := a.unmapBlock(c, b); err != nil {
 			return err
 		}
 	}
@@ -875,7 +875,7 @@ func (a *Allocator) syncStreams(list []*blocks.Block) error {
 // releaseExpandable is release_blocks for expandable segments: in each
 // pool (large, then small) unmap the whole runs of every free block, in
 // the free index's order, and release ranges left wholly unmapped.
-func (a *Allocator) releaseExpandable() error {
+func (a *Allocator) releaseExpandable(c *call) error {
 	synced := false
 	for _, small := range [2]bool{false, true} {
 		list := a.exp.scratch[:0]
@@ -898,7 +898,7 @@ func (a *Allocator) releaseExpandable() error {
 				}
 				synced = true
 			}
-			u, err := a.unmapBlock(b)
+			u, err := a.unmapBlock(c, b)
 			if err != nil {
 				return err
 			}

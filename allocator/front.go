@@ -26,16 +26,10 @@ import (
 )
 
 // park ends the free of b, already released, without merging it: the
-// statistics change as freeBlock's would (count and bytes are the
-// inactive-split change that fastFree computed), and b waits in the
-// shard's slot.
-func (a *Allocator) park(sh *shard, pl *pool, b *blocks.Block, count, bytes int64) {
-	st := &sh.stats
-	adjustHot(&st.InactiveSplit, pl.stat, count)
-	adjustHot(&st.InactiveSplitBytes, pl.stat, bytes)
-	st.Active.sub(pl.stat, 1)
-	st.ActiveBytes.sub(pl.stat, int64(b.Size))
-	st.RequestedBytes.sub(pl.stat, int64(b.Requested))
+// statistics change by d, b's freeDelta, as freeBlock's would, and b
+// waits in the shard's slot.
+func (a *Allocator) park(sh *shard, pl *pool, b *blocks.Block, d *delta) {
+	sh.stats.apply(pl.stat, d)
 	b.Requested = 0
 	sh.parked = b
 }
@@ -107,39 +101,19 @@ func (a *Allocator) takeParked(sh *shard, size, rounded uint64) cudart.Ptr {
 	if x != nil && (x.Size < msize || x.Size == msize && x.Ptr < b.Ptr) {
 		return 0
 	}
-	// allocFoundBlock's statistics on m.
+	// allocFoundBlock's statistics on m, which hands out rounded bytes
+	// (the checks above leave it whole or split at b's end).
 	wasSplit := b.Prev != nil || (right == nil && b.Next != nil) || (right != nil && right.Next != nil)
-	var splitCount, splitBytes int64
-	switch {
-	case right != nil && !wasSplit:
-		splitCount, splitBytes = 1, int64(right.Size)
-	case right != nil:
-		splitBytes = -int64(rounded)
-	case wasSplit:
-		splitCount, splitBytes = -1, -int64(rounded)
-	}
-	var over int64
-	if rounded >= maxSplit {
-		over = 1
-	}
-	if !a.fitsOrBorrow(sh, p.stat, 1, int64(rounded), int64(size), splitCount, splitBytes, over) {
+	var d delta
+	mallocDelta(&d, p.small, false, wasSplit, msize, rounded, size, maxSplit)
+	if !a.fitsOrBorrow(sh, p.stat, &d) {
 		return 0
 	}
 	sh.parked = nil
-	st := &sh.stats
-	adjustHot(&st.InactiveSplit, p.stat, splitCount)
-	adjustHot(&st.InactiveSplitBytes, p.stat, splitBytes)
 	b.Allocated = true
 	b.Requested = size
 	sh.active.put(b.Ptr, b)
-	st.Allocation.inc(p.stat, 1)
-	st.AllocatedBytes.inc(p.stat, int64(rounded))
-	st.Active.inc(p.stat, 1)
-	st.ActiveBytes.inc(p.stat, int64(rounded))
-	st.RequestedBytes.inc(p.stat, int64(size))
-	if over > 0 {
-		st.OversizeAllocations.inc(1)
-	}
+	sh.stats.apply(p.stat, &d)
 	return cudart.Ptr(b.Ptr)
 }
 

@@ -222,22 +222,23 @@ func (a *Allocator) RecordHistory(opt HistoryOptions) error {
 	return nil
 }
 
-// endCall forgets the stack that Malloc or Free captured (with
-// history.capture, under a.mu) for the events of that one call.
-func (a *Allocator) endCall() { a.curStack = 0 }
-
-// record adds an event to the history when recording is on.
-func (a *Allocator) record(action uint8, addr, size uint64, stream cudart.Stream) {
+// record adds an event of call c (nil: of no Malloc or Free) to the
+// history when recording is on.
+func (a *Allocator) record(c *call, action uint8, addr, size uint64, stream cudart.Stream) {
 	h := a.history
 	if h == nil {
 		return
 	}
-	h.add(historyEntry{action: action, addr: addr, size: size, stream: uint64(stream), timeUS: time.Now().UnixMicro(), stack: a.curStack})
+	var stack uint32
+	if c != nil {
+		stack = c.stack
+	}
+	h.add(historyEntry{action: action, addr: addr, size: size, stream: uint64(stream), timeUS: time.Now().UnixMicro(), stack: stack})
 	if h.live != nil {
 		switch action {
 		case actionAlloc:
-			if a.curStack != 0 {
-				h.live[addr] = a.curStack
+			if stack != 0 {
+				h.live[addr] = stack
 			}
 		case actionFreeRequested:
 			delete(h.live, addr)

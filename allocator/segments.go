@@ -11,7 +11,9 @@ package allocator
 //   - *expandable (expandable.go): virtual ranges per stream and pool,
 //     grown by mapping pages (expandable_segments:True).
 //
-// Both run in world mode only.
+// Both run in world mode; with release_lock_on_cudamalloc, allocBlock
+// leaves world mode around the device malloc, and the other goroutines'
+// calls may change the cache meanwhile.
 
 import (
 	"errors"
@@ -31,10 +33,10 @@ type source interface {
 	// that the pool's free index could not serve, releasing cached memory
 	// and asking again as the policy says, and returns a free block of at
 	// least rounded bytes that is not indexed; or an *OOMError, counted.
-	grow(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error)
+	grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error)
 	// releaseCached returns what the cache holds unused to the device
 	// (PyTorch's release_cached_blocks, after the events are waited for).
-	releaseCached() error
+	releaseCached(c *call) error
 	// close returns everything to the device, live blocks included.
 	close() []error
 	// check reports every broken invariant of the source's own state.
@@ -45,11 +47,11 @@ type source interface {
 type mallocSource struct{ a *Allocator }
 
 // releaseCached releases every whole free segment, large pools first.
-func (m mallocSource) releaseCached() error {
-	if err := m.a.releaseAll(m.a.collectWhole(false)); err != nil {
+func (m mallocSource) releaseCached(c *call) error {
+	if err := m.a.releaseAll(c, m.a.collectWhole(false)); err != nil {
 		return err
 	}
-	return m.a.releaseAll(m.a.collectWhole(true))
+	return m.a.releaseAll(c, m.a.collectWhole(true))
 }
 
 // close frees every segment.
@@ -97,38 +99,39 @@ func allocationSize(size uint64) uint64 {
 // following PyTorch's escalation: garbage-collect aged blocks (when
 // configured), ask the device, release oversize cached blocks and ask
 // again, release every cached segment and ask a last time.
-func (m mallocSource) grow(p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+func (m mallocSource) grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
 	a := m.a
 	if a.gcEnabled() {
-		a.garbageCollect()
+		a.garbageCollect(c)
 	}
 	allocSize := allocationSize(rounded)
-	b, err := a.allocBlock(p, stream, allocSize, false)
-	if b == nil && err == nil && a.releaseAvailableCachedBlocks(p, uint64(stream), rounded) {
-		b, err = a.allocBlock(p, stream, allocSize, false)
+	b, err := a.allocBlock(c, p, stream, allocSize, false)
+	if b == nil && err == nil && a.releaseAvailableCachedBlocks(c, p, uint64(stream), rounded) {
+		b, err = a.allocBlock(c, p, stream, allocSize, false)
 	}
 	if b == nil && err == nil {
-		if err = a.releaseCachedBlocks(); err == nil {
-			b, err = a.allocBlock(p, stream, allocSize, true)
+		if err = a.releaseCachedBlocks(c); err == nil {
+			b, err = a.allocBlock(c, p, stream, allocSize, true)
 		}
 	}
 	if err != nil {
 		return nil, err
 	}
 	if b == nil {
-		return nil, a.outOfMemory(size, allocSize, stream, a.lastDeviceErr)
+		return nil, a.outOfMemory(c, size, allocSize, stream, c.devErr)
 	}
 	return b, nil
 }
 
 // allocBlock is PyTorch's alloc_block: one device malloc of a new segment.
-// It returns (nil, nil) when the device is out of memory (or the cap is
-// reached) and an error for any other device failure.
-func (a *Allocator) allocBlock(p *pool, stream cudart.Stream, allocSize uint64, isRetry bool) (*blocks.Block, error) {
+// It returns (nil, nil) when the device is out of memory (c.devErr says
+// why) or the cap is reached (c.devErr nil), and an error for any other
+// device failure.
+func (a *Allocator) allocBlock(c *call, p *pool, stream cudart.Stream, allocSize uint64, isRetry bool) (*blocks.Block, error) {
 	if isRetry {
 		a.stats.NumAllocRetries++
 	}
-	a.lastDeviceErr = nil
+	c.devErr = nil
 	if a.capped && a.reserved+allocSize > a.allowed {
 		return nil, nil
 	}
@@ -149,7 +152,7 @@ func (a *Allocator) allocBlock(p *pool, stream cudart.Stream, allocSize uint64, 
 	elapsed := time.Since(t0)
 	if err != nil {
 		if errors.Is(err, cudart.ErrOutOfMemory) {
-			a.lastDeviceErr = err
+			c.devErr = err
 			return nil, nil
 		}
 		return nil, fmt.Errorf("allocator: device malloc of %d bytes: %w", allocSize, err)
@@ -168,7 +171,7 @@ func (a *Allocator) allocBlock(p *pool, stream cudart.Stream, allocSize uint64, 
 		a.stats.OversizeSegments.add(1)
 	}
 	a.stats.NumDeviceAlloc++
-	a.record(actionSegmentAlloc, seg.Ptr, allocSize, stream)
+	a.record(c, actionSegmentAlloc, seg.Ptr, allocSize, stream)
 	a.log.Debug("segment allocated", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", allocSize),
 		zap.Bool("small_pool", p.small), zap.Uint64("stream", uint64(stream)),
 		zap.Uint64("reserved_bytes", a.reserved), zap.Duration("took", elapsed))
@@ -176,7 +179,7 @@ func (a *Allocator) allocBlock(p *pool, stream cudart.Stream, allocSize uint64, 
 }
 
 // releaseBlock returns a whole free segment to the device.
-func (a *Allocator) releaseBlock(b *blocks.Block) error {
+func (a *Allocator) releaseBlock(c *call, b *blocks.Block) error {
 	seg := b.Segment
 	p := a.poolOf(b)
 	if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
@@ -196,7 +199,7 @@ func (a *Allocator) releaseBlock(b *blocks.Block) error {
 		a.stats.OversizeSegments.sub(1)
 	}
 	a.stats.NumDeviceFree++
-	a.record(actionSegmentFree, seg.Ptr, seg.Size, cudart.Stream(seg.Stream))
+	a.record(c, actionSegmentFree, seg.Ptr, seg.Size, cudart.Stream(seg.Stream))
 	a.log.Debug("segment released", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", seg.Size),
 		zap.Uint64("reserved_bytes", a.reserved))
 	p.recycler.Put(b)
@@ -204,9 +207,9 @@ func (a *Allocator) releaseBlock(b *blocks.Block) error {
 }
 
 // releaseAll releases every collected block, stopping at the first error.
-func (a *Allocator) releaseAll(list []*blocks.Block) error {
+func (a *Allocator) releaseAll(c *call, list []*blocks.Block) error {
 	for _, b := range list {
-		if err := a.releaseBlock(b); err != nil {
+		if err := a.releaseBlock(c, b); err != nil {
 			return err
 		}
 	}
@@ -233,7 +236,7 @@ func (a *Allocator) collectWhole(small bool) []*blocks.Block {
 // with max_split_size set, release one oversize cached block large enough
 // for the request, or else oversize blocks from the largest down until
 // enough bytes are freed. It reports whether it released enough.
-func (a *Allocator) releaseAvailableCachedBlocks(p *pool, stream, size uint64) bool {
+func (a *Allocator) releaseAvailableCachedBlocks(c *call, p *pool, stream, size uint64) bool {
 	maxSplit := a.cfg.MaxSplitSize
 	if maxSplit == math.MaxUint64 {
 		return false
@@ -243,7 +246,7 @@ func (a *Allocator) releaseAvailableCachedBlocks(p *pool, stream, size uint64) b
 		if b.IsSplit() {
 			return false
 		}
-		return a.releaseBlock(b) == nil
+		return a.releaseBlock(c, b) == nil
 	}
 	list := a.scratch[:0]
 	var total uint64
@@ -258,7 +261,7 @@ func (a *Allocator) releaseAvailableCachedBlocks(p *pool, stream, size uint64) b
 		return true
 	})
 	a.scratch = list[:0]
-	if err := a.releaseAll(list); err != nil {
+	if err := a.releaseAll(c, list); err != nil {
 		return false
 	}
 	return total >= key
@@ -267,7 +270,7 @@ func (a *Allocator) releaseAvailableCachedBlocks(p *pool, stream, size uint64) b
 // garbageCollect is PyTorch's garbage_collect_cached_blocks: once reserved
 // memory passes threshold × allowed, release unsplit large cached blocks
 // whose age is at least the average, repeatedly, until enough is freed.
-func (a *Allocator) garbageCollect() {
+func (a *Allocator) garbageCollect(c *call) {
 	threshold := uint64(a.cfg.GarbageCollectionThreshold * float64(a.allowed))
 	if a.reserved <= threshold {
 		return
@@ -302,7 +305,7 @@ func (a *Allocator) garbageCollect() {
 		a.scratch = list[:0]
 		for _, b := range list {
 			g, size := age(b), b.Size
-			if a.releaseBlock(b) != nil {
+			if a.releaseBlock(c, b) != nil {
 				return
 			}
 			freed = true

@@ -16,12 +16,13 @@ package allocator
 // every shard's mutex in stream order (lockWorld). Device calls, the OOM
 // path, EmptyCache, garbage collection, event queues, history, new
 // streams, RecordStream, statistics reads, snapshots and Check all see one
-// consistent whole there, exactly as under the single mutex before. A hot
+// consistent whole there, as if one mutex guarded the allocator. A hot
 // path that cannot finish (a miss, pending events, history on, a new
 // stream) changes nothing (but may flush its front cache, front.go),
-// unlocks its shard and redoes the call in world mode. Fields read by the hot path outside its
-// shard (closed, pending, history, async, the configuration and cap) are
-// written only in world mode, when every shard lock is held.
+// unlocks its shard and redoes the call in world mode. Fields read by the
+// hot path outside its shard (closed, pending, history, async, the
+// configuration and cap) are written only in world mode, when every shard
+// lock is held.
 //
 // # Exact statistics
 //
@@ -124,9 +125,8 @@ type shard struct {
 // would pass its caps takes what it needs from here with atomic
 // operations, without the other shards' locks, and one whose caps stand far
 // above its values gives the excess back. Only holders of a shard lock
-// touch it (shareCaps and Check hold them all), so with the caps it keeps
-// the invariant the caps alone kept before: caps plus reservoir add up to
-// no more than the peak.
+// touch it (shareCaps and Check hold them all). Invariant: for each
+// statistic, the caps plus the reservoir add up to no more than the peak.
 type reservoir struct {
 	_    [64]byte // its own cache lines, away from the allocator's fields
 	r    [numHot][numPools]atomic.Int64
@@ -150,12 +150,12 @@ func take(r *atomic.Int64, need int64) int64 {
 	}
 }
 
-// borrow raises sh's caps from the reservoir so that a change of its hot
-// statistics (as fits takes them) stays within them, and reports whether
-// it could; when it cannot, it changes nothing. sh's lock is held.
-func (a *Allocator) borrow(sh *shard, p Pool, count, size, req, splitCount, splitBytes, over int64) bool {
+// borrow raises sh's caps from the reservoir so that the change d of its
+// hot statistics in pool p stays within them, and reports whether it
+// could; when it cannot, it changes nothing. sh's lock is held.
+func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
 	st, c, res := &sh.stats, &sh.caps, a.res
-	deltas := [numHot]int64{count, count, splitCount, size, size, splitBytes, req}
+	deltas := [numHot]int64{d.allocs, d.active, d.split, d.allocBytes, d.activeBytes, d.splitBytes, d.requested}
 	arrays := st.arrays()
 	type loan struct {
 		k, q int
@@ -189,8 +189,8 @@ func (a *Allocator) borrow(sh *shard, p Pool, count, size, req, splitCount, spli
 			sh.capsZero = false
 		}
 	}
-	if over > 0 {
-		if need := st.OversizeAllocations.Current + over - sh.capOver; need > 0 {
+	if d.over > 0 {
+		if need := st.OversizeAllocations.Current + d.over - sh.capOver; need > 0 {
 			t := take(&res.over, need)
 			if t == 0 {
 				giveBack()
@@ -205,9 +205,8 @@ func (a *Allocator) borrow(sh *shard, p Pool, count, size, req, splitCount, spli
 
 // fitsOrBorrow is fits, borrowing from the reservoir when the caps are
 // short.
-func (a *Allocator) fitsOrBorrow(sh *shard, p Pool, count, size, req, splitCount, splitBytes, over int64) bool {
-	return sh.fits(p, count, size, req, splitCount, splitBytes, over) ||
-		a.borrow(sh, p, count, size, req, splitCount, splitBytes, over)
+func (a *Allocator) fitsOrBorrow(sh *shard, p Pool, d *delta) bool {
+	return sh.fits(p, d) || a.borrow(sh, p, d)
 }
 
 // repayEvery is how many frees a shard makes between two looks at its
@@ -266,26 +265,125 @@ func (sh *shard) poolFor(size uint64) *pool {
 // than the wait.
 func (sh *shard) lock() { spinLock(&sh.mu) }
 
-// inc is Stat.add for a shard's share of a statistic: it keeps no peak,
-// since the peak that counts is the global one, settled from the sums.
-func (s *Stat) inc(n int64) {
-	s.Current += n
-	s.Allocated += n
+// delta is a change of a shard's hot statistics in one pool (and in all
+// pools), one field per statistic.
+type delta struct {
+	allocs, allocBytes  int64 // Allocation, AllocatedBytes
+	active, activeBytes int64 // Active, ActiveBytes
+	requested           int64 // RequestedBytes
+	split, splitBytes   int64 // InactiveSplit, InactiveSplitBytes
+	over                int64 // OversizeAllocations
 }
 
-func (a *StatArray) inc(p Pool, n int64) {
-	a[PoolAll].inc(n)
-	a[p].inc(n)
-}
-
-// adjustHot is adjust for a shard's share.
-func adjustHot(a *StatArray, p Pool, n int64) {
-	switch {
-	case n > 0:
-		a.inc(p, n)
-	case n < 0:
-		a.sub(p, -n)
+// mallocDelta sets d to the change of handing out a free block of size bytes
+// for a request of requested bytes, rounded to rounded (PyTorch's
+// alloc_found_block): the block is split, and only rounded bytes handed
+// out, when splits says so. It counts one allocation, active block and
+// oversize allocation (oversize from maxSplit bytes up), the bytes handed
+// out and requested, and the inactive split blocks: the block, when it
+// was part of a larger segment, stops counting; its remainder, when split
+// off, counts (PyTorch leaves blocks of expandable segments out).
+//
+// It and freeDelta fill in the caller's delta, field by field, rather
+// than return one: a returned struct is copied in 16-byte moves that
+// cannot take the 8-byte values just stored, which cost the hot path
+// more than the rest of its statistics.
+func mallocDelta(d *delta, small, expandable, wasSplit bool, size, rounded, requested, maxSplit uint64) {
+	split := splits(small, expandable, size, rounded, maxSplit)
+	got := size
+	if split {
+		got = rounded
 	}
+	d.allocs, d.allocBytes = 1, int64(got)
+	d.active, d.activeBytes = 1, int64(got)
+	d.requested = int64(requested)
+	d.split, d.splitBytes, d.over = 0, 0, 0
+	if !expandable {
+		switch {
+		case split && wasSplit: // the remainder takes the block's place
+			d.splitBytes = -int64(rounded)
+		case split:
+			d.split, d.splitBytes = 1, int64(size-rounded)
+		case wasSplit:
+			d.split, d.splitBytes = -1, -int64(size)
+		}
+	}
+	if got >= maxSplit {
+		d.over = 1
+	}
+}
+
+// freeDelta sets d to the change of returning the allocated block b, already
+// released, to its pool (PyTorch's free_block), merging it with its free
+// neighbours: one active block and its active and requested bytes less;
+// the neighbours stop counting as inactive split blocks, and the merged
+// block counts when it is still part of a larger segment (blocks of
+// expandable segments are left out).
+func freeDelta(d *delta, b *blocks.Block) {
+	d.allocs, d.allocBytes = 0, 0
+	d.active, d.activeBytes = -1, -int64(b.Size)
+	d.requested = -int64(b.Requested)
+	d.split, d.splitBytes, d.over = 0, 0, 0
+	if b.Segment.Expandable {
+		return
+	}
+	var n, merged int64 // free neighbours, and their bytes
+	left, right := b.Prev, b.Next
+	if left != nil && left.Indexed() {
+		n, merged, left = n+1, merged+int64(left.Size), left.Prev
+	}
+	if right != nil && right.Indexed() {
+		n, merged, right = n+1, merged+int64(right.Size), right.Next
+	}
+	d.split, d.splitBytes = -n, -merged
+	if left != nil || right != nil { // the merged block has neighbours
+		d.split, d.splitBytes = d.split+1, d.splitBytes+int64(b.Size)+merged
+	}
+}
+
+// apply makes the change d to the statistics of pool p. It skips the
+// statistics that a malloc or a free leaves alone (a free's allocation
+// count, changed on release; most changes' inactive split and oversize
+// counts).
+func (h *hotStats) apply(p Pool, d *delta) {
+	if d.allocs != 0 || d.allocBytes != 0 {
+		h.Allocation.adjust(p, d.allocs)
+		h.AllocatedBytes.adjust(p, d.allocBytes)
+	}
+	h.Active.adjust(p, d.active)
+	h.ActiveBytes.adjust(p, d.activeBytes)
+	h.RequestedBytes.adjust(p, d.requested)
+	if d.split != 0 || d.splitBytes != 0 {
+		h.InactiveSplit.adjust(p, d.split)
+		h.InactiveSplitBytes.adjust(p, d.splitBytes)
+	}
+	if d.over != 0 {
+		h.OversizeAllocations.adjust(d.over)
+	}
+}
+
+// adjust changes s by n, up or down, and keeps no peak: the peak of a
+// hot statistic is the global one, settled from the shards' sums; a
+// statistic of the allocator's own raises its peak after (raisePeak).
+func (s *Stat) adjust(n int64) {
+	s.Current += n
+	if n >= 0 {
+		s.Allocated += n
+	} else {
+		s.Freed -= n
+	}
+}
+
+// adjust is Stat.adjust in all pools and in p.
+func (a *StatArray) adjust(p Pool, n int64) {
+	a[PoolAll].adjust(n)
+	a[p].adjust(n)
+}
+
+// raisePeak raises the peaks in all pools and in p to the current values.
+func (a *StatArray) raisePeak(p Pool) {
+	a[PoolAll].Peak = max(a[PoolAll].Peak, a[PoolAll].Current)
+	a[p].Peak = max(a[p].Peak, a[p].Current)
 }
 
 // under reports whether adding d to a's Current, in all pools and in p,
@@ -294,20 +392,18 @@ func under(a *StatArray, cap *[numPools]int64, p Pool, d int64) bool {
 	return d <= 0 || (a[PoolAll].Current+d <= cap[PoolAll] && a[p].Current+d <= cap[p])
 }
 
-// fits reports whether the hot path may change the shard's statistics by
-// these increases (of one block of size bytes): counts by one, bytes by
-// size, requested by req, inactive split by splitCount and splitBytes,
-// oversize by over.
-func (sh *shard) fits(p Pool, count, size, req, splitCount, splitBytes, over int64) bool {
+// fits reports whether the hot path may make the change d to the shard's
+// statistics in pool p: whether every increase stays within its cap.
+func (sh *shard) fits(p Pool, d *delta) bool {
 	st, c := &sh.stats, &sh.caps
-	return under(&st.Allocation, &c[0], p, count) &&
-		under(&st.Active, &c[1], p, count) &&
-		under(&st.InactiveSplit, &c[2], p, splitCount) &&
-		under(&st.AllocatedBytes, &c[3], p, size) &&
-		under(&st.ActiveBytes, &c[4], p, size) &&
-		under(&st.InactiveSplitBytes, &c[5], p, splitBytes) &&
-		under(&st.RequestedBytes, &c[6], p, req) &&
-		(over <= 0 || st.OversizeAllocations.Current+over <= sh.capOver)
+	return under(&st.Allocation, &c[0], p, d.allocs) &&
+		under(&st.Active, &c[1], p, d.active) &&
+		under(&st.InactiveSplit, &c[2], p, d.split) &&
+		under(&st.AllocatedBytes, &c[3], p, d.allocBytes) &&
+		under(&st.ActiveBytes, &c[4], p, d.activeBytes) &&
+		under(&st.InactiveSplitBytes, &c[5], p, d.splitBytes) &&
+		under(&st.RequestedBytes, &c[6], p, d.requested) &&
+		(d.over <= 0 || st.OversizeAllocations.Current+d.over <= sh.capOver)
 }
 
 // dirEntry is one segment of the directory.
@@ -435,7 +531,8 @@ func (a *Allocator) shardOf(s cudart.Stream) *shard {
 
 // addShard creates the shard of stream s in world mode: it is created
 // locked, so that unlockWorld unlocks it with the others, and kept in
-// stream order, the order of the free indexes before sharding.
+// stream order: the order in which world mode walks the pools (pools,
+// freeIndexes), which PyTorch's one free index over all streams has.
 func (a *Allocator) addShard(s cudart.Stream) *shard {
 	sh := newShard(s)
 	sh.mu.Lock()
@@ -702,7 +799,7 @@ func (a *Allocator) freeIndexes() []*blocks.FreeIndex {
 }
 
 // pools lists every shard's pool of one kind, in stream order (world
-// mode): the order one free index over all streams had.
+// mode): the order of PyTorch's one free index over all streams.
 func (a *Allocator) pools(small bool) []*pool {
 	out := make([]*pool, 0, len(a.shards))
 	for _, sh := range a.shards {
@@ -796,10 +893,8 @@ func (a *Allocator) checkShards() []error {
 
 // spinLock takes mu, spinning (yielding the processor) before it sleeps.
 // Shard locks and the allocator's mutex are mostly held for a moment (a
-// hot path, an escalation), and a goroutine that sleeps on one waits, once
-// woken, in the waker's run queue: on two cores, mixed on two streams
-// spent a quarter of its goroutines' time so when world mode slept on
-// the allocator's mutex behind escalations.
+// hot path, an escalation), while a goroutine that sleeps on one waits,
+// once woken, in the waker's run queue, behind it.
 func spinLock(mu *sync.Mutex) {
 	if !mu.TryLock() {
 		spinLockSlow(mu)

@@ -146,7 +146,7 @@ func (a *Allocator) releaseShardSegments(sh *shard) error {
 		})
 	}
 	a.scratch = list[:0]
-	return a.releaseAll(list)
+	return a.releaseAll(nil, list)
 }
 
 // releaseExpandableStream unmaps every free page of idle sh's expandable
@@ -169,7 +169,7 @@ func (a *Allocator) releaseExpandableStream(sh *shard) error {
 		}
 	}
 	for _, b := range list {
-		if _, err := a.unmapBlock(b); err != nil {
+		if _, err := a.unmapBlock(nil, b); err != nil {
 			return err
 		}
 	}

@@ -7,9 +7,13 @@
 // A Segment is one device allocation. It is tiled exactly by a doubly linked
 // chain of Blocks in address order; a Block is either allocated (handed out),
 // pending (freed by its owner but still in use by a stream whose event has
-// not completed) or free (in a FreeIndex, available for reuse). Free
-// neighbours are merged as soon as both are free, so a segment never holds
-// two free blocks side by side.
+// not completed) or free (available for reuse). A free block enters a
+// FreeIndex after Merge has joined it with its free neighbours, so no two
+// indexed blocks sit side by side. A caller may hold a free block out of
+// every index for a while, unmerged (the allocator's front cache parks
+// one per stream): it may then sit beside an indexed free block until it
+// is merged and indexed. Check wants every free block indexed and none
+// beside another.
 //
 // An expandable segment (Segment.Expandable) is a reserved range of virtual
 // addresses into which physical pages are mapped on demand. Its blocks tile
