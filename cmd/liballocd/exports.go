@@ -25,6 +25,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/stats"
 )
@@ -147,7 +148,7 @@ func liballocd_go_torch_empty_cache() {
 		setError(err)
 		return
 	}
-	if err := l.emptyCache(); err != nil {
+	if err := l.devs.EmptyCache(); err != nil {
 		report(l, "empty cache failed", err)
 	}
 }
@@ -160,7 +161,7 @@ func liballocd_go_torch_set_memory_fraction(fraction C.double, device C.int) {
 		setError(err)
 		return
 	}
-	a, err := l.device(int(device))
+	a, err := l.devs.ForDevice(int(device))
 	if err == nil {
 		err = a.SetMemoryFraction(float64(fraction))
 	}
@@ -194,12 +195,11 @@ func liballocd_go_memory_summary(device C.int, abbreviated C.int, buf *C.char, n
 		return copyOut("", buf, n)
 	}
 	var b bytes.Buffer
-	a := l.alloc(int(device))
-	if a == nil {
-		_ = stats.WriteSummary(&b, zeroStats(), int(device), abbreviated != 0)
-	} else {
-		_ = stats.WriteSummary(&b, a.Stats(), int(device), abbreviated != 0)
+	var st allocator.Stats // zero for a device not created
+	if a := l.alloc(int(device)); a != nil {
+		st = a.Stats()
 	}
+	_ = stats.WriteSummary(&b, st, int(device), abbreviated != 0)
 	return copyOut(b.String(), buf, n)
 }
 

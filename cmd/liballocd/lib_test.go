@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"debug/elf"
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -262,8 +263,9 @@ func scrape(t *testing.T, addr string) {
 	if got := get("/healthz"); got != "ok\n" {
 		t.Errorf("/healthz = %q", got)
 	}
-	if got := get("/debug/stats"); !strings.Contains(got, `"num_bad_frees":3`) || !strings.Contains(got, `"1":{`) {
-		t.Errorf("/debug/stats = %.300s", got)
+	var st map[string]map[string]int64
+	if got := get("/debug/stats"); json.Unmarshal([]byte(got), &st) != nil || st["0"]["num_bad_frees"] != 3 || st["1"] == nil {
+		t.Errorf("/debug/stats = %.300s; want device 0's map with num_bad_frees 3, and device 1's", got)
 	}
 	if got := get("/debug/summary"); strings.Count(got, "GPU reserved memory") != 2 {
 		t.Errorf("/debug/summary has not two devices' tables:\n%s", got)
