@@ -170,6 +170,32 @@ func liballocd_go_torch_set_memory_fraction(fraction C.double, device C.int) {
 	}
 }
 
+// liballocd_go_release_stream is allocd_release_stream: a stream torch or
+// the program destroyed. Its cached segments go back to the device at
+// once, or as soon as nothing on it is allocated or waits for events
+// (Allocator.ReleaseStream). A device whose allocator does not exist yet
+// has nothing cached: 0.
+//
+//export liballocd_go_release_stream
+func liballocd_go_release_stream(device C.int, stream C.uintptr_t) (rc C.int) {
+	defer recovered("allocd_release_stream")
+	rc = -1
+	l, err := getDrained()
+	if err != nil {
+		return fail(err)
+	}
+	if device < 0 || device >= maxDevices {
+		return fail(fmt.Errorf("allocd: release_stream: device %d: index outside 0..%d: %w", device, maxDevices-1, allocator.ErrNoSuchDevice))
+	}
+	if a := l.alloc(int(device)); a != nil {
+		if err := a.ReleaseStream(cudart.Stream(stream)); err != nil {
+			report(l, "release stream failed", fmt.Errorf("allocd: release_stream on device %d: %w", device, err))
+			return -1
+		}
+	}
+	return 0
+}
+
 //export liballocd_go_memory_stats_json
 func liballocd_go_memory_stats_json(device C.int, buf *C.char, n C.size_t) (size C.size_t) {
 	defer recovered("allocd_memory_stats_json")

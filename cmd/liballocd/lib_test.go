@@ -30,7 +30,7 @@ import (
 var abi = []string{
 	"allocd_init", "allocd_last_error",
 	"allocd_torch_malloc", "allocd_torch_free", "allocd_torch_record_stream",
-	"allocd_torch_empty_cache", "allocd_torch_set_memory_fraction",
+	"allocd_torch_empty_cache", "allocd_torch_set_memory_fraction", "allocd_release_stream",
 	"allocd_memory_stats_json", "allocd_memory_summary",
 	"allocd_memory_allocated", "allocd_memory_reserved",
 	"allocd_max_memory_allocated", "allocd_max_memory_reserved",
@@ -431,6 +431,35 @@ func TestFreeQueue(t *testing.T) {
 		if !strings.Contains(stderr.String(), want) {
 			t.Errorf("stderr lacks %s", want)
 		}
+	}
+}
+
+// TestReleaseStream runs testdata/stream.c, which checks
+// allocd_release_stream: a released stream's cached segments go back to the
+// device at once (the frees queued before applied first), or at the free of
+// its last live block; its handle works again; the default stream and a
+// device not created are no-ops, and device indexes outside 0..127 fail.
+func TestReleaseStream(t *testing.T) {
+	lib := buildLib(t)
+	prog := filepath.Join(t.TempDir(), "stream")
+	if b, err := exec.Command("gcc", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-o", prog, "testdata/stream.c", "-ldl").CombinedOutput(); err != nil {
+		t.Fatalf("gcc stream.c: %v\n%s", err, b)
+	}
+	cmd := exec.Command(prog, lib)
+	cmd.Env = append(os.Environ(), "ALLOCD_DEVICE=sim:2", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=",
+		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=error")
+	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "ALLOCD_METRICS_LISTEN=") })
+	var stdout, stderr strings.Builder
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	timer := time.AfterFunc(60*time.Second, func() { _ = cmd.Process.Kill() })
+	defer timer.Stop()
+	err := cmd.Wait()
+	t.Logf("stream stdout:\n%s", stdout.String())
+	if err != nil || !strings.HasSuffix(stdout.String(), "DONE\n") {
+		t.Fatalf("stream: %v\nstderr:\n%s", err, stderr.String())
 	}
 }
 
