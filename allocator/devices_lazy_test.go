@@ -6,6 +6,9 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
 	"github.com/allocd/allocd/cudart"
 )
 
@@ -165,5 +168,36 @@ func TestLazyDevicesOpenErrors(t *testing.T) {
 		if _, err := NewLazyDevices(c.n, c.open, c.cfg); err == nil {
 			t.Errorf("NewLazyDevices(%d, open nil %v, %+v) accepted", c.n, c.open == nil, c.cfg)
 		}
+	}
+}
+
+// TestLazyDevicesLogConf: each created allocator is logged with its
+// effective configuration: "defaults" for PyTorch's, never "".
+func TestLazyDevicesLogConf(t *testing.T) {
+	split, err := ParseConfig("max_split_size_mb:64")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		cfg  Config
+		want string
+	}{
+		{DefaultConfig(), "defaults"},
+		{split, "max_split_size_mb:64"},
+	} {
+		core, logs := observer.New(zap.InfoLevel)
+		open, _, _ := lazySims(t)
+		d, err := NewLazyDevices(1, open, c.cfg, WithLogger(zap.New(core)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := d.ForDevice(0); err != nil {
+			t.Fatal(err)
+		}
+		got := logs.FilterMessage("device allocator created").All()
+		if len(got) != 1 || got[0].ContextMap()["conf"] != c.want || got[0].ContextMap()["gpu"] != int64(0) {
+			t.Errorf("config %q: logged %+v; want one line with conf %q and gpu 0", c.cfg.String(), got, c.want)
+		}
+		_ = d.Close()
 	}
 }

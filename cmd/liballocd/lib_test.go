@@ -439,6 +439,7 @@ func TestFreeQueue(t *testing.T) {
 // device at once (the frees queued before applied first), or at the free of
 // its last live block; its handle works again; the default stream and a
 // device not created are no-ops, and device indexes outside 0..127 fail.
+// It also checks the log line of the device's creation.
 func TestReleaseStream(t *testing.T) {
 	lib := buildLib(t)
 	prog := filepath.Join(t.TempDir(), "stream")
@@ -447,7 +448,7 @@ func TestReleaseStream(t *testing.T) {
 	}
 	cmd := exec.Command(prog, lib)
 	cmd.Env = append(os.Environ(), "ALLOCD_DEVICE=sim:2", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=",
-		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=error")
+		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=info")
 	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "ALLOCD_METRICS_LISTEN=") })
 	var stdout, stderr strings.Builder
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
@@ -460,6 +461,10 @@ func TestReleaseStream(t *testing.T) {
 	t.Logf("stream stdout:\n%s", stdout.String())
 	if err != nil || !strings.HasSuffix(stdout.String(), "DONE\n") {
 		t.Fatalf("stream: %v\nstderr:\n%s", err, stderr.String())
+	}
+	// The device's creation is logged with the configuration in force.
+	if want := `"msg":"device allocator created","gpu":0,"conf":"defaults"`; !strings.Contains(stderr.String(), want) {
+		t.Errorf("stderr lacks %s:\n%s", want, stderr.String())
 	}
 }
 
