@@ -224,32 +224,31 @@ func sameArgs(a, b settings) bool {
 	return a == b
 }
 
-// openDevice opens device index for l.devs: a cudart.Sim under
-// ALLOCD_DEVICE=sim, else the CUDA device through the libcudart already
-// loaded in the process (which makes it current, creating its primary
-// context; the caller's current device is restored).
+// openDevice opens device index for l.devs, as devspec opens it for
+// every allocd tool (Opener.OpenIndex): a simulated device under
+// ALLOCD_DEVICE=sim, with simStreams streams, else the CUDA device through
+// the libcudart already loaded in the process (which makes it current,
+// creating its primary context; the caller's current device is restored).
 func (l *lib) openDevice(index int) (cudart.Device, error) {
-	if !l.sim.on {
-		dev, err := cudart.Open(index)
-		if err == nil {
-			l.checkRuntimeCopies()
-		}
-		return dev, err
-	}
-	if index >= l.sim.count {
+	if l.sim.on && index >= l.sim.count {
 		return nil, fmt.Errorf("allocd: device %d: ALLOCD_DEVICE gives %d simulated devices: %w",
 			index, l.sim.count, allocator.ErrNoSuchDevice)
 	}
-	s, err := cudart.NewSim(cudart.SimConfig{Capacity: l.sim.capacity, Index: index, ManualEvents: l.sim.manual})
+	o := devspec.Opener{Sim: cudart.SimConfig{Capacity: l.sim.capacity, ManualEvents: l.sim.manual}}
+	dev, err := o.OpenIndex(devspec.Spec{Sim: l.sim.on, Count: max(l.sim.count, 1)}, index)
 	if err != nil {
 		return nil, err
 	}
+	if !l.sim.on {
+		l.checkRuntimeCopies()
+		return dev, nil
+	}
 	for range simStreams {
-		if _, err := s.StreamCreate(); err != nil {
-			return nil, errors.Join(err, s.Close())
+		if _, err := dev.StreamCreate(); err != nil {
+			return nil, errors.Join(err, dev.Close())
 		}
 	}
-	return s, nil
+	return dev, nil
 }
 
 // alloc returns device's allocator, or nil if it has not been created.
