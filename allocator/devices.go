@@ -454,10 +454,14 @@ func (d *Devices) EmptyCache() error {
 // (Allocator.RecordHistory): those created so far and, in a lazy
 // Devices, those created later, as PyTorch's _record_memory_history
 // covers every device. Each allocator starts an empty history. Options
-// an allocator rejects change nothing on it, and the error names the
-// device; a lazy Devices keeps opt for later devices only when every
+// out of range are refused with an error wrapping ErrHistory and change
+// nothing; an allocator's other error (a closed one) names its device,
+// and a lazy Devices keeps opt for later devices only when every
 // allocator took it.
 func (d *Devices) RecordHistory(opt HistoryOptions) error {
+	if err := opt.validate(); err != nil {
+		return err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	v := d.view.Load()

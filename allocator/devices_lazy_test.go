@@ -201,3 +201,23 @@ func TestLazyDevicesLogConf(t *testing.T) {
 		_ = d.Close()
 	}
 }
+
+// TestLazyDevicesHistoryRange: RecordHistory refuses options out of
+// range before any device exists, so that no later creation fails on
+// them.
+func TestLazyDevicesHistoryRange(t *testing.T) {
+	open, _, _ := lazySims(t)
+	d, err := NewLazyDevices(1, open, DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	for _, opt := range []HistoryOptions{{MaxEntries: MaxHistoryEntries + 1}, {MaxEntries: 10, StackDepth: -1}, {MaxEntries: -1}} {
+		if err := d.RecordHistory(opt); !errors.Is(err, ErrHistory) {
+			t.Errorf("RecordHistory(%+v) = %v, want ErrHistory", opt, err)
+		}
+	}
+	if _, err := d.ForDevice(0); err != nil {
+		t.Errorf("ForDevice(0) after refused history options: %v", err)
+	}
+}

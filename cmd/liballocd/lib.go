@@ -339,17 +339,13 @@ const defaultHistoryEntries = 1_000_000
 // setHistory switches history recording on or off for every allocator,
 // those created so far and those created later (Devices.RecordHistory).
 // Each allocator starts an empty history. Options out of range change
-// nothing.
+// nothing (an error wrapping allocator.ErrHistory).
 func (l *lib) setHistory(h historyOptions) error {
 	var opt allocator.HistoryOptions
 	if h.Enabled {
 		opt = allocator.HistoryOptions{MaxEntries: h.MaxEntries, StackDepth: h.StackDepth}
 		if opt.MaxEntries <= 0 {
 			opt.MaxEntries = defaultHistoryEntries
-		}
-		if opt.MaxEntries > allocator.MaxHistoryEntries || opt.StackDepth < 0 || opt.StackDepth > allocator.MaxStackDepth {
-			return fmt.Errorf("allocd: record_history: %d entries, stack depth %d: %w (want 1 to %d entries, depth 0 to %d)",
-				h.MaxEntries, h.StackDepth, allocator.ErrHistory, allocator.MaxHistoryEntries, allocator.MaxStackDepth)
 		}
 	}
 	if err := l.devs.RecordHistory(opt); err != nil {
