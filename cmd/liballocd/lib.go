@@ -49,8 +49,8 @@ import (
 )
 
 // maxDevices bounds the device index: PyTorch's c10::DeviceIndex is an
-// int8_t. A fixed array keeps the hot-path lookup a lock-free load and lets
-// initialisation run without asking CUDA anything.
+// int8_t. A fixed bound lets initialisation run without asking CUDA
+// anything; each device is opened at its first use.
 const maxDevices = 128
 
 // simStreams is the number of streams a simulated device has besides the
