@@ -146,7 +146,8 @@ func TestExportedSymbols(t *testing.T) {
 // it gets the same block), empty_cache, the stats JSON, the summary, peak
 // reset, bad frees (unknown, double, another device's: counted, process
 // alive, state unchanged), an OOM's NULL and message (per thread), the
-// second init, and dump_snapshot; this test scrapes the metrics server while
+// second init, and dump_snapshot; this test scrapes the metrics server (its
+// debug pages in liballocd's formats: stats by device, a pickle snapshot) while
 // the driver waits, then reads the snapshot back.
 func TestDriver(t *testing.T) {
 	lib := buildLib(t)
@@ -270,8 +271,15 @@ func scrape(t *testing.T, addr string) {
 	if got := get("/debug/summary"); strings.Count(got, "GPU reserved memory") != 2 {
 		t.Errorf("/debug/summary has not two devices' tables:\n%s", got)
 	}
-	if _, err := trace.Read(strings.NewReader(get("/debug/snapshot")), trace.ReadOptions{}); err != nil {
-		t.Errorf("/debug/snapshot: %v", err)
+	// The snapshot is PyTorch's pickle (protocol 2 and up start with
+	// 0x80) unless ?format=json asks otherwise.
+	snap := get("/debug/snapshot")
+	if _, err := trace.Read(strings.NewReader(snap), trace.ReadOptions{}); err != nil || !strings.HasPrefix(snap, "\x80") {
+		t.Errorf("/debug/snapshot: %v, starts %q; want a pickle", err, snap[:min(len(snap), 8)])
+	}
+	var js map[string]any
+	if err := json.Unmarshal([]byte(get("/debug/snapshot?format=json")), &js); err != nil || js["segments"] == nil {
+		t.Errorf("/debug/snapshot?format=json: %v", err)
 	}
 }
 
