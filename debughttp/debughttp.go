@@ -19,10 +19,10 @@
 // Every page takes ?gpu=: absent selects every device, "all" every device
 // by name, N device N, and "0,2" a list. /debug/stats answers one device's
 // flat map for ?gpu=N, and for no ?gpu when only one device is served
-// (unless Options.StatsByDevice); otherwise the per-device object. A malformed ?gpu is a 400, a device not
-// served a 404. /debug/snapshot also takes ?format=json|pickle (default
-// Options.SnapshotFormat, JSON) and
-// ?entries=N, the most recent trace entries kept of each device (default
+// (unless Options.StatsByDevice); otherwise the per-device object. A
+// malformed ?gpu is a 400, a device not served a 404. /debug/snapshot
+// also takes ?format=json|pickle (default Options.SnapshotFormat, JSON)
+// and ?entries=N, the most recent trace entries kept of each device (default
 // Options.DefaultEntries, 100,000; at most Options.MaxEntries, 1,000,000;
 // 0 gives segments only). A parameter given twice, an unknown parameter,
 // an unparsable query and an unknown format are 400s whose message names
