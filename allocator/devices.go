@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"sync"
+	"sync/atomic"
 
 	"go.uber.org/zap"
 
@@ -72,15 +74,36 @@ func (e *WrongDeviceError) Unwrap() error { return e.Err }
 // lock, and is labelled by its device's Info().Index; nothing is shared
 // between them, so a Malloc on one device never waits for another.
 //
-// The set of devices is fixed at NewDevices; Devices is safe for
-// concurrent use. The hot path is the allocator itself: take it once with
-// ForDevice and call Malloc and Free on it. Devices.Free and FreeOn are for
-// callers that lost track of the device, or want a foreign pointer
-// reported as such.
+// The set of devices is either fixed at NewDevices, or grows: a Devices
+// from NewLazyDevices creates a device's allocator at its first ForDevice
+// (or MallocOn), as PyTorch creates a device's pool at its first
+// allocation. Len, All, Indexes and the methods over every device cover
+// the allocators created so far. Devices is safe for concurrent use.
+//
+// The hot path is the allocator itself: take it once with ForDevice and
+// call Malloc and Free on it. Devices.Free and FreeOn are for callers that
+// lost track of the device, or want a foreign pointer reported as such.
 type Devices struct {
-	allocs  []*Allocator // ascending device index
-	indexes []int        // parallel to allocs
-	ranges  []addrRange  // parallel to allocs
+	view atomic.Pointer[devView] // the allocators created so far; replaced, never changed
+
+	// Lazy creation (NewLazyDevices); open is nil for a fixed set.
+	open func(index int) (cudart.Device, error)
+	n    int // device indexes 0..n-1 may be created
+	cfg  Config
+	opts []Option
+	log  *zap.Logger
+
+	mu      sync.Mutex     // serialises creation, RecordHistory and Close
+	history HistoryOptions // applied to every allocator created; guarded by mu
+	closed  bool           // guarded by mu
+}
+
+// devView is the allocators of a Devices at one moment, in ascending
+// device index: readers load it once and see one consistent set.
+type devView struct {
+	allocs  []*Allocator
+	indexes []int       // parallel to allocs
+	ranges  []addrRange // parallel to allocs
 }
 
 // addrRange is a device's address range (cudart.AddressRanger); ok is
@@ -92,6 +115,15 @@ type addrRange struct {
 }
 
 func (r addrRange) holds(p cudart.Ptr) bool { return r.ok && p >= r.lo && p < r.hi }
+
+func rangeOf(dev cudart.Device) addrRange {
+	var r addrRange
+	if ar, ok := dev.(cudart.AddressRanger); ok {
+		r.lo, r.hi = ar.AddressRange()
+		r.ok = r.lo < r.hi
+	}
+	return r
+}
 
 // NewDevices returns an allocator for each of devs, all with the same
 // configuration and options. The devices must be non-nil and have
@@ -128,17 +160,11 @@ func NewDevices(devs []cudart.Device, cfg Config, opts ...Option) (*Devices, err
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	var o options
-	for _, opt := range opts {
-		opt(&o)
-	}
-	d := &Devices{allocs: make([]*Allocator, 0, len(entries)), indexes: make([]int, 0, len(entries))}
+	d := &Devices{}
+	v := &devView{allocs: make([]*Allocator, 0, len(entries)), indexes: make([]int, 0, len(entries))}
+	d.view.Store(v)
 	for _, e := range entries {
-		aopts := opts
-		if o.log != nil {
-			aopts = append(slices.Clip(opts), WithLogger(o.log.With(zap.Int("gpu", e.index))))
-		}
-		a, err := New(e.dev, cfg, aopts...)
+		a, err := New(e.dev, cfg, deviceOpts(opts, e.index)...)
 		if err != nil {
 			errs := []error{fmt.Errorf("allocator: device %d: %w", e.index, err)}
 			if cerr := d.Close(); cerr != nil {
@@ -146,41 +172,141 @@ func NewDevices(devs []cudart.Device, cfg Config, opts ...Option) (*Devices, err
 			}
 			return nil, errors.Join(errs...)
 		}
-		d.allocs = append(d.allocs, a)
-		d.indexes = append(d.indexes, e.index)
-		var r addrRange
-		if ar, ok := e.dev.(cudart.AddressRanger); ok {
-			r.lo, r.hi = ar.AddressRange()
-			r.ok = r.lo < r.hi
-		}
-		d.ranges = append(d.ranges, r)
+		v.allocs = append(v.allocs, a)
+		v.indexes = append(v.indexes, e.index)
+		v.ranges = append(v.ranges, rangeOf(e.dev))
 	}
 	return d, nil
 }
 
-// Len returns the number of devices.
-func (d *Devices) Len() int { return len(d.allocs) }
+// deviceOpts returns opts with, when they set a logger, that logger
+// labelled with the device index ("gpu").
+func deviceOpts(opts []Option, index int) []Option {
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.log == nil {
+		return opts
+	}
+	return append(slices.Clip(opts), WithLogger(o.log.With(zap.Int("gpu", index))))
+}
 
-// All returns the allocators in ascending device index. The slice is a
-// copy; the allocators are shared.
-func (d *Devices) All() []*Allocator { return slices.Clone(d.allocs) }
+// NewLazyDevices returns a Devices over device indexes 0 to n-1 that
+// creates a device's allocator at its first use (ForDevice, MallocOn),
+// for a process that must not touch a device it never allocates on
+// (opening a CUDA device creates its context). Creating device i calls
+// open(i), once, under a lock: its device must report Info().Index i,
+// and the allocator owns it (Close closes it). A failed open or New is
+// returned to that caller, and the next use tries again. Each allocator
+// gets cfg and opts as NewDevices gives them, the history options of
+// the last RecordHistory, and is logged at Info with its configuration.
+// n must be 1 or more and open non-nil.
+func NewLazyDevices(n int, open func(index int) (cudart.Device, error), cfg Config, opts ...Option) (*Devices, error) {
+	if n < 1 || open == nil {
+		return nil, fmt.Errorf("allocator: NewLazyDevices needs 1 or more devices and an open function (got %d): %w", n, cudart.ErrInvalidValue)
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
+	d := &Devices{open: open, n: n, cfg: cfg, opts: slices.Clone(opts), log: o.log}
+	d.view.Store(&devView{})
+	return d, nil
+}
 
-// Indexes returns the device indexes, ascending.
-func (d *Devices) Indexes() []int { return slices.Clone(d.indexes) }
+// create opens device i and creates its allocator (NewLazyDevices).
+func (d *Devices) create(i int) (*Allocator, error) {
+	if i < 0 || i >= d.n {
+		return nil, fmt.Errorf("allocator: device %d: %w (device indexes 0 to %d)", i, ErrNoSuchDevice, d.n-1)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil, fmt.Errorf("allocator: device %d: %w", i, ErrClosed)
+	}
+	if a := d.lookup(i); a != nil {
+		return a, nil
+	}
+	dev, err := d.open(i)
+	if err != nil {
+		return nil, fmt.Errorf("allocator: open device %d: %w", i, err)
+	}
+	if got := dev.Info().Index; got != i {
+		return nil, errors.Join(fmt.Errorf("allocator: device %d: opened a device with index %d: %w", i, got, cudart.ErrInvalidValue), dev.Close())
+	}
+	a, err := New(dev, d.cfg, deviceOpts(d.opts, i)...)
+	if err != nil {
+		return nil, errors.Join(fmt.Errorf("allocator: device %d: %w", i, err), dev.Close())
+	}
+	a.ownsDevice = true
+	if err := a.RecordHistory(d.history); err != nil {
+		return nil, errors.Join(fmt.Errorf("allocator: device %d: %w", i, err), a.Close())
+	}
+	old := d.view.Load()
+	pos, _ := slices.BinarySearch(old.indexes, i)
+	d.view.Store(&devView{
+		allocs:  slices.Insert(slices.Clone(old.allocs), pos, a),
+		indexes: slices.Insert(slices.Clone(old.indexes), pos, i),
+		ranges:  slices.Insert(slices.Clone(old.ranges), pos, rangeOf(dev)),
+	})
+	if d.log != nil {
+		conf := d.cfg.String()
+		if conf == "" {
+			conf = "defaults"
+		}
+		d.log.Info("device allocator created", zap.Int("gpu", i), zap.String("conf", conf))
+	}
+	return a, nil
+}
+
+// Len returns the number of devices (of a lazy Devices: whose allocators
+// have been created).
+func (d *Devices) Len() int { return len(d.view.Load().allocs) }
+
+// All returns the allocators in ascending device index (of a lazy
+// Devices: those created so far). The slice is a copy; the allocators are
+// shared.
+func (d *Devices) All() []*Allocator { return slices.Clone(d.view.Load().allocs) }
+
+// Indexes returns the device indexes, ascending (of a lazy Devices: those
+// whose allocators have been created).
+func (d *Devices) Indexes() []int { return slices.Clone(d.view.Load().indexes) }
 
 // ForDevice returns the allocator of device index i (cudart.Info.Index),
-// or an error wrapping ErrNoSuchDevice that lists the indexes held.
+// creating it first in a lazy Devices (NewLazyDevices), or an error
+// wrapping ErrNoSuchDevice that lists the indexes held.
 func (d *Devices) ForDevice(i int) (*Allocator, error) {
 	if a := d.lookup(i); a != nil {
 		return a, nil
 	}
-	return nil, fmt.Errorf("allocator: device %d: %w (devices held: %v)", i, ErrNoSuchDevice, d.indexes)
+	if d.open != nil {
+		return d.create(i)
+	}
+	return nil, fmt.Errorf("allocator: device %d: %w (devices held: %v)", i, ErrNoSuchDevice, d.view.Load().indexes)
 }
 
+// Created returns the allocator of device index i if it exists, without
+// creating it: for a reader (statistics, a query) that must not open a
+// device.
+func (d *Devices) Created(i int) (*Allocator, bool) {
+	a := d.lookup(i)
+	return a, a != nil
+}
+
+// lookup returns device i's allocator, or nil: one load, and a scan only
+// when the devices held are not 0, 1, … in order.
 func (d *Devices) lookup(i int) *Allocator {
-	for j, idx := range d.indexes {
+	v := d.view.Load()
+	if i >= 0 && i < len(v.indexes) && v.indexes[i] == i {
+		return v.allocs[i]
+	}
+	for j, idx := range v.indexes {
 		if idx == i {
-			return d.allocs[j]
+			return v.allocs[j]
 		}
 	}
 	return nil
@@ -201,16 +327,17 @@ func (d *Devices) MallocOn(i int, size uint64, stream cudart.Stream) (cudart.Ptr
 // when none does. Only the device whose address range holds p is asked
 // (cudart.AddressRanger), or every device without a range.
 func (d *Devices) Owner(p cudart.Ptr) (int, bool) {
-	if pos, live := d.owner(p, -1); live {
-		return d.indexes[pos], true
+	v := d.view.Load()
+	if pos, live := v.owner(p, -1); live {
+		return v.indexes[pos], true
 	}
 	return 0, false
 }
 
 // rangeOwner returns the position of the device whose address range holds
 // p, or -1.
-func (d *Devices) rangeOwner(p cudart.Ptr) int {
-	for j, r := range d.ranges {
+func (v *devView) rangeOwner(p cudart.Ptr) int {
+	for j, r := range v.ranges {
 		if r.holds(p) {
 			return j
 		}
@@ -223,12 +350,12 @@ func (d *Devices) rangeOwner(p cudart.Ptr) int {
 // containing p. When a device's address range holds p, only that device
 // is asked; otherwise only the devices without a range are. It returns the
 // position in allocs, or -1.
-func (d *Devices) owner(p cudart.Ptr, skip int) (pos int, live bool) {
-	if j := d.rangeOwner(p); j >= 0 {
+func (v *devView) owner(p cudart.Ptr, skip int) (pos int, live bool) {
+	if j := v.rangeOwner(p); j >= 0 {
 		if j == skip {
 			return -1, false
 		}
-		switch d.allocs[j].holds(p) {
+		switch v.allocs[j].holds(p) {
 		case holdLive:
 			return j, true
 		case holdSegment:
@@ -237,8 +364,8 @@ func (d *Devices) owner(p cudart.Ptr, skip int) (pos int, live bool) {
 		return -1, false
 	}
 	pos = -1
-	for j, a := range d.allocs {
-		if j == skip || d.ranges[j].ok {
+	for j, a := range v.allocs {
+		if j == skip || v.ranges[j].ok {
 			continue
 		}
 		switch a.holds(p) {
@@ -266,12 +393,13 @@ func (d *Devices) Free(p cudart.Ptr) error {
 	if p == 0 {
 		return nil
 	}
-	pos, _ := d.owner(p, -1)
+	v := d.view.Load()
+	pos, _ := v.owner(p, -1)
 	if pos < 0 {
-		return fmt.Errorf("allocator: free of %#x: %w (no allocator of devices %v holds it)", uint64(p), ErrUnknownPointer, d.indexes)
+		return fmt.Errorf("allocator: free of %#x: %w (no allocator of devices %v holds it)", uint64(p), ErrUnknownPointer, v.indexes)
 	}
-	if err := d.allocs[pos].Free(p); err != nil {
-		return fmt.Errorf("allocator: device %d: %w", d.indexes[pos], err)
+	if err := v.allocs[pos].Free(p); err != nil {
+		return fmt.Errorf("allocator: device %d: %w", v.indexes[pos], err)
 	}
 	return nil
 }
@@ -280,19 +408,31 @@ func (d *Devices) Free(p cudart.Ptr) error {
 // allocator handed out is refused with a *WrongDeviceError (errors.Is
 // ErrWrongDevice and ErrUnknownPointer) that names its owner, and neither
 // allocator changes; device i's other errors are returned as they are.
-// An index not held wraps ErrNoSuchDevice. FreeOn(i, 0) is a no-op.
+// An index not held wraps ErrNoSuchDevice; in a lazy Devices, a device
+// whose allocator is not created yet has handed out nothing, so a free
+// there is an unknown pointer (or another device's). FreeOn(i, 0) is a
+// no-op.
 func (d *Devices) FreeOn(i int, p cudart.Ptr) error {
-	self := slices.Index(d.indexes, i)
-	if self < 0 {
+	v := d.view.Load()
+	self := slices.Index(v.indexes, i)
+	var err error
+	switch {
+	case self >= 0:
+		err = v.allocs[self].Free(p)
+	case d.open != nil && i >= 0 && i < d.n:
+		if p == 0 {
+			return nil
+		}
+		err = fmt.Errorf("allocator: free of %#x on device %d, which has allocated nothing: %w", uint64(p), i, ErrUnknownPointer)
+	default:
 		_, err := d.ForDevice(i)
 		return err
 	}
-	err := d.allocs[self].Free(p)
-	if err == nil || !errors.Is(err, ErrUnknownPointer) || len(d.allocs) == 1 {
+	if err == nil || !errors.Is(err, ErrUnknownPointer) || len(v.allocs) == 1 && self >= 0 {
 		return err
 	}
-	if pos, live := d.owner(p, self); pos >= 0 {
-		return &WrongDeviceError{Op: "free", Ptr: p, Device: i, Owner: d.indexes[pos], Live: live, Err: err}
+	if pos, live := v.owner(p, self); pos >= 0 {
+		return &WrongDeviceError{Op: "free", Ptr: p, Device: i, Owner: v.indexes[pos], Live: live, Err: err}
 	}
 	return err
 }
@@ -300,11 +440,39 @@ func (d *Devices) FreeOn(i int, p cudart.Ptr) error {
 // EmptyCache empties every allocator's cache (Allocator.EmptyCache). It
 // goes on past a failure and returns every error, each naming its device.
 func (d *Devices) EmptyCache() error {
+	v := d.view.Load()
 	var errs []error
-	for j, a := range d.allocs {
+	for j, a := range v.allocs {
 		if err := a.EmptyCache(); err != nil {
-			errs = append(errs, fmt.Errorf("allocator: device %d: %w", d.indexes[j], err))
+			errs = append(errs, fmt.Errorf("allocator: device %d: %w", v.indexes[j], err))
 		}
+	}
+	return errors.Join(errs...)
+}
+
+// RecordHistory sets every allocator's history recording
+// (Allocator.RecordHistory): those created so far and, in a lazy
+// Devices, those created later, as PyTorch's _record_memory_history
+// covers every device. Each allocator starts an empty history. Options
+// out of range are refused with an error wrapping ErrHistory and change
+// nothing; an allocator's other error (a closed one) names its device,
+// and a lazy Devices keeps opt for later devices only when every
+// allocator took it.
+func (d *Devices) RecordHistory(opt HistoryOptions) error {
+	if err := opt.validate(); err != nil {
+		return err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	v := d.view.Load()
+	var errs []error
+	for j, a := range v.allocs {
+		if err := a.RecordHistory(opt); err != nil {
+			errs = append(errs, fmt.Errorf("allocator: device %d: %w", v.indexes[j], err))
+		}
+	}
+	if len(errs) == 0 {
+		d.history = opt
 	}
 	return errors.Join(errs...)
 }
@@ -316,8 +484,9 @@ func (d *Devices) EmptyCache() error {
 // index (snapshot.Merge of each allocator's Snapshot). Each device's part is
 // consistent as of one moment; the devices are not stopped together.
 func (d *Devices) Snapshot() *snapshot.Snapshot {
-	snaps := make([]*snapshot.Snapshot, len(d.allocs))
-	for i, a := range d.allocs {
+	v := d.view.Load()
+	snaps := make([]*snapshot.Snapshot, len(v.allocs))
+	for i, a := range v.allocs {
 		snaps[i] = a.Snapshot()
 	}
 	return snapshot.Merge(snaps...)
@@ -335,13 +504,17 @@ func (d *Devices) WriteSnapshot(w io.Writer) error {
 // Close closes every allocator (Allocator.Close: every segment goes back
 // to its device) and returns their errors joined, each naming its device;
 // errors.Is(err, ErrLiveBlocks) reports blocks never freed on any of
-// them. The devices themselves are closed only when OpenDevices opened
-// them.
+// them. The devices themselves are closed only when OpenDevices or a lazy
+// Devices opened them. A lazy Devices creates no allocator after Close.
 func (d *Devices) Close() error {
+	d.mu.Lock()
+	d.closed = true
+	d.mu.Unlock()
+	v := d.view.Load()
 	var errs []error
-	for j, a := range d.allocs {
+	for j, a := range v.allocs {
 		if err := a.Close(); err != nil {
-			errs = append(errs, fmt.Errorf("allocator: device %d: %w", d.indexes[j], err))
+			errs = append(errs, fmt.Errorf("allocator: device %d: %w", v.indexes[j], err))
 		}
 	}
 	return errors.Join(errs...)

@@ -160,7 +160,7 @@ func OpenDevices(opts ...Option) (*Devices, error) {
 	if err != nil {
 		return nil, errors.Join(err, closeAll())
 	}
-	for _, a := range d.allocs {
+	for _, a := range d.All() {
 		a.ownsDevice = true
 	}
 	return d, nil

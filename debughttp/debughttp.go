@@ -18,10 +18,11 @@
 //
 // Every page takes ?gpu=: absent selects every device, "all" every device
 // by name, N device N, and "0,2" a list. /debug/stats answers one device's
-// flat map for ?gpu=N, and for no ?gpu when only one device is served;
-// otherwise the per-device object. A malformed ?gpu is a 400, a device not
-// served a 404. /debug/snapshot also takes ?format=json|pickle and
-// ?entries=N, the most recent trace entries kept of each device (default
+// flat map for ?gpu=N, and for no ?gpu when only one device is served
+// (unless Options.StatsByDevice); otherwise the per-device object. A
+// malformed ?gpu is a 400, a device not served a 404. /debug/snapshot
+// also takes ?format=json|pickle (default Options.SnapshotFormat, JSON)
+// and ?entries=N, the most recent trace entries kept of each device (default
 // Options.DefaultEntries, 100,000; at most Options.MaxEntries, 1,000,000;
 // 0 gives segments only). A parameter given twice, an unknown parameter,
 // an unparsable query and an unknown format are 400s whose message names
@@ -139,6 +140,19 @@ type Options struct {
 	// ErrorLog, when set, receives errors of writing a response (a client
 	// that went away, a body over MaxBodyBytes). Nil logs nothing.
 	ErrorLog *log.Logger
+	// SnapshotFormat is /debug/snapshot's format without ?format: "json"
+	// or "pickle". "" means "json".
+	SnapshotFormat string
+	// StatsByDevice makes /debug/stats without ?gpu answer the object
+	// from device index to map even when one device is served: for a
+	// handler whose devices are created as they are used (ForDevices of
+	// an allocator.NewLazyDevices), so that the page keeps one shape.
+	StatsByDevice bool
+	// StatsExtra, when set, gives keys added to a device's
+	// /debug/stats map (a program's own counters beside the allocator's,
+	// e.g. liballocd's num_bad_frees); they replace allocator keys of the
+	// same name.
+	StatsExtra func(device int) map[string]int64
 }
 
 // ErrOptions is wrapped by New's errors about bad Options.
@@ -179,7 +193,7 @@ type device struct {
 // page at its path); under another prefix, strip it first
 // (http.StripPrefix). It is safe for concurrent use.
 type Handler struct {
-	devs    []device // ascending index
+	devices func() []device // the devices served now, ascending index
 	opts    Options
 	slots   chan struct{}
 	serving func() // tests: called while a request holds its slot
@@ -190,13 +204,9 @@ type Handler struct {
 	now       func() time.Time
 }
 
-// New returns a handler over sources, which must be non-nil, with a
-// device each, and have distinct device indexes. Options out of range are
-// an error wrapping ErrOptions.
-func New(opts Options, sources ...Source) (*Handler, error) {
-	if len(sources) == 0 {
-		return nil, errors.New("debughttp: New needs at least one source")
-	}
+// newHandler checks opts, fills in their defaults, and returns a handler
+// serving no device yet.
+func newHandler(opts Options) (*Handler, error) {
 	if opts.MaxInFlight < 0 || opts.DefaultEntries < 0 || opts.MaxEntries < 0 || opts.MaxBodyBytes < 0 {
 		return nil, fmt.Errorf("debughttp: %w: MaxInFlight, DefaultEntries, MaxEntries and MaxBodyBytes must not be negative", ErrOptions)
 	}
@@ -218,7 +228,28 @@ func New(opts Options, sources ...Source) (*Handler, error) {
 	if opts.DefaultEntries > opts.MaxEntries {
 		return nil, fmt.Errorf("debughttp: %w: DefaultEntries %d above MaxEntries %d", ErrOptions, opts.DefaultEntries, opts.MaxEntries)
 	}
-	h := &Handler{opts: opts, slots: make(chan struct{}, opts.MaxInFlight), now: time.Now}
+	switch opts.SnapshotFormat {
+	case "":
+		opts.SnapshotFormat = formatJSON
+	case formatJSON, formatPickle:
+	default:
+		return nil, fmt.Errorf("debughttp: %w: SnapshotFormat %q: want %s or %s", ErrOptions, opts.SnapshotFormat, formatJSON, formatPickle)
+	}
+	return &Handler{opts: opts, slots: make(chan struct{}, opts.MaxInFlight), now: time.Now}, nil
+}
+
+// New returns a handler over sources, which must be non-nil, with a
+// device each, and have distinct device indexes. Options out of range are
+// an error wrapping ErrOptions.
+func New(opts Options, sources ...Source) (*Handler, error) {
+	if len(sources) == 0 {
+		return nil, errors.New("debughttp: New needs at least one source")
+	}
+	h, err := newHandler(opts)
+	if err != nil {
+		return nil, err
+	}
+	var devs []device
 	for i, s := range sources {
 		if s == nil {
 			return nil, fmt.Errorf("debughttp: source %d is nil", i)
@@ -228,14 +259,15 @@ func New(opts Options, sources ...Source) (*Handler, error) {
 			return nil, fmt.Errorf("debughttp: source %d has no device", i)
 		}
 		idx := dev.Info().Index
-		for _, d := range h.devs {
+		for _, d := range devs {
 			if d.index == idx {
 				return nil, fmt.Errorf("debughttp: two sources for device %d", idx)
 			}
 		}
-		h.devs = append(h.devs, device{index: idx, src: s})
+		devs = append(devs, device{index: idx, src: s})
 	}
-	slices.SortFunc(h.devs, func(a, b device) int { return a.index - b.index })
+	slices.SortFunc(devs, func(a, b device) int { return a.index - b.index })
+	h.devices = func() []device { return devs }
 	return h, nil
 }
 
@@ -248,17 +280,26 @@ func ForAllocator(a *allocator.Allocator, opts Options) (*Handler, error) {
 }
 
 // ForDevices returns a handler over every allocator of d, each under its
-// device index.
+// device index. Each request serves the allocators d holds at that
+// moment: with a lazy Devices (allocator.NewLazyDevices), the devices
+// created so far, none at first (empty pages, "{}" for /debug/stats).
 func ForDevices(d *allocator.Devices, opts Options) (*Handler, error) {
 	if d == nil {
 		return nil, errors.New("debughttp: ForDevices of nil Devices")
 	}
-	all := d.All()
-	srcs := make([]Source, len(all))
-	for i, a := range all {
-		srcs[i] = a
+	h, err := newHandler(opts)
+	if err != nil {
+		return nil, err
 	}
-	return New(opts, srcs...)
+	h.devices = func() []device {
+		all := d.All() // ascending index
+		devs := make([]device, len(all))
+		for i, a := range all {
+			devs[i] = device{index: a.Device().Info().Index, src: a}
+		}
+		return devs
+	}
+	return h, nil
 }
 
 // params are the query parameters each page accepts.
@@ -344,12 +385,13 @@ const (
 // device with index N, "N,M" those devices in ascending index. A malformed
 // value is a 400 and an index not served a 404.
 func (h *Handler) selectGPUs(q map[string]string) (devs []device, how, code int, err error) {
+	served := h.devices()
 	v, given := q["gpu"]
 	if !given {
-		return h.devs, gpuDefault, 0, nil
+		return served, gpuDefault, 0, nil
 	}
 	if v == "all" {
-		return h.devs, gpuAll, 0, nil
+		return served, gpuAll, 0, nil
 	}
 	var want []int
 	for _, s := range strings.Split(v, ",") {
@@ -362,7 +404,7 @@ func (h *Handler) selectGPUs(q map[string]string) (devs []device, how, code int,
 		}
 		want = append(want, i)
 	}
-	for _, d := range h.devs {
+	for _, d := range served {
 		if slices.Contains(want, d.index) {
 			devs = append(devs, d)
 		}
@@ -370,7 +412,7 @@ func (h *Handler) selectGPUs(q map[string]string) (devs []device, how, code int,
 	if len(devs) != len(want) {
 		for _, i := range want {
 			if !slices.ContainsFunc(devs, func(d device) bool { return d.index == i }) {
-				return nil, 0, http.StatusNotFound, fmt.Errorf("gpu %d: not served here; devices: %v", i, h.indexes())
+				return nil, 0, http.StatusNotFound, fmt.Errorf("gpu %d: not served here; devices: %v", i, indexes(served))
 			}
 		}
 	}
@@ -381,9 +423,9 @@ func (h *Handler) selectGPUs(q map[string]string) (devs []device, how, code int,
 	return devs, how, 0, nil
 }
 
-func (h *Handler) indexes() []int {
-	out := make([]int, len(h.devs))
-	for i, d := range h.devs {
+func indexes(devs []device) []int {
+	out := make([]int, len(devs))
+	for i, d := range devs {
 		out[i] = d.index
 	}
 	return out
@@ -413,14 +455,12 @@ func (h *Handler) serveSummary(w http.ResponseWriter, devs []device) {
 // its map. encoding/json sorts the keys, as memory_stats() does.
 func (h *Handler) serveStats(w http.ResponseWriter, devs []device, how int) {
 	var v any
-	if how == gpuOne || how == gpuDefault && len(devs) == 1 {
-		st := devs[0].src.Stats()
-		v = st.Flat()
+	if how == gpuOne || how == gpuDefault && len(devs) == 1 && !h.opts.StatsByDevice {
+		v = h.flat(devs[0])
 	} else {
 		per := make(map[string]map[string]int64, len(devs))
 		for _, d := range devs {
-			st := d.src.Stats()
-			per[strconv.Itoa(d.index)] = st.Flat()
+			per[strconv.Itoa(d.index)] = h.flat(d)
 		}
 		v = per
 	}
@@ -431,6 +471,18 @@ func (h *Handler) serveStats(w http.ResponseWriter, devs []device, how int) {
 	}
 	setNoStore(w, "application/json")
 	h.logErr(w.Write(append(b, '\n')))
+}
+
+// flat returns d's memory_stats() map with Options.StatsExtra's keys.
+func (h *Handler) flat(d device) map[string]int64 {
+	st := d.src.Stats()
+	m := st.Flat()
+	if h.opts.StatsExtra != nil {
+		for k, v := range h.opts.StatsExtra(d.index) {
+			m[k] = v
+		}
+	}
+	return m
 }
 
 func (h *Handler) logErr(_ int, err error) {

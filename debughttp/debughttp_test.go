@@ -428,6 +428,7 @@ func TestNewErrors(t *testing.T) {
 		"lock share above 1":  {LockShare: 1.5},
 		"negative lock share": {LockShare: -0.1},
 		"NaN lock share":      {LockShare: math.NaN()},
+		"unknown format":      {SnapshotFormat: "xml"},
 	} {
 		if _, err := New(o, a); !errors.Is(err, ErrOptions) {
 			t.Errorf("%s: New = %v, want ErrOptions", name, err)

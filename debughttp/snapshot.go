@@ -23,7 +23,7 @@ const (
 // serveSnapshot writes the selected devices' snapshot, merged and with the
 // most recent ?entries entries of each trace, as JSON or a pickle.
 func (h *Handler) serveSnapshot(w http.ResponseWriter, r *http.Request, devs []device, q map[string]string) {
-	format := formatJSON
+	format := h.opts.SnapshotFormat
 	if f, ok := q["format"]; ok {
 		if f != formatJSON && f != formatPickle {
 			http.Error(w, fmt.Sprintf("format %q: expected %s or %s", f, formatJSON, formatPickle), http.StatusBadRequest)

@@ -25,6 +25,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/stats"
 )
@@ -147,7 +148,7 @@ func liballocd_go_torch_empty_cache() {
 		setError(err)
 		return
 	}
-	if err := l.emptyCache(); err != nil {
+	if err := l.devs.EmptyCache(); err != nil {
 		report(l, "empty cache failed", err)
 	}
 }
@@ -160,13 +161,39 @@ func liballocd_go_torch_set_memory_fraction(fraction C.double, device C.int) {
 		setError(err)
 		return
 	}
-	a, err := l.device(int(device))
+	a, err := l.devs.ForDevice(int(device))
 	if err == nil {
 		err = a.SetMemoryFraction(float64(fraction))
 	}
 	if err != nil {
 		report(l, "set memory fraction failed", err)
 	}
+}
+
+// liballocd_go_release_stream is allocd_release_stream: a stream torch or
+// the program destroyed. Its cached segments go back to the device at
+// once, or as soon as nothing on it is allocated or waits for events
+// (Allocator.ReleaseStream). A device whose allocator does not exist yet
+// has nothing cached: 0.
+//
+//export liballocd_go_release_stream
+func liballocd_go_release_stream(device C.int, stream C.uintptr_t) (rc C.int) {
+	defer recovered("allocd_release_stream")
+	rc = -1
+	l, err := getDrained()
+	if err != nil {
+		return fail(err)
+	}
+	if device < 0 || device >= maxDevices {
+		return fail(fmt.Errorf("allocd: release_stream: device %d: index outside 0..%d: %w", device, maxDevices-1, allocator.ErrNoSuchDevice))
+	}
+	if a := l.alloc(int(device)); a != nil {
+		if err := a.ReleaseStream(cudart.Stream(stream)); err != nil {
+			report(l, "release stream failed", fmt.Errorf("allocd: release_stream on device %d: %w", device, err))
+			return -1
+		}
+	}
+	return 0
 }
 
 //export liballocd_go_memory_stats_json
@@ -194,12 +221,11 @@ func liballocd_go_memory_summary(device C.int, abbreviated C.int, buf *C.char, n
 		return copyOut("", buf, n)
 	}
 	var b bytes.Buffer
-	a := l.alloc(int(device))
-	if a == nil {
-		_ = stats.WriteSummary(&b, zeroStats(), int(device), abbreviated != 0)
-	} else {
-		_ = stats.WriteSummary(&b, a.Stats(), int(device), abbreviated != 0)
+	var st allocator.Stats // zero for a device not created
+	if a := l.alloc(int(device)); a != nil {
+		st = a.Stats()
 	}
+	_ = stats.WriteSummary(&b, st, int(device), abbreviated != 0)
 	return copyOut(b.String(), buf, n)
 }
 

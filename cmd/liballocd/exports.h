@@ -13,6 +13,7 @@ uintptr_t liballocd_go_malloc(size_t size, int device, uintptr_t stream);
 void liballocd_go_torch_record_stream(void *ptr, void *stream);
 void liballocd_go_torch_empty_cache(void);
 void liballocd_go_torch_set_memory_fraction(double fraction, int device);
+int liballocd_go_release_stream(int device, uintptr_t stream);
 size_t liballocd_go_memory_stats_json(int device, char *buf, size_t n);
 size_t liballocd_go_memory_summary(int device, int abbreviated, char *buf, size_t n);
 long long liballocd_go_memory_allocated(int device);

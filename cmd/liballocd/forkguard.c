@@ -66,6 +66,14 @@ API void allocd_torch_set_memory_fraction(double fraction, int device) {
 	liballocd_go_torch_set_memory_fraction(fraction, device);
 }
 
+// allocd_release_stream: stream (a cudaStream_t) of device is destroyed,
+// or will not be used again; its cached segments go back to the device
+// (Allocator.ReleaseStream). 0, or -1 with allocd_last_error.
+API int allocd_release_stream(int device, void *stream) {
+	FORKED(-1);
+	return liballocd_go_release_stream(device, (uintptr_t)stream);
+}
+
 API size_t allocd_memory_stats_json(int device, char *buf, size_t n) {
 	FORKED(copy_out("{}", buf, n));
 	return liballocd_go_memory_stats_json(device, buf, n);

@@ -8,8 +8,10 @@
 // thin: each recovers panics,
 // reports errors through allocd_last_error, applies the frees that
 // allocd_torch_free queued in C (freequeue.c, queue.go), and calls into this
-// file, which holds the library's state: one allocator per device index, created on
-// first use; the count of bad frees; the metrics server (server.go).
+// file, which holds the library's state: an allocator.Devices that creates
+// each device's allocator on first use (allocator.NewLazyDevices), the
+// count of bad frees, and the metrics server (server.go: server.NewHTTP
+// and debughttp's pages).
 //
 // Environment (read once, at initialisation):
 //
@@ -48,8 +50,8 @@ import (
 )
 
 // maxDevices bounds the device index: PyTorch's c10::DeviceIndex is an
-// int8_t. A fixed array keeps the hot-path lookup a lock-free load and lets
-// initialisation run without asking CUDA anything.
+// int8_t. A fixed bound lets initialisation run without asking CUDA
+// anything; each device is opened at its first use.
 const maxDevices = 128
 
 // simStreams is the number of streams a simulated device has besides the
@@ -108,14 +110,10 @@ var reasonNames = [numReasons]string{"unknown_pointer", "double_free", "wrong_de
 // lib is the library's state after a successful initialisation.
 type lib struct {
 	set     settings
-	cfg     allocator.Config
 	sim     simSpec
 	log     *zap.Logger
-	badLog  *zap.Logger // sampled: a storm of bad frees logs a few lines a second
-	devs    [maxDevices]atomic.Pointer[allocator.Allocator]
-	mu      sync.Mutex               // serialises device creation and history changes
-	history allocator.HistoryOptions // applied to every allocator, now and later; guarded by mu
-	created atomic.Int32
+	badLog  *zap.Logger        // sampled: a storm of bad frees logs a few lines a second
+	devs    *allocator.Devices // device indexes 0..maxDevices-1, each created on first use
 	bad     [maxDevices][numReasons]atomic.Int64
 	metrics *metricsServer // nil without metrics_listen
 }
@@ -169,7 +167,11 @@ func newLib(set settings) (*lib, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &lib{set: set, cfg: cfg, sim: sim, log: log}
+	l := &lib{set: set, sim: sim, log: log}
+	l.devs, err = allocator.NewLazyDevices(maxDevices, l.openDevice, cfg, allocator.WithLogger(log.Named("allocator")))
+	if err != nil {
+		return nil, fmt.Errorf("allocd: %w", err)
+	}
 	l.badLog = log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 5, 0)
 	}))
@@ -223,119 +225,63 @@ func sameArgs(a, b settings) bool {
 	return a == b
 }
 
-// openDevice opens device index: a simdev.Sim under ALLOCD_DEVICE=sim, else
-// the CUDA device through the libcudart already loaded in the process.
-func openDevice(sim simSpec, index int) (cudart.Device, error) {
-	if !sim.on {
-		return cudart.Open(index)
-	}
-	if index >= sim.count {
+// openDevice opens device index for l.devs, as devspec opens it for
+// every allocd tool (Opener.OpenIndex): a simulated device under
+// ALLOCD_DEVICE=sim, with simStreams streams, else the CUDA device through
+// the libcudart already loaded in the process (which makes it current,
+// creating its primary context; the caller's current device is restored).
+func (l *lib) openDevice(index int) (cudart.Device, error) {
+	if l.sim.on && index >= l.sim.count {
 		return nil, fmt.Errorf("allocd: device %d: ALLOCD_DEVICE gives %d simulated devices: %w",
-			index, sim.count, allocator.ErrNoSuchDevice)
+			index, l.sim.count, allocator.ErrNoSuchDevice)
 	}
-	s, err := simdev.New(simdev.Config{Capacity: sim.capacity, Index: index, ManualEvents: sim.manual})
+	o := devspec.Opener{Sim: simdev.Config{Capacity: l.sim.capacity, ManualEvents: l.sim.manual}}
+	dev, err := o.OpenIndex(devspec.Spec{Sim: l.sim.on, Count: max(l.sim.count, 1)}, index)
 	if err != nil {
 		return nil, err
 	}
+	if !l.sim.on {
+		l.checkRuntimeCopies()
+		return dev, nil
+	}
 	for range simStreams {
-		if _, err := s.StreamCreate(); err != nil {
-			return nil, err
+		if _, err := dev.StreamCreate(); err != nil {
+			return nil, errors.Join(err, dev.Close())
 		}
 	}
-	return s, nil
+	return dev, nil
 }
 
 // alloc returns device's allocator, or nil if it has not been created.
 func (l *lib) alloc(device int) *allocator.Allocator {
-	if device < 0 || device >= maxDevices {
-		return nil
-	}
-	return l.devs[device].Load()
-}
-
-// device returns device's allocator, creating it on first use. Creating it
-// opens that device only (CUDA: makes it current, which creates its primary
-// context; the caller's current device is restored).
-func (l *lib) device(device int) (*allocator.Allocator, error) {
-	if a := l.alloc(device); a != nil {
-		return a, nil
-	}
-	if device < 0 || device >= maxDevices {
-		return nil, fmt.Errorf("allocd: device %d: index outside 0..%d: %w", device, maxDevices-1, allocator.ErrNoSuchDevice)
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if a := l.devs[device].Load(); a != nil {
-		return a, nil
-	}
-	dev, err := openDevice(l.sim, device)
-	if err != nil {
-		return nil, fmt.Errorf("allocd: open device %d: %w", device, err)
-	}
-	a, err := allocator.New(dev, l.cfg, allocator.WithLogger(l.log.Named("allocator")))
-	if err != nil {
-		return nil, fmt.Errorf("allocd: device %d: %w", device, err)
-	}
-	if err := a.RecordHistory(l.history); err != nil {
-		_ = a.Close()
-		return nil, fmt.Errorf("allocd: device %d: %w", device, err)
-	}
-	l.devs[device].Store(a)
-	if int32(device) >= l.created.Load() {
-		l.created.Store(int32(device) + 1)
-	}
-	if !l.sim.on {
-		l.checkRuntimeCopies()
-	}
-	l.log.Info("device allocator created", zap.Int("device", device), zap.String("conf", l.cfg.String()))
-	return a, nil
-}
-
-// all returns the allocators created so far with their device indexes.
-func (l *lib) all() (idx []int, as []*allocator.Allocator) {
-	for i := range int(l.created.Load()) {
-		if a := l.devs[i].Load(); a != nil {
-			idx, as = append(idx, i), append(as, a)
-		}
-	}
-	return idx, as
+	a, _ := l.devs.Created(device)
+	return a
 }
 
 func (l *lib) malloc(size uint64, device int, stream cudart.Stream) (cudart.Ptr, error) {
-	a := l.alloc(device)
-	if a == nil {
-		var err error
-		if a, err = l.device(device); err != nil {
-			return 0, err
-		}
+	a, err := l.devs.ForDevice(device)
+	if err != nil {
+		return 0, err
 	}
 	return a.Malloc(size, stream)
 }
 
 // free frees p on device. A bad free (an unknown pointer, a double free, a
-// pointer of another device) changes nothing; it is counted and logged, and
-// returned.
+// pointer of another device: allocator.Devices.FreeOn names its owner)
+// changes nothing; it is counted and logged, and returned.
 func (l *lib) free(p cudart.Ptr, device int) error {
-	a := l.alloc(device)
-	var err error
-	if a != nil {
-		if err = a.Free(p); err == nil {
-			return nil
-		}
-	} else {
-		err = fmt.Errorf("allocd: free of %#x on device %d, which has allocated nothing: %w", uint64(p), device, allocator.ErrUnknownPointer)
+	err := l.devs.FreeOn(device, p)
+	if err == nil {
+		return nil
 	}
 	reason := reasonOther
 	switch {
+	case errors.Is(err, allocator.ErrWrongDevice):
+		reason = reasonWrongDevice
 	case errors.Is(err, allocator.ErrDoubleFree):
 		reason = reasonDoubleFree
-	case errors.Is(err, allocator.ErrUnknownPointer):
+	case errors.Is(err, allocator.ErrUnknownPointer), errors.Is(err, allocator.ErrNoSuchDevice):
 		reason = reasonUnknown
-		if owner, ok := l.owner(p, device); ok {
-			reason = reasonWrongDevice
-			err = fmt.Errorf("allocd: free of %#x on device %d, but it is device %d's memory (left allocated): %w",
-				uint64(p), device, owner, err)
-		}
 	}
 	if device >= 0 && device < maxDevices {
 		l.bad[device][reason].Add(1)
@@ -345,46 +291,15 @@ func (l *lib) free(p cudart.Ptr, device int) error {
 	return err
 }
 
-// owner finds another device whose allocator holds p in one of its
-// segments. It reads snapshots: bad frees are rare, and the hot path stays
-// free of any cross-device structure.
-func (l *lib) owner(p cudart.Ptr, skip int) (int, bool) {
-	idx, as := l.all()
-	for j, a := range as {
-		if idx[j] == skip {
-			continue
-		}
-		for _, s := range a.Snapshot().Segments {
-			if uint64(p) >= s.Address && uint64(p) < s.Address+s.TotalSize {
-				return idx[j], true
-			}
-		}
-	}
-	return 0, false
-}
-
 // recordStream marks p as used by stream on the device whose allocator
 // handed it out.
 func (l *lib) recordStream(p cudart.Ptr, stream cudart.Stream) error {
-	_, as := l.all()
-	for _, a := range as {
-		err := a.RecordStream(p, stream)
-		if err == nil || !errors.Is(err, allocator.ErrUnknownPointer) {
-			return err
+	if i, ok := l.devs.Owner(p); ok {
+		if a := l.alloc(i); a != nil {
+			return a.RecordStream(p, stream)
 		}
 	}
 	return fmt.Errorf("allocd: record_stream of %#x: no device allocator handed it out: %w", uint64(p), allocator.ErrUnknownPointer)
-}
-
-func (l *lib) emptyCache() error {
-	var errs []error
-	idx, as := l.all()
-	for j, a := range as {
-		if err := a.EmptyCache(); err != nil {
-			errs = append(errs, fmt.Errorf("allocd: empty cache of device %d: %w", idx[j], err))
-		}
-	}
-	return errors.Join(errs...)
 }
 
 // badFrees returns the bad frees counted on device, all reasons together.
@@ -399,8 +314,8 @@ func (l *lib) badFrees(device int) int64 {
 	return n
 }
 
-// stats returns device's statistics (zero for a device not created) as
-// torch.cuda.memory_stats()'s flat keys plus num_bad_frees.
+// flatStats returns device's statistics (zero for a device not created)
+// as torch.cuda.memory_stats()'s flat keys plus num_bad_frees.
 func (l *lib) flatStats(device int) map[string]int64 {
 	var st allocator.Stats
 	if a := l.alloc(device); a != nil {
@@ -423,8 +338,9 @@ type historyOptions struct {
 const defaultHistoryEntries = 1_000_000
 
 // setHistory switches history recording on or off for every allocator,
-// those created so far and those created later. Each allocator starts an
-// empty history. Options the allocator rejects change nothing.
+// those created so far and those created later (Devices.RecordHistory).
+// Each allocator starts an empty history. Options out of range change
+// nothing (an error wrapping allocator.ErrHistory).
 func (l *lib) setHistory(h historyOptions) error {
 	var opt allocator.HistoryOptions
 	if h.Enabled {
@@ -432,22 +348,11 @@ func (l *lib) setHistory(h historyOptions) error {
 		if opt.MaxEntries <= 0 {
 			opt.MaxEntries = defaultHistoryEntries
 		}
-		if opt.MaxEntries > allocator.MaxHistoryEntries || opt.StackDepth < 0 || opt.StackDepth > allocator.MaxStackDepth {
-			return fmt.Errorf("allocd: record_history: %d entries, stack depth %d: %w (want 1 to %d entries, depth 0 to %d)",
-				h.MaxEntries, h.StackDepth, allocator.ErrHistory, allocator.MaxHistoryEntries, allocator.MaxStackDepth)
-		}
 	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.history = opt
-	var errs []error
-	idx, as := l.all()
-	for j, a := range as {
-		if err := a.RecordHistory(opt); err != nil {
-			errs = append(errs, fmt.Errorf("allocd: device %d: %w", idx[j], err))
-		}
+	if err := l.devs.RecordHistory(opt); err != nil {
+		return fmt.Errorf("allocd: record_history: %w", err)
 	}
-	return errors.Join(errs...)
+	return nil
 }
 
 // checkRuntimeCopies warns when the process maps more than one libcudart:
@@ -492,6 +397,3 @@ func contains(s []string, v string) bool {
 	}
 	return false
 }
-
-// zeroStats is the statistics of a device with no allocator yet.
-func zeroStats() allocator.Stats { return allocator.Stats{} }

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"debug/elf"
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -30,7 +31,7 @@ import (
 var abi = []string{
 	"allocd_init", "allocd_last_error",
 	"allocd_torch_malloc", "allocd_torch_free", "allocd_torch_record_stream",
-	"allocd_torch_empty_cache", "allocd_torch_set_memory_fraction",
+	"allocd_torch_empty_cache", "allocd_torch_set_memory_fraction", "allocd_release_stream",
 	"allocd_memory_stats_json", "allocd_memory_summary",
 	"allocd_memory_allocated", "allocd_memory_reserved",
 	"allocd_max_memory_allocated", "allocd_max_memory_reserved",
@@ -146,7 +147,8 @@ func TestExportedSymbols(t *testing.T) {
 // it gets the same block), empty_cache, the stats JSON, the summary, peak
 // reset, bad frees (unknown, double, another device's: counted, process
 // alive, state unchanged), an OOM's NULL and message (per thread), the
-// second init, and dump_snapshot; this test scrapes the metrics server while
+// second init, and dump_snapshot; this test scrapes the metrics server (its
+// debug pages in liballocd's formats: stats by device, a pickle snapshot) while
 // the driver waits, then reads the snapshot back.
 func TestDriver(t *testing.T) {
 	lib := buildLib(t)
@@ -263,14 +265,22 @@ func scrape(t *testing.T, addr string) {
 	if got := get("/healthz"); got != "ok\n" {
 		t.Errorf("/healthz = %q", got)
 	}
-	if got := get("/debug/stats"); !strings.Contains(got, `"num_bad_frees":3`) || !strings.Contains(got, `"1":{`) {
-		t.Errorf("/debug/stats = %.300s", got)
+	var st map[string]map[string]int64
+	if got := get("/debug/stats"); json.Unmarshal([]byte(got), &st) != nil || st["0"]["num_bad_frees"] != 3 || st["1"] == nil {
+		t.Errorf("/debug/stats = %.300s; want device 0's map with num_bad_frees 3, and device 1's", got)
 	}
 	if got := get("/debug/summary"); strings.Count(got, "GPU reserved memory") != 2 {
 		t.Errorf("/debug/summary has not two devices' tables:\n%s", got)
 	}
-	if _, err := trace.Read(strings.NewReader(get("/debug/snapshot")), trace.ReadOptions{}); err != nil {
-		t.Errorf("/debug/snapshot: %v", err)
+	// The snapshot is PyTorch's pickle (protocol 2 and up start with
+	// 0x80) unless ?format=json asks otherwise.
+	snap := get("/debug/snapshot")
+	if _, err := trace.Read(strings.NewReader(snap), trace.ReadOptions{}); err != nil || !strings.HasPrefix(snap, "\x80") {
+		t.Errorf("/debug/snapshot: %v, starts %q; want a pickle", err, snap[:min(len(snap), 8)])
+	}
+	var js map[string]any
+	if err := json.Unmarshal([]byte(get("/debug/snapshot?format=json")), &js); err != nil || js["segments"] == nil {
+		t.Errorf("/debug/snapshot?format=json: %v", err)
 	}
 }
 
@@ -430,6 +440,40 @@ func TestFreeQueue(t *testing.T) {
 		if !strings.Contains(stderr.String(), want) {
 			t.Errorf("stderr lacks %s", want)
 		}
+	}
+}
+
+// TestReleaseStream runs testdata/stream.c, which checks
+// allocd_release_stream: a released stream's cached segments go back to the
+// device at once (the frees queued before applied first), or at the free of
+// its last live block; its handle works again; the default stream and a
+// device not created are no-ops, and device indexes outside 0..127 fail.
+// It also checks the log line of the device's creation.
+func TestReleaseStream(t *testing.T) {
+	lib := buildLib(t)
+	prog := filepath.Join(t.TempDir(), "stream")
+	if b, err := exec.Command("gcc", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-o", prog, "testdata/stream.c", "-ldl").CombinedOutput(); err != nil {
+		t.Fatalf("gcc stream.c: %v\n%s", err, b)
+	}
+	cmd := exec.Command(prog, lib)
+	cmd.Env = append(os.Environ(), "ALLOCD_DEVICE=sim:2", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=",
+		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=info")
+	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "ALLOCD_METRICS_LISTEN=") })
+	var stdout, stderr strings.Builder
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	timer := time.AfterFunc(60*time.Second, func() { _ = cmd.Process.Kill() })
+	defer timer.Stop()
+	err := cmd.Wait()
+	t.Logf("stream stdout:\n%s", stdout.String())
+	if err != nil || !strings.HasSuffix(stdout.String(), "DONE\n") {
+		t.Fatalf("stream: %v\nstderr:\n%s", err, stderr.String())
+	}
+	// The device's creation is logged with the configuration in force.
+	if want := `"msg":"device allocator created","gpu":0,"conf":"defaults"`; !strings.Contains(stderr.String(), want) {
+		t.Errorf("stderr lacks %s:\n%s", want, stderr.String())
 	}
 }
 

@@ -1,14 +1,12 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"os"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -16,13 +14,15 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
 
+	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/debughttp"
 	"github.com/allocd/allocd/server"
-	"github.com/allocd/allocd/snapshot"
 	"github.com/allocd/allocd/stats"
 )
 
-// This file is the in-process HTTP surface: /metrics, /healthz and minimal
-// debug pages, and the snapshot writer that allocd_dump_snapshot shares.
+// This file is the in-process HTTP surface: /metrics, /healthz and
+// debughttp's debug pages over the library's devices, on server.NewHTTP's
+// bounded server, and the snapshot file of allocd_dump_snapshot.
 
 // metricsServer serves the library's registry on one listener.
 type metricsServer struct {
@@ -31,10 +31,10 @@ type metricsServer struct {
 }
 
 // The metrics server's bounds. It runs inside the user's program, so it
-// holds few connections (file descriptors are the program's), builds one
-// snapshot at a time (a snapshot copies the whole history), and cuts off
-// a client that does not read within the write timeout; the timeouts are
-// server's defaults (those of `allocd serve`).
+// holds few connections (file descriptors are the program's), builds and
+// sends one snapshot at a time (a snapshot copies the whole history), and
+// cuts off a client that does not read within the write timeout; the
+// timeouts are server's defaults (those of `allocd serve`).
 const (
 	metricsMaxConns     = 16
 	metricsMaxDebug     = 4 // debug pages in flight; a snapshot is one of them
@@ -50,11 +50,37 @@ var metricsHTTP = server.HTTPOptions{MaxConns: metricsMaxConns}
 // metricsMaxScrapes scrapes and metricsMaxDebug debug pages at once, of
 // which at most metricsMaxSnapshots snapshots, each of at most
 // server.DefaultMaxBodyBytes (more get 503 with Retry-After, or 413).
+//
+// The debug pages are debughttp's over l.devs, as allocd serve serves
+// them, with liballocd's formats: /debug/stats is always an object from
+// device index to its memory_stats() map, num_bad_frees included, and
+// /debug/snapshot is the pickle of the whole recorded history unless
+// ?format=json or ?entries=N ask otherwise.
 func startMetrics(l *lib, addr string, o server.HTTPOptions) (*metricsServer, error) {
 	reg := prometheus.NewRegistry()
 	if err := reg.Register(&devicesCollector{l: l}); err != nil {
 		return nil, fmt.Errorf("allocd: metrics: %w", err)
 	}
+	debug, err := debughttp.ForDevices(l.devs, debughttp.Options{
+		MaxInFlight:    metricsMaxDebug,
+		DefaultEntries: allocator.MaxHistoryEntries,
+		MaxEntries:     allocator.MaxHistoryEntries,
+		MaxBodyBytes:   server.DefaultMaxBodyBytes,
+		ErrorLog:       zap.NewStdLog(l.log.Named("debug")),
+		SnapshotFormat: "pickle",
+		StatsByDevice:  true,
+		StatsExtra: func(device int) map[string]int64 {
+			return map[string]int64{"num_bad_frees": l.badFrees(device)}
+		},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("allocd: metrics: %w", err)
+	}
+	// The frees queued so far count on every page.
+	drained := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		l.drain(false)
+		debug.ServeHTTP(w, r)
+	})
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("allocd: metrics_listen %q: %w", addr, err)
@@ -66,39 +92,19 @@ func startMetrics(l *lib, addr string, o server.HTTPOptions) (*metricsServer, er
 		Timeout:             10 * time.Second,
 		MaxRequestsInFlight: metricsMaxScrapes,
 	}))
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { text(w, "ok\n") })
-	debug := func(h http.Handler) http.Handler { return server.LimitInFlight(metricsMaxDebug, h) }
-	mux.Handle("GET /debug/summary", debug(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		var b strings.Builder
-		l.drain(false)
-		idx, as := l.all()
-		for j, a := range as {
-			if j > 0 {
-				b.WriteByte('\n')
-			}
-			b.WriteString(stats.Summary(a.Stats(), idx[j]))
-		}
-		text(w, b.String())
-	})))
-	mux.Handle("GET /debug/stats", debug(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		out := map[string]map[string]int64{}
-		l.drain(false)
-		idx, _ := l.all()
-		for _, i := range idx {
-			out[strconv.Itoa(i)] = l.flatStats(i)
-		}
-		w.Header().Set("Content-Type", "application/json")
-		_ = json.NewEncoder(w).Encode(out)
-	})))
-	snapshot := http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		w.Header().Set("Content-Type", "application/octet-stream")
-		w.Header().Set("Content-Disposition", `attachment; filename="allocd_snapshot.pickle"`)
-		l.drain(false)
-		if err := l.writeSnapshot(w); err != nil {
-			l.log.Warn("writing a snapshot", zap.Error(err))
-		}
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		_, _ = io.WriteString(w, "ok\n")
 	})
-	mux.Handle("GET /debug/snapshot", debug(server.LimitInFlight(metricsMaxSnapshots, server.LimitBody(server.DefaultMaxBodyBytes, snapshot))))
+	for _, p := range debughttp.Pages() {
+		h := http.Handler(drained)
+		if p.Path == "/debug/snapshot" {
+			// debughttp builds one snapshot at a time; this also
+			// counts the one still being sent.
+			h = server.LimitInFlight(metricsMaxSnapshots, h)
+		}
+		mux.Handle("GET "+p.Path, h)
+	}
 	o.ErrorLog = zap.NewStdLog(l.log.Named("http"))
 	srv, err := server.NewHTTP(ln, mux, o)
 	if err != nil {
@@ -112,11 +118,6 @@ func startMetrics(l *lib, addr string, o server.HTTPOptions) (*metricsServer, er
 	}()
 	l.log.Info("serving metrics", zap.String("address", ln.Addr().String()))
 	return &metricsServer{addr: ln.Addr().String(), srv: srv}, nil
-}
-
-func text(w http.ResponseWriter, s string) {
-	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-	_, _ = io.WriteString(w, s)
 }
 
 // devicesCollector is the metrics of the allocators created so far: a
@@ -142,7 +143,7 @@ func (d *devicesCollector) Describe(chan<- *prometheus.Desc) {}
 // Collect implements prometheus.Collector.
 func (d *devicesCollector) Collect(ch chan<- prometheus.Metric) {
 	d.l.drain(false) // the frees queued so far count
-	idx, as := d.l.all()
+	as := d.l.devs.All()
 	d.mu.Lock()
 	if d.n != len(as) {
 		srcs := make([]stats.Source, len(as))
@@ -161,7 +162,8 @@ func (d *devicesCollector) Collect(ch chan<- prometheus.Metric) {
 	if c != nil {
 		c.Collect(ch)
 	}
-	for _, i := range idx {
+	for _, a := range as {
+		i := a.Device().Info().Index
 		for r := range numReasons {
 			ch <- prometheus.MustNewConstMetric(badFreesDesc, prometheus.CounterValue,
 				float64(d.l.bad[i][r].Load()), strconv.Itoa(i), reasonNames[r])
@@ -169,30 +171,14 @@ func (d *devicesCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// snapshot merges the snapshots of every device created so far, as
-// torch.cuda.memory._snapshot() covers every device: the segments of all,
-// each naming its device, and device_traces with one list per device index.
-func (l *lib) snapshot() *snapshot.Snapshot {
-	_, as := l.all()
-	snaps := make([]*snapshot.Snapshot, len(as))
-	for j, a := range as {
-		snaps[j] = a.Snapshot()
-	}
-	return snapshot.Merge(snaps...)
-}
-
-// writeSnapshot writes the merged snapshot as PyTorch's pickle.
-func (l *lib) writeSnapshot(w io.Writer) error {
-	return snapshot.WritePickle(w, l.snapshot())
-}
-
-// dumpSnapshot writes the snapshot pickle to path.
+// dumpSnapshot writes the snapshot of every device created so far
+// (Devices.WriteSnapshot: PyTorch's pickle) to path.
 func (l *lib) dumpSnapshot(path string) error {
 	f, err := os.Create(path)
 	if err != nil {
 		return fmt.Errorf("allocd: dump snapshot: %w", err)
 	}
-	if err := l.writeSnapshot(f); err != nil {
+	if err := l.devs.WriteSnapshot(f); err != nil {
 		_ = f.Close()
 		return fmt.Errorf("allocd: dump snapshot to %s: %w", path, err)
 	}

@@ -48,12 +48,7 @@ func newTestLib(t testing.TB) *lib {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		_, as := l.all()
-		for _, a := range as {
-			_ = a.Close()
-		}
-	})
+	t.Cleanup(func() { _ = l.devs.Close() })
 	return l
 }
 
@@ -193,7 +188,7 @@ func TestMetricsSlowSnapshotClients(t *testing.T) {
 	if err := l.setHistory(historyOptions{Enabled: true, MaxEntries: 200_000}); err != nil {
 		t.Fatal(err)
 	}
-	a, err := l.device(0)
+	a, err := l.devs.ForDevice(0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -211,7 +206,7 @@ func TestMetricsSlowSnapshotClients(t *testing.T) {
 
 	// One snapshot's cost: the heap while one is held.
 	base := heapInuse()
-	snap := l.snapshot()
+	snap := l.devs.Snapshot()
 	one := heapInuse() - base
 	runtime.KeepAlive(snap)
 	snap = nil

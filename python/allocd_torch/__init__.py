@@ -20,7 +20,7 @@ from ._build import BuildError
 __all__ = [
     "enable", "is_enabled", "memory_stats", "memory_stats_as_nested_dict", "memory_summary",
     "memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved",
-    "reset_peak_memory_stats", "empty_cache", "record_memory_history", "dump_snapshot",
+    "reset_peak_memory_stats", "empty_cache", "release_stream", "record_memory_history", "dump_snapshot",
     "metrics_address", "hooks_installed", "LibraryError", "BuildError", "find_library",
 ]
 
@@ -121,6 +121,18 @@ def empty_cache():
     """Release the cached, unused segments of every device to the driver
     (what torch.cuda.empty_cache() does through the installed hook)."""
     _library().empty_cache()
+
+
+def release_stream(stream, device=None):
+    """Tell allocd that stream is destroyed (or will not be used again): its cached segments
+    go back to the driver at once, or once nothing allocated on it is live. torch gives a
+    pluggable allocator no hook for a destroyed stream, so a program that creates and drops
+    streams calls this after dropping one. stream: a torch.cuda.Stream, or its cuda_stream
+    handle as an int. device=None: the current device."""
+    handle = getattr(stream, "cuda_stream", stream)
+    if isinstance(handle, bool) or not isinstance(handle, int):
+        raise TypeError(f"release_stream: expected a torch.cuda.Stream or an int handle, got {stream!r}")
+    _library().release_stream(_device(device), handle)
 
 
 def record_memory_history(enabled=True, max_entries=100_000, stacks=0):

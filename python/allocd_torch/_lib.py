@@ -68,6 +68,7 @@ _PROTOTYPES = {
     "allocd_torch_record_stream": (None, [ctypes.c_void_p, ctypes.c_void_p]),
     "allocd_torch_empty_cache": (None, []),
     "allocd_torch_set_memory_fraction": (None, [ctypes.c_double, ctypes.c_int]),
+    "allocd_release_stream": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
     "allocd_memory_stats_json": (_c_size, [ctypes.c_int, ctypes.c_char_p, _c_size]),
     "allocd_memory_summary": (_c_size, [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, _c_size]),
     "allocd_memory_allocated": (_c_ll, [ctypes.c_int]),
@@ -182,6 +183,11 @@ class Library:
 
     def set_memory_fraction(self, fraction, device):
         self._fn("allocd_torch_set_memory_fraction")(float(fraction), device)
+
+    def release_stream(self, device, stream):
+        """allocd_release_stream: stream (a cudaStream_t as an int) of device is destroyed;
+        its cached segments go back to the device."""
+        self._check(self._fn("allocd_release_stream")(device, stream), f"allocd_release_stream({device}, {stream!r})")
 
     # --- queries ------------------------------------------------------------------------
 

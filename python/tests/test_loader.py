@@ -264,6 +264,19 @@ class SimLibraryTest(unittest.TestCase):
         if self.lib.memory_allocated(0) == 0:
             self.assertEqual(self.lib.memory_reserved(0), 0)
 
+    def test_release_stream(self):
+        stream = 3  # a simulated device's stream
+        p = self.lib.malloc(1 << 20, 0, stream)
+        self.assertNotEqual(p, 0, self.lib.last_error())
+        self.lib.free(p, 1 << 20, 0, stream)
+        before = self.lib.memory_reserved(0)
+        self.lib.release_stream(0, stream)
+        self.assertEqual(before - self.lib.memory_reserved(0), 2 << 20, "the stream's cached 2 MiB segment")
+        self.lib.release_stream(5, stream)  # a device not created: nothing to release
+        with self.assertRaises(_lib.LibraryError) as cm:
+            self.lib.release_stream(-1, stream)
+        self.assertIn("no such device", str(cm.exception))
+
     def test_summary(self):
         text = self.lib.memory_summary(0, False)
         self.assertIn("Allocated memory", text)

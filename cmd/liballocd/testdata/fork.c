@@ -19,6 +19,7 @@ enum { CHILDREN = 20, HAMMERS = 4 };
 
 static int (*init_)(const char *, const char *, const char *);
 static void (*set_fraction)(double, int);
+static int (*release_stream)(int, stream_t);
 static size_t (*summary)(int, int, char *, size_t);
 static int (*reset_peak)(int);
 static int (*record_history)(int, long long, int);
@@ -75,6 +76,7 @@ static void child(void) {
 	CCHECK(summary(0, 0, buf, sizeof buf) == 0, "summary: %s", buf);
 	CCHECK(allocated(0) == 0 && reserved(0) == 0 && max_allocated(0) == 0 && max_reserved(0) == 0, "counters");
 	CCHECK(reset_peak(0) == -1, "reset_peak_stats succeeded");
+	CCHECK(release_stream(0, (stream_t)1) == -1, "release_stream succeeded");
 	CCHECK(record_history(1, 0, 0) == -1, "record_history succeeded");
 	CCHECK(dump_snapshot("/nonexistent/snap.pickle") == -1, "dump_snapshot succeeded");
 	CCHECK(init_(NULL, NULL, NULL) == -1, "init succeeded");
@@ -94,6 +96,7 @@ int main(int argc, char **argv) {
 	*(void **)&record_stream = sym("allocd_torch_record_stream");
 	*(void **)&empty_cache = sym("allocd_torch_empty_cache");
 	*(void **)&set_fraction = sym("allocd_torch_set_memory_fraction");
+	*(void **)&release_stream = sym("allocd_release_stream");
 	*(void **)&stats_json = sym("allocd_memory_stats_json");
 	*(void **)&summary = sym("allocd_memory_summary");
 	*(void **)&allocated = sym("allocd_memory_allocated");
