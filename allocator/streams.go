@@ -404,7 +404,7 @@ func (a *Allocator) checkStreams() []error {
 			events[sh] += b.EventCount
 		}
 	}
-	for _, e := range a.dir.Load().entries {
+	for e := range a.dir.Load().all() {
 		if e.sh.released {
 			errs = append(errs, fmt.Errorf("directory entry %#x leads to the released shard of stream %#x", e.start, uint64(e.sh.stream)))
 		}
