@@ -28,8 +28,9 @@ import (
 
 // dirChunkMax and dirChunkMin bound a chunk's entries. A change copies a
 // chunk of up to dirChunkMax entries (32 bytes each, with its end) and the
-// top level (16 bytes a chunk); 128 balances the two at about 16,000
-// segments and keeps a chunk's ends (the search's) in 1 KiB.
+// top level (16 bytes a chunk, of some 100 entries on average); 128
+// balances the two at some 25,000 segments and keeps a chunk's ends (the
+// search's) in 1 KiB.
 const (
 	dirChunkMax = 128
 	dirChunkMin = dirChunkMax / 4

@@ -295,3 +295,67 @@ func TestDirCheck(t *testing.T) {
 		}
 	}
 }
+
+// TestCheckCatchesDirectoryFaults: Check finds a segment missing from the
+// directory, one there twice, one under the wrong shard and a chunk whose
+// top is wrong, in a directory of several chunks.
+func TestCheckCatchesDirectoryFaults(t *testing.T) {
+	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 8 * giB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sim.Close()
+	a, err := New(sim, DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	s, _ := sim.StreamCreate()
+	for i := range 3 * dirChunkMax {
+		mustMalloc(t, a, 12*miB, cudart.Stream(i%2)*s) // a 12 MiB segment each, on two streams
+	}
+	mustCheck(t, a)
+	orig := a.dir.Load()
+	if len(orig.chunks) < 3 {
+		t.Fatalf("%d chunks for %d segments", len(orig.chunks), orig.n)
+	}
+	var entries []dirEntry
+	for e := range orig.all() {
+		entries = append(entries, e)
+	}
+	e := entries[dirChunkMax+5]
+	other := entries[dirChunkMax+6].sh
+	if other == e.sh {
+		t.Fatal("neighbouring segments of one stream")
+	}
+	for _, tc := range []struct {
+		name string
+		dir  func() *directory
+		want string
+	}{
+		{"missing", func() *directory { d, _, _ := orig.remove(e.start); return d }, "not in the directory"},
+		{"twice", func() *directory { return orig.add(e) }, "two entries"},
+		{"wrong shard", func() *directory {
+			d := slices.Clone(entries)
+			d[dirChunkMax+5].sh = other
+			return newDirectory(d)
+		}, "not in the directory under its shard"},
+		{"wrong top", func() *directory {
+			d := *orig
+			d.tops = slices.Clone(d.tops)
+			d.tops[1] += miB
+			return &d
+		}, "its top says"},
+	} {
+		a.lockWorld()
+		a.dir.Store(tc.dir())
+		a.unlockWorld()
+		if err := a.Check(); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: Check = %v, want an error with %q", tc.name, err, tc.want)
+		}
+		a.lockWorld()
+		a.dir.Store(orig)
+		a.unlockWorld()
+	}
+	mustCheck(t, a)
+}
