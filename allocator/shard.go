@@ -7,8 +7,8 @@ package allocator
 // recyclers), its allocated blocks by address, and its share of the
 // statistics that a cached Malloc or Free changes ("hot" statistics).
 // A cached Malloc on stream s locks only s's shard; a Free finds the
-// shard through the segment directory (an immutable, address-sorted copy
-// of the segment list, swapped atomically when a segment comes or goes)
+// shard through the segment directory (an immutable, address-sorted index
+// of the segments, republished when one comes or goes; directory.go)
 // and locks only that shard. Goroutines on different streams therefore
 // share no lock and write no common cache line on the hot path.
 //
