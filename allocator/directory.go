@@ -12,11 +12,13 @@ package allocator
 // chunk but the one or two a change rewrites, and copies the top level:
 // O(dirChunkMax + n/dirChunkMin) per change instead of O(n), so a trace
 // that grows to 40,000 segments no longer copies 40,000²/2 entries. A
-// lookup searches the top level, then one chunk; a directory of up to
-// dirChunkMax segments is one chunk, and a top level of one end costs the
-// search a comparison.
+// lookup searches the top level, then one chunk. A directory of up to
+// dirChunkMax segments is one chunk, which it also holds where the
+// directory's search reads it: a lookup there reads what it read when the
+// directory was one sorted array, and tests one more pointer.
 
 import (
+	"errors"
 	"fmt"
 	"iter"
 	"math/bits"
@@ -53,13 +55,16 @@ type dirChunk struct {
 // directory is the segments by address, in chunks; tops[k] is the last
 // end of chunks[k]. one is the shard that owns every segment when a
 // single one does (a program on one stream): Free then skips the search,
-// and the shard's active map tells a foreign address apart. The zero
-// directory is the empty one.
+// and the shard's active map tells a foreign address apart. ends and
+// entries are the chunk's when there is one chunk, nil otherwise. The
+// zero directory is the empty one.
 type directory struct {
-	one    *shard
-	tops   []uint64
-	chunks []*dirChunk
-	n      int // entries in all
+	one     *shard
+	ends    []uint64
+	entries []dirEntry
+	tops    []uint64
+	chunks  []*dirChunk
+	n       int // entries in all
 }
 
 // newChunk returns the chunk of entries d (not empty; it keeps d).
@@ -103,6 +108,9 @@ func (dir *directory) splice(i, j, n int, cs ...*dirChunk) *directory {
 	nd := &directory{tops: make([]uint64, len(chunks)), chunks: chunks, n: n}
 	if len(chunks) > 0 {
 		nd.one = chunks[0].sh
+	}
+	if len(chunks) == 1 {
+		nd.ends, nd.entries = chunks[0].ends, chunks[0].entries
 	}
 	for k, c := range chunks {
 		nd.tops[k] = c.ends[len(c.ends)-1]
@@ -218,13 +226,17 @@ func (a *Allocator) dirLookup(p uint64) *shard {
 	if dir.one != nil {
 		return dir.one
 	}
-	k := firstAbove(dir.tops, p)
-	if k >= len(dir.chunks) {
-		return nil
+	ends, entries := dir.ends, dir.entries
+	if ends == nil { // not one chunk: find p's
+		k := firstAbove(dir.tops, p)
+		if k >= len(dir.chunks) {
+			return nil
+		}
+		c := dir.chunks[k]
+		ends, entries = c.ends, c.entries
 	}
-	c := dir.chunks[k]
-	if i := firstAbove(c.ends, p); i < len(c.entries) && c.entries[i].start <= p {
-		return c.entries[i].sh
+	if i := firstAbove(ends, p); i < len(entries) && entries[i].start <= p {
+		return entries[i].sh
 	}
 	return nil
 }
@@ -252,6 +264,14 @@ func (dir *directory) check() []error {
 	var errs []error
 	if len(dir.tops) != len(dir.chunks) {
 		errs = append(errs, fmt.Errorf("directory: %d chunks, %d tops", len(dir.chunks), len(dir.tops)))
+	}
+	if len(dir.chunks) == 1 {
+		if c := dir.chunks[0]; len(dir.ends) != len(c.ends) || len(dir.entries) != len(c.entries) ||
+			len(c.ends) > 0 && &dir.ends[0] != &c.ends[0] || len(c.entries) > 0 && &dir.entries[0] != &c.entries[0] {
+			errs = append(errs, errors.New("directory: its one chunk is not the one its search reads"))
+		}
+	} else if dir.ends != nil || dir.entries != nil {
+		errs = append(errs, fmt.Errorf("directory: %d chunks, and one for its search", len(dir.chunks)))
 	}
 	var n int
 	var prev *dirEntry

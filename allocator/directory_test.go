@@ -275,6 +275,16 @@ func TestDirCheck(t *testing.T) {
 			dir.one = nil
 			return dir
 		}, "owns every segment"},
+		{"search's chunk", func() *directory {
+			dir := newDirectory(entries(3, sh1))
+			dir.ends = slices.Clone(dir.ends)
+			return dir
+		}, "not the one its search reads"},
+		{"search's chunk among several", func() *directory {
+			dir := newDirectory(entries(300, sh1))
+			dir.entries = dir.chunks[0].entries
+			return dir
+		}, "one for its search"},
 		{"chunk shard", func() *directory {
 			d := entries(300, sh1)
 			d[200].sh = sh2
