@@ -74,8 +74,8 @@ type Config struct {
 	// WithPyTorchExpandable uses PyTorch's 20 MiB.
 	ExpandablePageSize uint64
 	// MaxStreams caps the streams, the default stream included, that have
-	// live state in the allocator at once (max_streams, allocd
-	// only): a new stream beyond it gets an error wrapping
+	// live state in the allocator at once (max_streams, allocd only): a
+	// new stream beyond it gets an error wrapping
 	// ErrTooManyStreams (with backend:cudaMallocAsync the device's pool
 	// holds the blocks and no stream is refused). 0 means WithMaxStreams'
 	// value (DefaultMaxStreams unless given); a value from 1 to

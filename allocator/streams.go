@@ -38,8 +38,9 @@ package allocator
 // the call in world mode, which finds the stream's current shard.
 //
 // At most streamLimit() shards (max_streams, WithMaxStreams,
-// DefaultMaxStreams) are live at once: a new stream beyond it first sweeps every idle stream, and when
-// none is idle it fails with an error wrapping ErrTooManyStreams.
+// DefaultMaxStreams) are live at once: a new stream beyond it first
+// sweeps every idle stream, and when none is idle it fails with an error
+// wrapping ErrTooManyStreams.
 
 import (
 	"errors"
@@ -53,8 +54,8 @@ import (
 )
 
 // ErrTooManyStreams: a Malloc or RecordStream on a new stream while
-// max_streams (or WithMaxStreams) streams hold live blocks, pending events or a call in
-// progress. Freeing a stream's blocks, or ReleaseStream, makes room.
+// max_streams (or WithMaxStreams) streams hold live blocks, pending
+// events or a call in progress. Freeing a stream's blocks, or ReleaseStream, makes room.
 var ErrTooManyStreams = errors.New("too many streams")
 
 // DefaultMaxStreams is the number of streams an allocator serves at once
