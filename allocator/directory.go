@@ -5,17 +5,21 @@ package allocator
 //
 // A published directory never changes: dirAdd and dirRemove (world mode)
 // build a new one and swap the pointer, and a Free searches whichever one
-// it loaded. So that a change copies far less than the whole directory,
-// it has two levels: the entries, sorted by address, in chunks of at most
-// dirChunkMax entries (at least dirChunkMin when there are several), and
-// a top level holding each chunk's last end. A new directory shares every
-// chunk but the one or two a change rewrites, and copies the top level:
-// O(dirChunkMax + n/dirChunkMin) per change instead of O(n), so a trace
-// that grows to 40,000 segments no longer copies 40,000²/2 entries. A
-// lookup searches the top level, then one chunk. A directory of up to
-// dirChunkMax segments is one chunk, which it also holds where the
-// directory's search reads it: a lookup there reads what it read when the
-// directory was one sorted array, and tests one more pointer.
+// it loaded. Up to dirFlatMax segments the directory is one sorted array
+// (one chunk), copied whole on a change, as cheap as a device malloc's
+// other work at that size. Beyond, so that a change copies far less than
+// the whole directory, it has two levels: the entries, sorted by address,
+// in chunks of dirChunkMin to dirChunkMax entries, and a top level holding
+// each chunk's last end. A new directory shares every chunk but the one or
+// two a change rewrites, and copies the top level: O(dirChunkMax +
+// n/dirChunkMin) per change instead of O(n), so a trace that grows to
+// 40,000 segments no longer copies 40,000²/2 entries. It becomes one array
+// again when it shrinks to dirFlatMax/2 entries.
+//
+// A lookup in a directory of one chunk reads what it read when the
+// directory was always one array (the directory holds that chunk where its
+// search reads it) and tests one more pointer; in a larger one it searches
+// the top level, then one chunk.
 
 import (
 	"errors"
@@ -33,9 +37,12 @@ import (
 // top level (16 bytes a chunk, of some 100 entries on average); 128
 // balances the two at some 25,000 segments and keeps a chunk's ends (the
 // search's) in 1 KiB.
+// dirFlatMax is the most entries of a directory of one chunk: up to
+// there a lookup costs what it did in one array.
 const (
 	dirChunkMax = 128
 	dirChunkMin = dirChunkMax / 4
+	dirFlatMax  = 1024
 )
 
 // dirEntry is one segment of the directory.
@@ -92,10 +99,22 @@ func chunked(d []dirEntry) []*dirChunk {
 	return cs
 }
 
+// chunksOf returns the chunks of a directory of entries d (in address
+// order; it keeps d): one chunk up to dirFlatMax entries, chunked beyond.
+func chunksOf(d []dirEntry) []*dirChunk {
+	switch {
+	case len(d) == 0:
+		return nil
+	case len(d) <= dirFlatMax:
+		return []*dirChunk{newChunk(d)}
+	}
+	return chunked(d)
+}
+
 // newDirectory returns the directory of entries d, which are in address
 // order; it keeps d.
 func newDirectory(d []dirEntry) *directory {
-	return (&directory{}).splice(0, 0, len(d), chunked(d)...)
+	return (&directory{}).splice(0, 0, len(d), chunksOf(d)...)
 }
 
 // splice returns a directory with dir's chunks but chunks[i:j] replaced by
@@ -132,7 +151,9 @@ func (dir *directory) chunkOf(start uint64) int {
 }
 
 // add returns dir with e added, before any entry that starts at or above
-// e.start. A chunk that grows past dirChunkMax is split in two halves.
+// e.start. A directory of one chunk that grows past dirFlatMax is
+// chunked; one chunk of several that grows past dirChunkMax is split in
+// two halves.
 func (dir *directory) add(e dirEntry) *directory {
 	if len(dir.chunks) == 0 {
 		return dir.splice(0, 0, 1, newChunk([]dirEntry{e}))
@@ -144,13 +165,18 @@ func (dir *directory) add(e dirEntry) *directory {
 	d = append(d, old[:i]...)
 	d = append(d, e)
 	d = append(d, old[i:]...)
+	if len(dir.chunks) == 1 {
+		return dir.splice(0, 1, dir.n+1, chunksOf(d)...)
+	}
 	return dir.splice(k, k+1, dir.n+1, chunked(d)...)
 }
 
 // remove returns dir without its first entry that starts at start, and
-// that entry; dir itself and false when there is none. A chunk left with
-// fewer than dirChunkMin entries is merged with a neighbour (and the two
-// split again in halves when they hold more than dirChunkMax).
+// that entry; dir itself and false when there is none. A directory of
+// several chunks left with dirFlatMax/2 entries becomes one chunk; else a
+// chunk left with fewer than dirChunkMin entries is merged with a
+// neighbour (and the two split again in halves when they hold more than
+// dirChunkMax).
 func (dir *directory) remove(start uint64) (*directory, dirEntry, bool) {
 	if len(dir.chunks) == 0 {
 		return dir, dirEntry{}, false
@@ -162,6 +188,18 @@ func (dir *directory) remove(start uint64) (*directory, dirEntry, bool) {
 		return dir, dirEntry{}, false
 	}
 	e := old[i]
+	if len(dir.chunks) > 1 && dir.n-1 <= dirFlatMax/2 {
+		d := make([]dirEntry, 0, dir.n-1)
+		for j, c := range dir.chunks {
+			if j == k {
+				d = append(d, old[:i]...)
+				d = append(d, old[i+1:]...)
+			} else {
+				d = append(d, c.entries...)
+			}
+		}
+		return dir.splice(0, len(dir.chunks), dir.n-1, newChunk(d)), e, true
+	}
 	switch {
 	case len(old) == 1:
 		return dir.splice(k, k+1, dir.n-1), e, true
@@ -282,7 +320,9 @@ func (dir *directory) check() []error {
 		case len(d) == 0:
 			errs = append(errs, fmt.Errorf("directory: chunk %d is empty", k))
 			continue
-		case len(d) > dirChunkMax:
+		case len(dir.chunks) == 1 && len(d) > dirFlatMax:
+			errs = append(errs, fmt.Errorf("directory: its one chunk holds %d entries, above %d", len(d), dirFlatMax))
+		case len(dir.chunks) > 1 && len(d) > dirChunkMax:
 			errs = append(errs, fmt.Errorf("directory: chunk %d holds %d entries, above %d", k, len(d), dirChunkMax))
 		case len(d) < dirChunkMin && len(dir.chunks) > 1:
 			errs = append(errs, fmt.Errorf("directory: chunk %d holds %d entries, below %d", k, len(d), dirChunkMin))
@@ -323,6 +363,9 @@ func (dir *directory) check() []error {
 	}
 	if n != dir.n {
 		errs = append(errs, fmt.Errorf("directory: counts %d entries, holds %d", dir.n, n))
+	}
+	if len(dir.chunks) > 1 && n <= dirFlatMax/2 {
+		errs = append(errs, fmt.Errorf("directory: %d chunks for %d entries, at most %d, which one chunk holds", len(dir.chunks), n, dirFlatMax/2))
 	}
 	if dir.one != one {
 		errs = append(errs, fmt.Errorf("directory: says %p owns every segment, the entries say %p", dir.one, one))

@@ -71,10 +71,11 @@ func lookupScan(d []dirEntry, p uint64) *shard {
 }
 
 // checkDirectory checks a's directory's structure and that it holds
-// exactly d (in address order), and, with lookups, compares dirLookup
-// with lookupScan at, around and between every segment's bounds and
-// outside them all.
-func checkDirectory(t *testing.T, a *Allocator, d []dirEntry, lookups bool, what string) {
+// exactly d (in address order), and, unless every is 0, compares
+// dirLookup with lookupScan outside every segment and at, around and
+// between the bounds of every every-th segment and of the first and last
+// of each chunk.
+func checkDirectory(t *testing.T, a *Allocator, d []dirEntry, every int, what string) {
 	t.Helper()
 	dir := a.dir.Load()
 	for _, err := range dir.check() {
@@ -87,12 +88,18 @@ func checkDirectory(t *testing.T, a *Allocator, d []dirEntry, lookups bool, what
 	if !slices.Equal(got, d) {
 		t.Fatalf("%s: directory holds %d entries, want %d (or they differ)", what, len(got), len(d))
 	}
-	if !lookups {
+	if every == 0 {
 		return
 	}
 	probes := []uint64{0, 1, 1<<21 - 1, 1 << 62, ^uint64(0)}
-	for _, e := range d {
-		probes = append(probes, e.start-1, e.start, e.start+1, (e.start+e.end)/2, e.end-1, e.end, e.end+1)
+	i := 0
+	for _, c := range dir.chunks {
+		for j, e := range c.entries {
+			if i%every == 0 || j == 0 || j == len(c.entries)-1 {
+				probes = append(probes, e.start-1, e.start, e.start+1, (e.start+e.end)/2, e.end-1, e.end, e.end+1)
+			}
+			i++
+		}
 	}
 	for _, p := range probes {
 		if got, want := a.dirLookup(p), lookupScan(d, p); got != want {
@@ -108,7 +115,7 @@ func checkDirectory(t *testing.T, a *Allocator, d []dirEntry, lookups bool, what
 // segments answers that stream for every address.)
 func TestDirLookup(t *testing.T) {
 	shards := []*shard{newShard(1), newShard(2)}
-	lengths := []int{dirChunkMax - 1, dirChunkMax, dirChunkMax + 1, 2 * dirChunkMax, 2*dirChunkMax + 1, 1000, 5000}
+	lengths := []int{dirChunkMax - 1, dirChunkMax, dirChunkMax + 1, 1000, dirFlatMax, dirFlatMax + 1, 5000}
 	for n := 0; n <= 33; n++ {
 		lengths = append(lengths, n)
 	}
@@ -127,20 +134,21 @@ func TestDirLookup(t *testing.T) {
 			}
 			a := &Allocator{}
 			a.dir.Store(newDirectory(slices.Clone(d)))
-			checkDirectory(t, a, d, true, fmt.Sprintf("%d segments (mixed %v)", n, mixed))
+			checkDirectory(t, a, d, 1, fmt.Sprintf("%d segments (mixed %v)", n, mixed))
 		}
 	}
 }
 
 // TestDirAddRemove runs random sequences of dirAdd and dirRemove, growing
 // the directory past several chunks and shrinking it to nothing, on one
-// stream and on several, and after each change checks its structure, its
-// contents and every shard's segment count, and lookups against a scan
-// (after every 20th change, and every change while it is small).
+// stream and on several, and checks its structure, its contents and every
+// shard's segment count (after every change while it is small, every 5th
+// beyond), and lookups against a scan (after every 50th change, and every
+// change while it is smaller).
 func TestDirAddRemove(t *testing.T) {
-	const slots = 1200 // segment i lies in [slot i, slot i+1), with room around it
+	const slots = 4 * dirFlatMax // segment i lies in [slot i, slot i+1), with room around it
 	const slot = 8 << 20
-	for seed := range uint64(6) {
+	for seed := range uint64(4) {
 		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(seed, 25))
 			a := &Allocator{byStream: map[cudart.Stream]*shard{}}
@@ -151,10 +159,11 @@ func TestDirAddRemove(t *testing.T) {
 			streams := 1 + int(seed%3)        // 1, 2 or 3 streams
 			var bySlot [slots]*blocks.Segment // the live segments, in address order
 			var live []int                    // their slots
-			steps := 2500
+			steps := 7 * dirFlatMax           // to about 1.7 × dirFlatMax segments and back
 			if testing.Short() {
-				steps = 800
+				steps = dirFlatMax
 			}
+			maxChunks, flattened := 0, false
 			for step := range steps {
 				// Grow for the first 40%, then shrink, with churn both ways.
 				grow := step < steps*2/5
@@ -176,6 +185,9 @@ func TestDirAddRemove(t *testing.T) {
 					a.dirRemove(bySlot[i])
 					bySlot[i] = nil
 				}
+				if len(live) > 2*dirChunkMax && step%5 != 0 {
+					continue
+				}
 				var d []dirEntry
 				counts := map[*shard]int{}
 				for _, s := range bySlot {
@@ -185,18 +197,27 @@ func TestDirAddRemove(t *testing.T) {
 						counts[sh]++
 					}
 				}
-				lookups := len(live) <= dirChunkMin || step%20 == 0
-				checkDirectory(t, a, d, lookups, fmt.Sprintf("step %d, %d segments", step, len(live)))
+				every := 0
+				if len(live) <= dirChunkMin || step%50 == 0 {
+					every = 1 + len(live)/64
+				}
+				checkDirectory(t, a, d, every, fmt.Sprintf("step %d, %d segments", step, len(live)))
+				chunks := len(a.dir.Load().chunks)
+				flattened = flattened || maxChunks > 1 && chunks == 1
+				maxChunks = max(maxChunks, chunks)
 				for _, sh := range a.byStream {
 					if sh.segments != counts[sh] {
 						t.Fatalf("step %d: stream %d counts %d segments, holds %d", step, sh.stream, sh.segments, counts[sh])
 					}
 				}
 			}
+			if !testing.Short() && (maxChunks < 8 || !flattened) {
+				t.Errorf("the directory grew to %d chunks and became one again: %v; want 8 or more, and true", maxChunks, flattened)
+			}
 			for _, i := range live {
 				a.dirRemove(bySlot[i])
 			}
-			checkDirectory(t, a, nil, true, "emptied")
+			checkDirectory(t, a, nil, 1, "emptied")
 			if len(a.dir.Load().chunks) != 0 {
 				t.Errorf("%d chunks left in an empty directory", len(a.dir.Load().chunks))
 			}
@@ -235,23 +256,31 @@ func TestDirCheck(t *testing.T) {
 			return newDirectory(d)
 		}, "ends at"},
 		{"wrong top", func() *directory {
-			dir := newDirectory(entries(300, sh1))
+			dir := newDirectory(entries(2000, sh1))
 			dir.tops[1]++
 			return dir
 		}, "its top says"},
 		{"wrong end", func() *directory {
-			dir := newDirectory(entries(300, sh1))
+			dir := newDirectory(entries(2000, sh1))
 			dir.chunks[2].ends[5]++
 			return dir
 		}, "its chunk says"},
-		{"chunk too large", func() *directory {
-			d := entries(dirChunkMax+1, sh1)
+		{"one chunk too large", func() *directory {
+			d := entries(dirFlatMax+1, sh1)
 			return (&directory{}).splice(0, 0, len(d), newChunk(d))
 		}, "above"},
+		{"chunk too large", func() *directory {
+			d := entries(dirFlatMax, sh1)
+			return (&directory{}).splice(0, 0, len(d), append([]*dirChunk{newChunk(d[:dirChunkMax+1])}, chunked(d[dirChunkMax+1:])...)...)
+		}, "above"},
 		{"chunk too small", func() *directory {
-			d := entries(dirChunkMax+1, sh1)
-			return (&directory{}).splice(0, 0, len(d), newChunk(d[:1]), newChunk(d[1:dirChunkMax]), newChunk(d[dirChunkMax:]))
+			d := entries(dirFlatMax, sh1)
+			return (&directory{}).splice(0, 0, len(d), append([]*dirChunk{newChunk(d[:1])}, chunked(d[1:])...)...)
 		}, "below"},
+		{"chunks for few entries", func() *directory {
+			d := entries(100, sh1)
+			return (&directory{}).splice(0, 0, len(d), newChunk(d[:50]), newChunk(d[50:]))
+		}, "which one chunk holds"},
 		{"empty chunk", func() *directory {
 			dir := newDirectory(entries(3, sh1))
 			dir.chunks = append(dir.chunks, &dirChunk{})
@@ -264,14 +293,14 @@ func TestDirCheck(t *testing.T) {
 			return dir
 		}, "counts 4 entries"},
 		{"one shard claimed", func() *directory {
-			d := entries(300, sh1)
+			d := entries(2000, sh1)
 			d[200].sh = sh2
 			dir := newDirectory(d)
 			dir.one = sh1
 			return dir
 		}, "owns every segment"},
 		{"one shard missed", func() *directory {
-			dir := newDirectory(entries(300, sh1))
+			dir := newDirectory(entries(2000, sh1))
 			dir.one = nil
 			return dir
 		}, "owns every segment"},
@@ -281,12 +310,12 @@ func TestDirCheck(t *testing.T) {
 			return dir
 		}, "not the one its search reads"},
 		{"search's chunk among several", func() *directory {
-			dir := newDirectory(entries(300, sh1))
+			dir := newDirectory(entries(2000, sh1))
 			dir.entries = dir.chunks[0].entries
 			return dir
 		}, "one for its search"},
 		{"chunk shard", func() *directory {
-			d := entries(300, sh1)
+			d := entries(2000, sh1)
 			d[200].sh = sh2
 			dir := newDirectory(d)
 			dir.chunks[0].sh = nil
@@ -299,7 +328,7 @@ func TestDirCheck(t *testing.T) {
 			t.Errorf("%s: check says %v, want an error with %q", tc.name, errs, tc.wants)
 		}
 	}
-	for _, n := range []int{0, 1, dirChunkMax, 5000} {
+	for _, n := range []int{0, 1, dirChunkMax, dirFlatMax, dirFlatMax + 1, 5000} {
 		if errs := newDirectory(entries(n, sh1)).check(); len(errs) != 0 {
 			t.Errorf("directory of %d entries: %v", n, errs)
 		}
@@ -310,7 +339,7 @@ func TestDirCheck(t *testing.T) {
 // directory, one there twice, one under the wrong shard and a chunk whose
 // top is wrong, in a directory of several chunks.
 func TestCheckCatchesDirectoryFaults(t *testing.T) {
-	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 8 * giB})
+	sim, err := cudart.NewSim(cudart.SimConfig{Capacity: 32 * giB})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -321,7 +350,7 @@ func TestCheckCatchesDirectoryFaults(t *testing.T) {
 	}
 	defer a.Close()
 	s, _ := sim.StreamCreate()
-	for i := range 3 * dirChunkMax {
+	for i := range dirFlatMax + 3*dirChunkMax {
 		mustMalloc(t, a, 12*miB, cudart.Stream(i%2)*s) // a 12 MiB segment each, on two streams
 	}
 	mustCheck(t, a)
