@@ -73,7 +73,21 @@ type Config struct {
 	// grows. The small pool's page is always 2 MiB, and
 	// WithPyTorchExpandable uses PyTorch's 20 MiB.
 	ExpandablePageSize uint64
+	// MaxStreams caps the streams, the default stream included, that have
+	// live state in the allocator at once (max_streams, allocd only): a
+	// new stream beyond it gets an error wrapping
+	// ErrTooManyStreams (with backend:cudaMallocAsync the device's pool
+	// holds the blocks and no stream is refused). 0 means WithMaxStreams'
+	// value (DefaultMaxStreams unless given); a value from 1 to
+	// MaxStreamsLimit takes precedence over WithMaxStreams.
+	MaxStreams int
 }
+
+// MaxStreamsLimit is the largest value of max_streams.
+const MaxStreamsLimit = math.MaxInt32
+
+// acceptedStreams says what max_streams takes.
+var acceptedStreams = fmt.Sprintf("expected a whole number of streams from 1 to %d", MaxStreamsLimit)
 
 // DefaultExpandablePage is the large pool's expandable page when
 // ExpandablePageSize is 0.
@@ -125,7 +139,7 @@ var ConfigKeys = []string{
 	"backend", "max_split_size_mb", "max_non_split_rounding_mb",
 	"garbage_collection_threshold", "roundup_power2_divisions",
 	"expandable_segments", "per_process_memory_fraction",
-	"release_lock_on_cudamalloc", "expandable_page_mb",
+	"release_lock_on_cudamalloc", "expandable_page_mb", "max_streams",
 }
 
 // ParseConfig parses a configuration string in PYTORCH_CUDA_ALLOC_CONF's
@@ -344,6 +358,16 @@ func (c *Config) set(key string, val []string) error {
 			return &ConfigError{Key: key, Value: v, Accepted: acceptedPage}
 		}
 		c.ExpandablePageSize = n << 20
+	case "max_streams":
+		v, err := single()
+		if err != nil {
+			return err
+		}
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil || n < 1 || n > MaxStreamsLimit {
+			return &ConfigError{Key: key, Value: v, Accepted: acceptedStreams}
+		}
+		c.MaxStreams = int(n)
 	case "roundup_power2_divisions":
 		return c.setRoundup(key, val)
 	default:
@@ -489,6 +513,9 @@ func (c Config) Validate() error {
 	if p := c.ExpandablePageSize; p != 0 && (p%(1<<20) != 0 || !slices.Contains(expandablePages, p>>20)) {
 		return &ConfigError{Key: "expandable_page_mb", Value: strconv.FormatUint(p, 10) + " bytes", Accepted: acceptedPage}
 	}
+	if c.MaxStreams < 0 || c.MaxStreams > MaxStreamsLimit {
+		return &ConfigError{Key: "max_streams", Value: strconv.Itoa(c.MaxStreams), Accepted: acceptedStreams + ", or 0 in a Config for WithMaxStreams' value"}
+	}
 	for _, d := range c.RoundupPower2Divisions {
 		if d != 0 && (!isPow2(d) || d > maxRoundupDivisions) {
 			return &ConfigError{Key: "roundup_power2_divisions", Value: fmt.Sprint(d), Accepted: fmt.Sprintf("divisions must be powers of two from 1 to %d, or 0", maxRoundupDivisions)}
@@ -532,6 +559,9 @@ func (c Config) String() string {
 	}
 	if c.ExpandablePageSize != 0 {
 		parts = append(parts, fmt.Sprintf("expandable_page_mb:%d", c.ExpandablePageSize>>20))
+	}
+	if c.MaxStreams != 0 {
+		parts = append(parts, fmt.Sprintf("max_streams:%d", c.MaxStreams))
 	}
 	return strings.Join(parts, ",")
 }

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/pinned"
 	"github.com/allocd/allocd/simdev"
 )
@@ -292,7 +293,7 @@ func FuzzParseConfig(f *testing.F) {
 		"per_process_memory_fraction:0.5,release_lock_on_cudamalloc:True",
 		"expandable_segments:True,expandable_page_mb:20", "backend:cudaMallocAsync",
 		"pinned_roundup_power2_divisions:4,max_non_split_rounding_mb:64",
-		"max_split_size_mb:", "roundup_power2_divisions:[", ",,", "a:b:c", "max_split_size_mb:1e400",
+		"max_streams:4", "max_streams:0", "max_split_size_mb:", "roundup_power2_divisions:[", ",,", "a:b:c", "max_split_size_mb:1e400",
 	} {
 		f.Add(s)
 	}
@@ -333,4 +334,131 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("config %q: %v", s, err)
 		}
 	})
+}
+
+// TestMaxStreamsKey: max_streams takes a whole number from 1 to
+// MaxStreamsLimit, round trips through String, and refuses anything else
+// naming the key; Validate refuses a negative Config.MaxStreams.
+func TestMaxStreamsKey(t *testing.T) {
+	for _, tc := range []struct {
+		conf string
+		want int
+	}{
+		{"max_streams:1", 1},
+		{"max_streams:3", 3},
+		{"max_streams:65536", 65536},
+		{"expandable_segments:True,max_streams:100000", 100000},
+		{"max_streams:2147483647", MaxStreamsLimit},
+		{"max_streams:007", 7},
+	} {
+		c, err := ParseConfig(tc.conf)
+		if err != nil {
+			t.Errorf("ParseConfig(%q): %v", tc.conf, err)
+			continue
+		}
+		if c.MaxStreams != tc.want {
+			t.Errorf("ParseConfig(%q): MaxStreams %d, want %d", tc.conf, c.MaxStreams, tc.want)
+		}
+		if back, err := ParseConfig(c.String()); err != nil || back != c {
+			t.Errorf("ParseConfig(%q) renders as %q, which parses to %+v, %v", tc.conf, c.String(), back, err)
+		}
+	}
+	if c, _ := ParseConfig(""); c.MaxStreams != 0 || strings.Contains(c.String(), "max_streams") {
+		t.Errorf("the default configuration has MaxStreams %d and renders as %q", c.MaxStreams, c.String())
+	}
+	for _, bad := range []string{
+		"max_streams:0", "max_streams:-1", "max_streams:+5", "max_streams:2147483648",
+		"max_streams:18446744073709551616", "max_streams:1.5", "max_streams:1e3", "max_streams:0x10",
+		"max_streams:many", "max_streams:[4]", "max_streams:", "max_streams:4,max_streams:4",
+	} {
+		c, err := ParseConfig(bad)
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), `"max_streams"`) {
+			t.Errorf("ParseConfig(%q) = %v, want an ErrConfig naming max_streams", bad, err)
+		}
+		if c != DefaultConfig() {
+			t.Errorf("ParseConfig(%q) refused but returned %+v", bad, c)
+		}
+	}
+	for _, n := range []int{-1, MaxStreamsLimit + 1} {
+		c := DefaultConfig()
+		c.MaxStreams = n
+		if err := c.Validate(); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "max_streams") {
+			t.Errorf("Validate of MaxStreams %d: %v, want an ErrConfig naming max_streams", n, err)
+		}
+	}
+}
+
+// TestMaxStreamsKeyLimits: max_streams caps the live streams as
+// WithMaxStreams does, and takes precedence over it; without the key
+// WithMaxStreams applies. With backend:cudaMallocAsync the device's pool
+// holds the blocks and a stream's state is always idle: no stream is
+// refused.
+func TestMaxStreamsKeyLimits(t *testing.T) {
+	for _, tc := range []struct {
+		conf string
+		opt  int // WithMaxStreams, 0 for none
+		want int // streams live at most, the default stream's included
+	}{
+		{"max_streams:3", 0, 3},
+		{"max_streams:3", 10, 3},
+		{"max_streams:5", 2, 5},
+		{"", 2, 2},
+		{"max_streams:1", 0, 1},
+	} {
+		sim, err := simdev.New(simdev.Config{Capacity: 8 * giB})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := ParseConfig(tc.conf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var opts []Option
+		if tc.opt != 0 {
+			opts = append(opts, WithMaxStreams(tc.opt))
+		}
+		a, err := New(sim, cfg, opts...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		live := []cudart.Ptr{mustMalloc(t, a, miB, cudart.DefaultStream)}
+		for range tc.want - 1 {
+			s, _ := sim.StreamCreate()
+			live = append(live, mustMalloc(t, a, miB, s))
+		}
+		s, _ := sim.StreamCreate()
+		_, err = a.Malloc(miB, s)
+		if !errors.Is(err, ErrTooManyStreams) || !strings.Contains(err.Error(), "max_streams") {
+			t.Errorf("%q, WithMaxStreams(%d): Malloc on stream %d: %v, want ErrTooManyStreams naming max_streams", tc.conf, tc.opt, tc.want+1, err)
+		}
+		for _, p := range live {
+			mustFree(t, a, p)
+		}
+		if err := a.Check(); err != nil {
+			t.Errorf("%q: %v", tc.conf, err)
+		}
+		a.Close()
+		sim.Close()
+	}
+	sim, err := simdev.New(simdev.Config{Capacity: 8 * giB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sim.Close()
+	a, err := New(sim, Config{Backend: BackendAsync, MaxSplitSize: math.MaxUint64, MaxNonSplitRounding: 20 << 20, MaxStreams: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	var live []cudart.Ptr
+	for range 5 {
+		s, _ := sim.StreamCreate()
+		live = append(live, mustMalloc(t, a, miB, s))
+	}
+	for _, p := range live {
+		mustFree(t, a, p)
+	}
+	if err := a.Check(); err != nil {
+		t.Error(err)
+	}
 }

@@ -7,8 +7,8 @@ package allocator
 // recyclers), its allocated blocks by address, and its share of the
 // statistics that a cached Malloc or Free changes ("hot" statistics).
 // A cached Malloc on stream s locks only s's shard; a Free finds the
-// shard through the segment directory (an immutable, address-sorted copy
-// of the segment list, swapped atomically when a segment comes or goes)
+// shard through the segment directory (an immutable, address-sorted index
+// of the segments, republished when one comes or goes; directory.go)
 // and locks only that shard. Goroutines on different streams therefore
 // share no lock and write no common cache line on the hot path.
 //
@@ -47,7 +47,6 @@ package allocator
 
 import (
 	"fmt"
-	"math/bits"
 	"runtime"
 	"slices"
 	"sync"
@@ -406,35 +405,6 @@ func (sh *shard) fits(p Pool, d *delta) bool {
 		(d.over <= 0 || st.OversizeAllocations.Current+d.over <= sh.capOver)
 }
 
-// dirEntry is one segment of the directory.
-type dirEntry struct {
-	start, end uint64
-	sh         *shard
-}
-
-// directory is the segments by address, published whole. one is the
-// shard that owns every segment when a single one does (a program on one
-// stream): Free then skips the search, and the shard's active map tells
-// a foreign address apart.
-type directory struct {
-	entries []dirEntry
-	ends    []uint64 // entries' ends, which Free searches: 8 bytes each against a dirEntry's 24
-	one     *shard
-}
-
-func newDirectory(d []dirEntry) *directory {
-	dir := &directory{entries: d, ends: make([]uint64, len(d))}
-	mixed := false
-	for i, e := range d {
-		dir.ends[i] = e.end
-		mixed = mixed || e.sh != d[0].sh
-	}
-	if len(d) > 0 && !mixed {
-		dir.one = d[0].sh
-	}
-	return dir
-}
-
 // shardTable is the published list of shards, for the hot path, with
 // their streams beside them, in stream order: looking a stream up reads
 // no shard, whose cache lines its own goroutine keeps writing. From
@@ -461,64 +431,6 @@ func (a *Allocator) lookupShard(s cudart.Stream) *shard {
 		}
 	}
 	return nil
-}
-
-// dirLookup returns the shard whose segment holds address p, without
-// locking, or nil.
-func (a *Allocator) dirLookup(p uint64) *shard {
-	dir := a.dir.Load()
-	if dir.one != nil {
-		return dir.one
-	}
-	// The first segment whose end is above p, by a search whose only
-	// branch is the loop's: each step adds half or nothing by a mask from
-	// the comparison's borrow, so the search pays no mispredicted branches
-	// (the compiler keeps a branch for an if in this loop).
-	ends := dir.ends
-	i, n := 0, len(ends)
-	for n > 1 {
-		half := n / 2
-		_, above := bits.Sub64(p, ends[i+half-1], 0) // 1 when that end is above p
-		i += half & int(above-1)
-		n -= half
-	}
-	if n == 1 && ends[i] <= p {
-		i++
-	}
-	if d := dir.entries; i < len(d) && d[i].start <= p {
-		return d[i].sh
-	}
-	return nil
-}
-
-// dirAdd and dirRemove publish a new directory with seg added or removed
-// (world mode).
-func (a *Allocator) dirAdd(seg *blocks.Segment) {
-	old := a.dir.Load().entries
-	i := 0
-	for i < len(old) && old[i].start < seg.Ptr {
-		i++
-	}
-	sh := a.shardOf(cudart.Stream(seg.Stream))
-	sh.segments++
-	d := make([]dirEntry, 0, len(old)+1)
-	d = append(d, old[:i]...)
-	d = append(d, dirEntry{seg.Ptr, seg.Ptr + seg.Size, sh})
-	d = append(d, old[i:]...)
-	a.dir.Store(newDirectory(d))
-}
-
-func (a *Allocator) dirRemove(seg *blocks.Segment) {
-	old := a.dir.Load().entries
-	d := make([]dirEntry, 0, len(old))
-	for _, e := range old {
-		if e.start != seg.Ptr {
-			d = append(d, e)
-		} else {
-			e.sh.segments--
-		}
-	}
-	a.dir.Store(newDirectory(d))
 }
 
 // shardOf returns the shard of stream s (world mode; s must have one).
@@ -837,21 +749,16 @@ func (a *Allocator) checkShards() []error {
 		})
 	}
 	dir := a.dir.Load()
-	d := dir.entries
-	if len(d) != len(a.segments) {
-		errs = append(errs, fmt.Errorf("%d segments, %d in the directory", len(a.segments), len(d)))
+	errs = append(errs, dir.check()...)
+	if dir.n != len(a.segments) {
+		errs = append(errs, fmt.Errorf("%d segments, %d in the directory", len(a.segments), dir.n))
 	}
-	for i, e := range d {
-		if i > 0 && d[i-1].end > e.start {
-			errs = append(errs, fmt.Errorf("directory entries overlap or are out of order at %#x", e.start))
+	byStart := make(map[uint64]dirEntry, dir.n)
+	for e := range dir.all() {
+		if _, ok := byStart[e.start]; ok {
+			errs = append(errs, fmt.Errorf("directory holds two entries at %#x", e.start))
 		}
-	}
-	byStart := make(map[uint64]dirEntry, len(d))
-	for _, e := range d {
 		byStart[e.start] = e
-		if dir.one != nil && e.sh != dir.one {
-			errs = append(errs, fmt.Errorf("directory says every segment is of stream %#x, but %#x is of stream %#x", uint64(dir.one.stream), e.start, uint64(e.sh.stream)))
-		}
 	}
 	for _, s := range a.segments {
 		if e, ok := byStart[s.Ptr]; !ok || e.end != s.Ptr+s.Size || e.sh.stream != cudart.Stream(s.Stream) {

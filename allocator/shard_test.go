@@ -283,38 +283,3 @@ func TestReservoirSparesEscalations(t *testing.T) {
 		mustFree(t, a, q)
 	}
 }
-
-// TestDirLookup compares the directory's search with a linear scan, for
-// every address at and around each segment's bounds, over directories of
-// every length up to 33 with gaps between some segments. (A directory of
-// one stream's segments answers that stream for every address.)
-func TestDirLookup(t *testing.T) {
-	shards := []*shard{newShard(1), newShard(2)}
-	for n := 0; n <= 33; n++ {
-		var d []dirEntry
-		addr := uint64(1 << 21)
-		for i := range n {
-			size := uint64(2<<20) * uint64(1+i%3)
-			d = append(d, dirEntry{addr, addr + size, shards[i%2]})
-			addr += size + uint64(i%2)<<20 // a gap after every other segment
-		}
-		a := &Allocator{}
-		a.dir.Store(newDirectory(d))
-		var probes []uint64
-		for _, e := range d {
-			probes = append(probes, e.start-1, e.start, e.start+1, e.end-1, e.end, e.end+1)
-		}
-		probes = append(probes, 0, 1<<21-1, addr+1<<30)
-		for _, p := range probes {
-			want := a.dir.Load().one // one stream's segments: no search
-			for _, e := range d {
-				if want == nil && e.start <= p && p < e.end {
-					want = e.sh
-				}
-			}
-			if got := a.dirLookup(p); got != want {
-				t.Fatalf("%d segments: address %#x found in shard %p, want %p", n, p, got, want)
-			}
-		}
-	}
-}

@@ -37,9 +37,10 @@ package allocator
 // doomed flag, written in world mode, under the shard's lock, and redoes
 // the call in world mode, which finds the stream's current shard.
 //
-// At most maxStreams shards (WithMaxStreams, DefaultMaxStreams) are live at
-// once: a new stream beyond it first sweeps every idle stream, and when
-// none is idle it fails with an error wrapping ErrTooManyStreams.
+// At most streamLimit() shards (max_streams, WithMaxStreams,
+// DefaultMaxStreams) are live at once: a new stream beyond it first
+// sweeps every idle stream, and when none is idle it fails with an error
+// wrapping ErrTooManyStreams.
 
 import (
 	"errors"
@@ -53,12 +54,12 @@ import (
 )
 
 // ErrTooManyStreams: a Malloc or RecordStream on a new stream while
-// WithMaxStreams streams hold live blocks, pending events or a call in
-// progress. Freeing a stream's blocks, or ReleaseStream, makes room.
+// max_streams (or WithMaxStreams) streams hold live blocks, pending
+// events or a call in progress. Freeing a stream's blocks, or ReleaseStream, makes room.
 var ErrTooManyStreams = errors.New("too many streams")
 
 // DefaultMaxStreams is the number of streams an allocator serves at once
-// unless WithMaxStreams says otherwise.
+// unless max_streams or WithMaxStreams says otherwise.
 const DefaultMaxStreams = 65536
 
 // idleSweepMin is the least number of new streams between two idle
@@ -70,9 +71,19 @@ const (
 
 // WithMaxStreams sets how many streams, the default stream included, may
 // have live state in the allocator at once (DefaultMaxStreams by
-// default); n must be at least 1.
+// default); n must be at least 1. The configuration's max_streams
+// (Config.MaxStreams), when set, takes precedence.
 func WithMaxStreams(n int) Option {
 	return func(o *options) { o.maxStreams = n }
+}
+
+// streamLimit is the most shards live at once: max_streams when set,
+// else WithMaxStreams' value (world mode).
+func (a *Allocator) streamLimit() int {
+	if a.cfg.MaxStreams > 0 {
+		return a.cfg.MaxStreams
+	}
+	return a.maxStreams
 }
 
 // ReleaseStream tells the allocator that stream s is destroyed, or will
@@ -292,22 +303,23 @@ func (a *Allocator) noteSwept(s cudart.Stream) {
 }
 
 // makeRoom runs the idle sweep before a new shard is added when it is
-// due, and fails when maxStreams shards are live and none is idle (world
+// due, and fails when streamLimit() shards are live and none is idle (world
 // mode).
 // It changes nothing when it fails.
 func (a *Allocator) makeRoom(s cudart.Stream) error {
-	if len(a.shards) >= a.maxStreams && !slices.ContainsFunc(a.shards, a.idle) {
-		return fmt.Errorf("allocator: stream %#x: %d streams have live blocks, pending events or calls under way (the limit; WithMaxStreams): %w",
+	limit := a.streamLimit()
+	if len(a.shards) >= limit && !slices.ContainsFunc(a.shards, a.idle) {
+		return fmt.Errorf("allocator: stream %#x: %d streams have live blocks, pending events or calls under way (the limit; max_streams, WithMaxStreams): %w",
 			uint64(s), len(a.shards), ErrTooManyStreams)
 	}
 	if a.newShards >= a.sweepEvery {
 		a.sweep(false)
 	}
-	if len(a.shards) >= a.maxStreams {
+	if len(a.shards) >= limit {
 		a.sweep(true)
 	}
-	if len(a.shards) >= a.maxStreams { // an idle stream's device free failed
-		return fmt.Errorf("allocator: stream %#x: %d streams live, and releasing the idle ones failed (the limit; WithMaxStreams): %w",
+	if len(a.shards) >= limit { // an idle stream's device free failed
+		return fmt.Errorf("allocator: stream %#x: %d streams live, and releasing the idle ones failed (the limit; max_streams, WithMaxStreams): %w",
 			uint64(s), len(a.shards), ErrTooManyStreams)
 	}
 	return nil
@@ -347,15 +359,15 @@ func (a *Allocator) publishShards() {
 // shard list agree; no structure refers to a released shard; the default
 // stream's shard is there; the doomed list holds exactly the doomed
 // shards; each shard's segment and pending-event counts match the
-// segments; the event queues hold no empty queue; at most maxStreams
+// segments; the event queues hold no empty queue; at most streamLimit()
 // shards live.
 func (a *Allocator) checkStreams() []error {
 	var errs []error
 	if len(a.byStream) != len(a.shards) {
 		errs = append(errs, fmt.Errorf("%d shards, %d in the stream map", len(a.shards), len(a.byStream)))
 	}
-	if len(a.shards) > a.maxStreams {
-		errs = append(errs, fmt.Errorf("%d shards, above the limit of %d streams", len(a.shards), a.maxStreams))
+	if len(a.shards) > a.streamLimit() {
+		errs = append(errs, fmt.Errorf("%d shards, above the limit of %d streams", len(a.shards), a.streamLimit()))
 	}
 	if sh := a.byStream[cudart.DefaultStream]; sh == nil {
 		errs = append(errs, errors.New("the default stream has no shard"))
@@ -404,7 +416,7 @@ func (a *Allocator) checkStreams() []error {
 			events[sh] += b.EventCount
 		}
 	}
-	for _, e := range a.dir.Load().entries {
+	for e := range a.dir.Load().all() {
 		if e.sh.released {
 			errs = append(errs, fmt.Errorf("directory entry %#x leads to the released shard of stream %#x", e.start, uint64(e.sh.stream)))
 		}

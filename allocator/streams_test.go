@@ -95,7 +95,7 @@ func TestStreamCyclesReclaim(t *testing.T) {
 			if n := liveShards(a); n != 1 {
 				t.Errorf("%d shards after EmptyCache with nothing live, want 1 (the default stream's)", n)
 			}
-			if n := len(a.dir.Load().entries); n != 0 {
+			if n := a.dir.Load().n; n != 0 {
 				t.Errorf("%d directory entries after EmptyCache with nothing live", n)
 			}
 			// The default stream's slow paths now visit one shard; the time
