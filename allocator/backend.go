@@ -87,12 +87,12 @@ func (a *Allocator) grow(c *call, p *pool, stream cudart.Stream, size, rounded u
 	if e := a.exp; e != nil {
 		return e.grow(c, p, stream, size, rounded)
 	}
-	return mallocSource{a}.grow(c, p, stream, size, rounded)
+	return a.growMalloc(c, p, stream, size, rounded)
 }
 
 func (a *Allocator) releaseSourceCached(c *call) error {
 	if e := a.exp; e != nil {
 		return e.releaseCached(c)
 	}
-	return mallocSource{a}.releaseCached(c)
+	return a.releaseWhole(c)
 }

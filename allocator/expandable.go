@@ -366,7 +366,7 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 		a.stats.NumAllocRetries++
 	}
 	c.devErr = nil
-	if a.capped && a.reserved+allocSize > a.allowed {
+	if a.capped && a.segs.reserved+allocSize > a.allowed {
 		return nil, nil
 	}
 	b, err := a.findExpandableBlock(p, uint64(stream), rounded)
@@ -450,11 +450,11 @@ func (a *Allocator) reserveExpandable(p *pool, stream uint64) (*blocks.Block, er
 		return nil, fmt.Errorf("allocator: reserving %d bytes of address space for an expandable segment: %w", size, err)
 	}
 	seg := &blocks.Segment{Ptr: uint64(ptr), Size: size, Stream: stream, Small: p.small,
-		Index: len(a.segments), Expandable: true, PageSize: page}
+		Index: len(a.segs.list), Expandable: true, PageSize: page}
 	b := p.recycler.Get()
 	b.Ptr, b.Size, b.Segment, b.Unmapped = seg.Ptr, size, seg, true
 	seg.Head = b
-	a.segments = append(a.segments, seg)
+	a.segs.add(seg)
 	a.dirAdd(seg)
 	es := &expSegment{seg: seg}
 	i := sort.Search(len(a.exp.segs), func(i int) bool { return a.exp.segs[i].seg.Ptr > seg.Ptr })
@@ -490,14 +490,14 @@ func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bo
 	blocks.Merge(b, p.free, &p.recycler)
 	p.free.Insert(b)
 	seg.Mapped += n
-	a.reserved += n
-	a.exp.mark = max(a.exp.mark, a.reserved)
+	a.segs.reserved += n
+	a.exp.mark = max(a.exp.mark, a.segs.reserved)
 	a.stats.ReservedBytes.add(p.stat, int64(n))
 	a.stats.NumDeviceAlloc++
 	a.stats.DeviceMallocLatency.observe(elapsed)
 	a.record(c, actionSegmentMap, start, n, cudart.Stream(seg.Stream))
 	a.log.Debug("expandable segment mapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
-		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.reserved), zap.Duration("took", elapsed))
+		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved), zap.Duration("took", elapsed))
 	return true, nil
 }
 
@@ -698,12 +698,12 @@ func (a *Allocator) unmapBlock(c *call, b *blocks.Block) (*blocks.Block, error) 
 	b.Unmapped = true
 	blocks.MergeUnmapped(b, &p.recycler)
 	seg.Mapped -= n
-	a.reserved -= n
+	a.segs.reserved -= n
 	a.stats.ReservedBytes.sub(p.stat, int64(n))
 	a.stats.NumDeviceFree++
 	a.record(c, actionSegmentUnmap, start, n, cudart.Stream(seg.Stream))
 	a.log.Debug("expandable segment unmapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
-		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.reserved))
+		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved))
 	return b, nil
 }
 
@@ -752,10 +752,10 @@ func (a *Allocator) growthExcess(c *blocks.Block, size uint64) uint64 {
 	}
 	a.exp.chain = chain
 	limit := max(a.exp.mark, a.exp.allocMark+a.reclaimSlack())
-	if a.reserved+need <= limit {
+	if a.segs.reserved+need <= limit {
 		return 0
 	}
-	return a.reserved + need - limit
+	return a.segs.reserved + need - limit
 }
 
 // reclaimSlack is how far reserved memory may rise above the largest
@@ -918,11 +918,7 @@ func (a *Allocator) releaseExpandableSegment(es *expSegment) error {
 	if err := a.exp.vm.ReleaseRange(cudart.Ptr(seg.Ptr), seg.Size); err != nil {
 		return fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", seg.Ptr, err)
 	}
-	last := a.segments[len(a.segments)-1]
-	a.segments[seg.Index] = last
-	last.Index = seg.Index
-	a.segments[len(a.segments)-1] = nil
-	a.segments = a.segments[:len(a.segments)-1]
+	a.segs.remove(seg)
 	a.dirRemove(seg)
 	for i, x := range a.exp.segs {
 		if x == es {
@@ -943,7 +939,7 @@ func (a *Allocator) closeExpandable() []error {
 	}
 	var errs []error
 	vm := a.exp.vm
-	if a.reserved > 0 {
+	if a.segs.reserved > 0 {
 		if err := a.dev.Synchronize(); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: synchronising the device before unmapping: %w", err))
 		}
@@ -1045,7 +1041,7 @@ func (es *expSegment) checkRuns(maxRun uint64) []error {
 func (a *Allocator) checkExpandable() []error {
 	var errs []error
 	n := 0
-	for _, s := range a.segments {
+	for _, s := range a.segs.list {
 		if s.Expandable {
 			n++
 		}
@@ -1067,7 +1063,7 @@ func (a *Allocator) checkExpandable() []error {
 		if i > 0 && a.exp.segs[i-1].seg.Ptr >= s.Ptr {
 			errs = append(errs, fmt.Errorf("expandable segments out of address order at %#x", s.Ptr))
 		}
-		if s.Index >= len(a.segments) || a.segments[s.Index] != s {
+		if s.Index >= len(a.segs.list) || a.segs.list[s.Index] != s {
 			errs = append(errs, fmt.Errorf("expandable segment %#x is not in the segment list", s.Ptr))
 			continue
 		}

@@ -838,8 +838,8 @@ func (a *Allocator) checkShards() []error {
 	}
 	dir := a.dir.Load()
 	d := dir.entries
-	if len(d) != len(a.segments) {
-		errs = append(errs, fmt.Errorf("%d segments, %d in the directory", len(a.segments), len(d)))
+	if len(d) != len(a.segs.list) {
+		errs = append(errs, fmt.Errorf("%d segments, %d in the directory", len(a.segs.list), len(d)))
 	}
 	for i, e := range d {
 		if i > 0 && d[i-1].end > e.start {
@@ -853,7 +853,7 @@ func (a *Allocator) checkShards() []error {
 			errs = append(errs, fmt.Errorf("directory says every segment is of stream %#x, but %#x is of stream %#x", uint64(dir.one.stream), e.start, uint64(e.sh.stream)))
 		}
 	}
-	for _, s := range a.segments {
+	for _, s := range a.segs.list {
 		if e, ok := byStart[s.Ptr]; !ok || e.end != s.Ptr+s.Size || e.sh.stream != cudart.Stream(s.Stream) {
 			errs = append(errs, fmt.Errorf("segment %#x of stream %#x is not in the directory under its shard", s.Ptr, s.Stream))
 		}

@@ -393,7 +393,7 @@ func (a *Allocator) checkStreams() []error {
 			errs = append(errs, fmt.Errorf("doomed list holds stream %#x, which is not a doomed live shard", uint64(sh.stream)))
 		}
 	}
-	for _, s := range a.segments {
+	for _, s := range a.segs.list {
 		sh := a.byStream[cudart.Stream(s.Stream)]
 		if sh == nil {
 			errs = append(errs, fmt.Errorf("segment %#x of stream %#x, which has no shard", s.Ptr, s.Stream))
