@@ -344,13 +344,13 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	a.res = new(reservoir)
 	a.dir.Store(&directory{})
 	a.addShard(cudart.DefaultStream).mu.Unlock()
-	a.mal = mallocSource{dev: dev, segs: &a.segs, stats: &a.stats, maxSplit: cfg.MaxSplitSize}
+	a.mal = mallocSource{dev: dev, table: &a.segs, stats: &a.stats, maxSplit: cfg.MaxSplitSize}
 	a.src = &a.mal
 	a.be = native{a}
 	if exp != nil {
 		exp.reclaim = !o.pytorchExpandable
 		exp.largePage = cmp.Or(o.expLargePage, cfg.ExpandablePageSize, DefaultExpandablePage)
-		exp.a = a
+		exp.dev, exp.table, exp.stats, exp.log = dev, &a.segs, &a.stats, o.log
 		a.src = exp
 	}
 	a.allowed = total

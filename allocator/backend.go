@@ -65,8 +65,9 @@ func (m *asyncAllocator) holds(p cudart.Ptr) holding {
 }
 
 // backendMalloc and backendFree call the backend's malloc and free, and
-// grow and releaseSourceCached the segment source's grow and
-// releaseCached, by the concrete type: escape analysis cannot follow a
+// grow and releaseSourceCached the growth (growMalloc, growExpandable)
+// and the cache release (releaseWhole, releaseExpandable) of the segment
+// source in use, by the concrete type: escape analysis cannot follow a
 // call through an interface, so the call context passed down would move
 // to the heap, one allocation per world-mode Malloc or Free.
 func (a *Allocator) backendMalloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
@@ -84,15 +85,15 @@ func (a *Allocator) backendFree(c *call, p cudart.Ptr) error {
 }
 
 func (a *Allocator) grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
-	if e := a.exp; e != nil {
-		return e.grow(c, p, stream, size, rounded)
+	if a.exp != nil {
+		return a.growExpandable(c, p, stream, size, rounded)
 	}
 	return a.growMalloc(c, p, stream, size, rounded)
 }
 
 func (a *Allocator) releaseSourceCached(c *call) error {
-	if e := a.exp; e != nil {
-		return e.releaseCached(c)
+	if a.exp != nil {
+		return a.releaseExpandable(c)
 	}
 	return a.releaseWhole(c)
 }

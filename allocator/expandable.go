@@ -142,9 +142,12 @@ import (
 // expandable is the allocator's expandable-segment state and its segment
 // source (segments.go).
 type expandable struct {
-	a    *Allocator
-	vm   cudart.VirtualMemory
-	gran uint64
+	dev   cudart.Device
+	vm    cudart.VirtualMemory
+	table *segTable   // the allocator's, shared with its other sources
+	stats *Stats      // the allocator's
+	log   *zap.Logger // the allocator's
+	gran  uint64
 	// segs are the live expandable segments in address order.
 	segs []*expSegment
 	// orphans are handles whose Release failed after their pages were
@@ -329,14 +332,6 @@ func expandableFit(p *pool, b *blocks.Block) *blocks.Block {
 	return b
 }
 
-// The source interface, over the functions below.
-func (e *expandable) grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
-	return e.a.growExpandable(c, p, stream, size, rounded)
-}
-func (e *expandable) releaseCached(c *call) error { return e.a.releaseExpandable(c) }
-func (e *expandable) close() []error              { return e.a.closeExpandable() }
-func (e *expandable) check() []error              { return e.a.checkExpandable() }
-
 // growExpandable is grow for expandable segments: map pages for the
 // request; if the device says no, release cached memory (unmap free pages)
 // and try once more; then fail with an OOMError.
@@ -377,7 +372,7 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 		sums, _ := a.hotSums()
 		a.exp.allocMark = max(a.exp.allocMark, uint64(sums[3][PoolAll])+rounded)
 		if excess := a.growthExcess(b, rounded); excess > 0 {
-			defer a.dropSpare()
+			defer a.exp.dropSpare()
 			a.exp.keep, a.exp.keepSize = true, a.exp.pageSize(p)
 			err := a.reclaimPages(c, excess)
 			a.exp.keep = false
@@ -477,7 +472,7 @@ func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bo
 	begin := (b.Ptr - seg.Ptr) / page
 	end := (b.Ptr - seg.Ptr + size + page - 1) / page
 	t0 := time.Now()
-	if ok, err := a.mapPages(c, es, begin, end); !ok {
+	if ok, err := a.exp.mapPages(c, es, begin, end); !ok {
 		return false, err
 	}
 	elapsed := time.Since(t0)
@@ -507,21 +502,21 @@ func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bo
 // call when the device is a cudart.RangeMapper, else run by run.
 // On out of memory it releases what it made and returns (false, nil); on
 // another failure it undoes what it did and returns the error.
-func (a *Allocator) mapPages(c *call, es *expSegment, begin, end uint64) (bool, error) {
-	vm, page := a.exp.vm, es.seg.PageSize
-	hs, lens := a.exp.handles[:0], a.exp.lens[:0]
+func (e *expandable) mapPages(c *call, es *expSegment, begin, end uint64) (bool, error) {
+	vm, page := e.vm, es.seg.PageSize
+	hs, lens := e.handles[:0], e.lens[:0]
 	var moved, across int64
 	mapped := 0 // runs mapped so far, in order
 	undo := func() {
 		at := es.addr(begin)
 		for k := range mapped {
 			if err := vm.Unmap(cudart.Ptr(at), lens[k]*page); err != nil {
-				a.log.Error("undoing a mapping failed", zap.Uint64("addr", at), zap.Error(err))
+				e.log.Error("undoing a mapping failed", zap.Uint64("addr", at), zap.Error(err))
 			}
 			at += lens[k] * page
 		}
 		for _, h := range hs {
-			a.releaseHandle(h)
+			e.releaseHandle(h)
 		}
 	}
 	fail := func(err error, what string) (bool, error) {
@@ -533,18 +528,18 @@ func (a *Allocator) mapPages(c *call, es *expSegment, begin, end uint64) (bool, 
 		return false, fmt.Errorf("allocator: %s for expandable segment %#x: %w", what, es.seg.Ptr, err)
 	}
 	rem := end - begin
-	for page == a.exp.keepSize && rem > 0 {
+	for page == e.keepSize && rem > 0 {
 		best := -1 // the longest kept run that fits
-		for i, sp := range a.exp.spare {
-			if sp.pages <= rem && (best < 0 || sp.pages > a.exp.spare[best].pages) {
+		for i, sp := range e.spare {
+			if sp.pages <= rem && (best < 0 || sp.pages > e.spare[best].pages) {
 				best = i
 			}
 		}
 		if best < 0 {
 			break
 		}
-		sp := a.exp.spare[best]
-		a.exp.spare = slices.Delete(a.exp.spare, best, best+1)
+		sp := e.spare[best]
+		e.spare = slices.Delete(e.spare, best, best+1)
 		hs, lens = append(hs, sp.h), append(lens, sp.pages)
 		rem -= sp.pages
 		moved += int64(sp.pages)
@@ -552,7 +547,7 @@ func (a *Allocator) mapPages(c *call, es *expSegment, begin, end uint64) (bool, 
 			across += int64(sp.pages)
 		}
 	}
-	for maxRun := a.exp.runPages(es.seg, rem); rem > 0; {
+	for maxRun := e.runPages(es.seg, rem); rem > 0; {
 		n := min(rem, maxRun)
 		h, err := vm.Create(n * page)
 		if err != nil {
@@ -588,9 +583,9 @@ func (a *Allocator) mapPages(c *call, es *expSegment, begin, end uint64) (bool, 
 			i++
 		}
 	}
-	a.stats.NumPagesMoved += moved
-	a.stats.NumPagesMovedAcrossStreams += across
-	a.exp.handles, a.exp.lens = hs[:0], lens[:0]
+	e.stats.NumPagesMoved += moved
+	e.stats.NumPagesMovedAcrossStreams += across
+	e.handles, e.lens = hs[:0], lens[:0]
 	return true, nil
 }
 
@@ -616,10 +611,10 @@ func mapHandles(vm cudart.VirtualMemory, addr, size uint64, hs []cudart.Handle) 
 
 // releaseHandle releases a handle whose page is unmapped; one the device
 // refuses is kept for Close to retry.
-func (a *Allocator) releaseHandle(h cudart.Handle) {
-	if err := a.exp.vm.Release(h); err != nil {
-		a.exp.orphans = append(a.exp.orphans, h)
-		a.log.Error("releasing a physical page failed; retrying at Close", zap.Uint64("handle", uint64(h)), zap.Error(err))
+func (e *expandable) releaseHandle(h cudart.Handle) {
+	if err := e.vm.Release(h); err != nil {
+		e.orphans = append(e.orphans, h)
+		e.log.Error("releasing a physical page failed; retrying at Close", zap.Uint64("handle", uint64(h)), zap.Error(err))
 	}
 }
 
@@ -627,8 +622,8 @@ func (a *Allocator) releaseHandle(h cudart.Handle) {
 // (whole runs: see wholeRuns) and releases their handles, or keeps them
 // for the mapping under way. If an unmap fails, the runs already unmapped
 // are mapped again and the error is returned.
-func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
-	vm, page := a.exp.vm, es.seg.PageSize
+func (e *expandable) unmapPages(es *expSegment, begin, end uint64) error {
+	vm, page := e.vm, es.seg.PageSize
 	for i := begin; i < end; i += uint64(es.run[i]) {
 		if es.run[i] == 0 || i+uint64(es.run[i]) > end {
 			return fmt.Errorf("allocator: expandable segment %#x: pages [%d, %d) are not whole runs (page %d)", es.seg.Ptr, begin, end, i)
@@ -638,7 +633,7 @@ func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
 		if err := vm.Unmap(cudart.Ptr(es.addr(i)), uint64(es.run[i])*page); err != nil {
 			for j := begin; j < i; j += uint64(es.run[j]) {
 				if rerr := vm.Map(cudart.Ptr(es.addr(j)), uint64(es.run[j])*page, es.handles[j]); rerr != nil {
-					a.log.Error("mapping a run again after a failed unmap failed", zap.Uint64("addr", es.addr(j)), zap.Error(rerr))
+					e.log.Error("mapping a run again after a failed unmap failed", zap.Uint64("addr", es.addr(j)), zap.Error(rerr))
 				}
 			}
 			return fmt.Errorf("allocator: unmapping the %d-byte run at %#x: %w", uint64(es.run[i])*page, es.addr(i), err)
@@ -646,10 +641,10 @@ func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
 	}
 	for i := begin; i < end; {
 		n := uint64(es.run[i])
-		if a.exp.keep && page == a.exp.keepSize {
-			a.exp.spare = append(a.exp.spare, spareRun{h: es.handles[i], pages: n, stream: es.seg.Stream})
+		if e.keep && page == e.keepSize {
+			e.spare = append(e.spare, spareRun{h: es.handles[i], pages: n, stream: es.seg.Stream})
 		} else {
-			a.releaseHandle(es.handles[i])
+			e.releaseHandle(es.handles[i])
 		}
 		es.handles[i], es.run[i] = 0, 0
 		for range n {
@@ -661,11 +656,11 @@ func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
 }
 
 // dropSpare releases the runs reclaim kept that the mapping did not use.
-func (a *Allocator) dropSpare() {
-	for _, sp := range a.exp.spare {
-		a.releaseHandle(sp.h)
+func (e *expandable) dropSpare() {
+	for _, sp := range e.spare {
+		e.releaseHandle(sp.h)
 	}
-	a.exp.spare = a.exp.spare[:0]
+	e.spare = e.spare[:0]
 }
 
 // unmapBlock is unmap_block: unmap the whole runs inside the free block
@@ -681,7 +676,7 @@ func (a *Allocator) unmapBlock(c *call, b *blocks.Block) (*blocks.Block, error) 
 		return nil, nil
 	}
 	page := seg.PageSize
-	if err := a.unmapPages(es, begin, end); err != nil {
+	if err := a.exp.unmapPages(es, begin, end); err != nil {
 		return nil, err
 	}
 	p := a.poolOf(b)
@@ -931,20 +926,17 @@ func (a *Allocator) releaseExpandableSegment(es *expSegment) error {
 	return nil
 }
 
-// closeExpandable unmaps every mapped page, releases every handle and
+// close unmaps every mapped page, releases every handle and
 // every range. Each contiguous mapped run counts as one device free.
-func (a *Allocator) closeExpandable() []error {
-	if a.exp == nil {
-		return nil
-	}
+func (e *expandable) close() []error {
 	var errs []error
-	vm := a.exp.vm
-	if a.segs.reserved > 0 {
-		if err := a.dev.Synchronize(); err != nil {
+	vm := e.vm
+	if e.table.reserved > 0 {
+		if err := e.dev.Synchronize(); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: synchronising the device before unmapping: %w", err))
 		}
 	}
-	for _, es := range a.exp.segs {
+	for _, es := range e.segs {
 		page := es.seg.PageSize
 		for i := uint64(0); i < uint64(len(es.mapped)); {
 			if !es.mapped[i] {
@@ -969,18 +961,18 @@ func (a *Allocator) closeExpandable() []error {
 					i++
 				}
 			}
-			a.stats.NumDeviceFree++
+			e.stats.NumDeviceFree++
 		}
 		if err := vm.ReleaseRange(cudart.Ptr(es.seg.Ptr), es.seg.Size); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", es.seg.Ptr, err))
 		}
 	}
-	for _, h := range a.exp.orphans {
+	for _, h := range e.orphans {
 		if err := vm.Release(h); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: releasing physical page handle %#x: %w", uint64(h), err))
 		}
 	}
-	a.exp.segs, a.exp.orphans = nil, nil
+	e.segs, e.orphans = nil, nil
 	return errs
 }
 
@@ -1036,34 +1028,28 @@ func (es *expSegment) checkRuns(maxRun uint64) []error {
 	return errs
 }
 
-// checkExpandable compares the expandable segments' pages with their
+// check compares the expandable segments' pages with their
 // blocks: a page is mapped exactly when a mapped block covers part of it.
-func (a *Allocator) checkExpandable() []error {
+func (e *expandable) check() []error {
 	var errs []error
 	n := 0
-	for _, s := range a.segs.list {
+	for _, s := range e.table.list {
 		if s.Expandable {
 			n++
 		}
 	}
-	if a.exp == nil {
-		if n > 0 {
-			errs = append(errs, fmt.Errorf("%d expandable segments without expandable_segments:True", n))
-		}
-		return errs
+	if len(e.spare) > 0 {
+		errs = append(errs, fmt.Errorf("%d unmapped page handles kept outside a mapping", len(e.spare)))
 	}
-	if len(a.exp.spare) > 0 {
-		errs = append(errs, fmt.Errorf("%d unmapped page handles kept outside a mapping", len(a.exp.spare)))
+	if n != len(e.segs) {
+		errs = append(errs, fmt.Errorf("%d expandable segments in the segment list, %d registered", n, len(e.segs)))
 	}
-	if n != len(a.exp.segs) {
-		errs = append(errs, fmt.Errorf("%d expandable segments in the segment list, %d registered", n, len(a.exp.segs)))
-	}
-	for i, es := range a.exp.segs {
+	for i, es := range e.segs {
 		s := es.seg
-		if i > 0 && a.exp.segs[i-1].seg.Ptr >= s.Ptr {
+		if i > 0 && e.segs[i-1].seg.Ptr >= s.Ptr {
 			errs = append(errs, fmt.Errorf("expandable segments out of address order at %#x", s.Ptr))
 		}
-		if s.Index >= len(a.segs.list) || a.segs.list[s.Index] != s {
+		if s.Index >= len(e.table.list) || e.table.list[s.Index] != s {
 			errs = append(errs, fmt.Errorf("expandable segment %#x is not in the segment list", s.Ptr))
 			continue
 		}
@@ -1077,7 +1063,7 @@ func (a *Allocator) checkExpandable() []error {
 				pages++
 			}
 		}
-		errs = append(errs, es.checkRuns(a.exp.maxRunPages(s))...)
+		errs = append(errs, es.checkRuns(e.maxRunPages(s))...)
 		if pages*s.PageSize != s.Mapped {
 			errs = append(errs, fmt.Errorf("expandable segment %#x: %d pages mapped, %d bytes in mapped blocks", s.Ptr, pages, s.Mapped))
 		}

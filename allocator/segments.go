@@ -68,7 +68,7 @@ func (t *segTable) remove(seg *blocks.Segment) {
 // directory, the history) is the allocator's, below.
 type mallocSource struct {
 	dev      cudart.Device
-	segs     *segTable // shared with the allocator and its other sources
+	table    *segTable // shared with the allocator and its other sources
 	stats    *Stats    // the allocator's
 	maxSplit uint64    // max_split_size: segments from here up are oversize
 }
@@ -84,12 +84,12 @@ func (m *mallocSource) malloc(allocSize uint64) (cudart.Ptr, time.Duration, erro
 // counts it; it returns the segment's one block, not indexed.
 func (m *mallocSource) adopt(p *pool, stream cudart.Stream, ptr cudart.Ptr, allocSize uint64, took time.Duration) *blocks.Block {
 	m.stats.DeviceMallocLatency.observe(took)
-	seg := &blocks.Segment{Ptr: uint64(ptr), Size: allocSize, Stream: uint64(stream), Small: p.small, Index: len(m.segs.list)}
+	seg := &blocks.Segment{Ptr: uint64(ptr), Size: allocSize, Stream: uint64(stream), Small: p.small, Index: len(m.table.list)}
 	b := p.recycler.Get()
 	b.Ptr, b.Size, b.Segment = uint64(ptr), allocSize, seg
 	seg.Head = b
-	m.segs.add(seg)
-	m.segs.reserved += allocSize
+	m.table.add(seg)
+	m.table.reserved += allocSize
 	m.stats.Segment.add(p.stat, 1)
 	m.stats.ReservedBytes.add(p.stat, int64(allocSize))
 	if allocSize >= m.maxSplit {
@@ -108,8 +108,8 @@ func (m *mallocSource) release(p *pool, b *blocks.Block) error {
 		return fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err)
 	}
 	p.free.Delete(b)
-	m.segs.remove(seg)
-	m.segs.reserved -= seg.Size
+	m.table.remove(seg)
+	m.table.reserved -= seg.Size
 	m.stats.Segment.sub(p.stat, 1)
 	m.stats.ReservedBytes.sub(p.stat, int64(seg.Size))
 	if seg.Size >= m.maxSplit {
@@ -122,7 +122,7 @@ func (m *mallocSource) release(p *pool, b *blocks.Block) error {
 // close frees every segment.
 func (m *mallocSource) close() []error {
 	var errs []error
-	for _, seg := range m.segs.list {
+	for _, seg := range m.table.list {
 		if err := m.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err))
 			continue
@@ -135,7 +135,7 @@ func (m *mallocSource) close() []error {
 // check: without expandable_segments no segment is expandable.
 func (m *mallocSource) check() []error {
 	n := 0
-	for _, s := range m.segs.list {
+	for _, s := range m.table.list {
 		if s.Expandable {
 			n++
 		}
