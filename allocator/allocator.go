@@ -540,6 +540,24 @@ func (a *Allocator) slowMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, e
 	return a.backendMalloc(&c, sh, size)
 }
 
+// backendMalloc and backendFree call the backend's (backend.go) malloc
+// and free by the concrete type: escape analysis cannot follow a call
+// through an interface, so the call context passed down would move to the
+// heap, one allocation per world-mode Malloc or Free.
+func (a *Allocator) backendMalloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
+	if m := a.async; m != nil {
+		return m.malloc(c, sh, size)
+	}
+	return native{a}.malloc(c, sh, size)
+}
+
+func (a *Allocator) backendFree(c *call, p cudart.Ptr) error {
+	if m := a.async; m != nil {
+		return m.free(c, p)
+	}
+	return native{a}.free(c, p)
+}
+
 // malloc is the native policy's Malloc in world mode, after the checks
 // every backend shares.
 func (n native) malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {

@@ -39,6 +39,24 @@ type source interface {
 	check() []error
 }
 
+// grow and releaseSourceCached call the growth (growMalloc,
+// growExpandable) and the cache release (releaseWhole, releaseExpandable)
+// of the segment source in use by the concrete type, as backendMalloc
+// does the backend's.
+func (a *Allocator) grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+	if a.exp != nil {
+		return a.growExpandable(c, p, stream, size, rounded)
+	}
+	return a.growMalloc(c, p, stream, size, rounded)
+}
+
+func (a *Allocator) releaseSourceCached(c *call) error {
+	if a.exp != nil {
+		return a.releaseExpandable(c)
+	}
+	return a.releaseWhole(c)
+}
+
 // segTable is every segment the allocator holds from the device, whatever
 // source made it, and the bytes they hold. A segment's Index is its place
 // in list.
