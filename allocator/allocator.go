@@ -350,7 +350,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	if exp != nil {
 		exp.reclaim = !o.pytorchExpandable
 		exp.largePage = cmp.Or(o.expLargePage, cfg.ExpandablePageSize, DefaultExpandablePage)
-		exp.dev, exp.table, exp.stats, exp.log = dev, &a.segs, &a.stats, o.log
+		exp.dev, exp.table, exp.stats, exp.log, exp.total = dev, &a.segs, &a.stats, o.log, total
 		a.src = exp
 	}
 	a.allowed = total

@@ -145,6 +145,7 @@ type expandable struct {
 	dev   cudart.Device
 	vm    cudart.VirtualMemory
 	table *segTable   // the allocator's, shared with its other sources
+	total uint64      // the device's memory; a range is an eighth more
 	stats *Stats      // the allocator's
 	log   *zap.Logger // the allocator's
 	gran  uint64
@@ -404,13 +405,27 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 	return b, nil
 }
 
-// findExpandableBlock is find_expandable_block: the lowest-addressed
+// findExpandableBlock is find_expandable_block: the block findBlock
+// finds, or else the unmapped block of a newly reserved range, entered in
+// the directory.
+func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.Block, error) {
+	if b := a.exp.findBlock(p, stream, size); b != nil {
+		return b, nil
+	}
+	b, err := a.exp.reserve(p, stream)
+	if err != nil {
+		return nil, err
+	}
+	a.dirAdd(b.Segment)
+	return b, nil
+}
+
+// findBlock is the search of find_expandable_block: the lowest-addressed
 // unmapped block of the stream and pool which, with a free block just
 // before it and the free or unmapped blocks after it, has room for size
-// bytes (returning that free block when there is one), or else the
-// unmapped block of a newly reserved range.
-func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.Block, error) {
-	for _, es := range a.exp.segs {
+// bytes (returning that free block when there is one); nil if none has.
+func (e *expandable) findBlock(p *pool, stream, size uint64) *blocks.Block {
+	for _, es := range e.segs {
 		s := es.seg
 		if s.Stream != stream || s.Small != p.small {
 			continue
@@ -428,35 +443,35 @@ func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.B
 				room += x.Size
 			}
 			if room >= size {
-				return c, nil
+				return c
 			}
 		}
 	}
-	return a.reserveExpandable(p, stream)
+	return nil
 }
 
-// reserveExpandable reserves a new range for the stream and pool and
-// returns its single unmapped block.
-func (a *Allocator) reserveExpandable(p *pool, stream uint64) (*blocks.Block, error) {
-	page := a.exp.pageSize(p)
-	size := (a.total + a.total/8 + page - 1) / page * page
-	ptr, err := a.exp.vm.Reserve(size)
+// reserve reserves a new range for the stream and pool, of the device's
+// memory and an eighth more, enters it in the segment table and returns
+// its single unmapped block.
+func (e *expandable) reserve(p *pool, stream uint64) (*blocks.Block, error) {
+	page := e.pageSize(p)
+	size := (e.total + e.total/8 + page - 1) / page * page
+	ptr, err := e.vm.Reserve(size)
 	if err != nil {
 		return nil, fmt.Errorf("allocator: reserving %d bytes of address space for an expandable segment: %w", size, err)
 	}
 	seg := &blocks.Segment{Ptr: uint64(ptr), Size: size, Stream: stream, Small: p.small,
-		Index: len(a.segs.list), Expandable: true, PageSize: page}
+		Index: len(e.table.list), Expandable: true, PageSize: page}
 	b := p.recycler.Get()
 	b.Ptr, b.Size, b.Segment, b.Unmapped = seg.Ptr, size, seg, true
 	seg.Head = b
-	a.segs.add(seg)
-	a.dirAdd(seg)
+	e.table.add(seg)
 	es := &expSegment{seg: seg}
-	i := sort.Search(len(a.exp.segs), func(i int) bool { return a.exp.segs[i].seg.Ptr > seg.Ptr })
-	a.exp.segs = append(a.exp.segs, nil)
-	copy(a.exp.segs[i+1:], a.exp.segs[i:])
-	a.exp.segs[i] = es
-	a.log.Debug("expandable segment reserved", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", size),
+	i := sort.Search(len(e.segs), func(i int) bool { return e.segs[i].seg.Ptr > seg.Ptr })
+	e.segs = append(e.segs, nil)
+	copy(e.segs[i+1:], e.segs[i:])
+	e.segs[i] = es
+	e.log.Debug("expandable segment reserved", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", size),
 		zap.Uint64("page_bytes", page), zap.Bool("small_pool", p.small), zap.Uint64("stream", stream))
 	return b, nil
 }
@@ -907,22 +922,33 @@ func (a *Allocator) releaseExpandable(c *call) error {
 	return nil
 }
 
-// releaseExpandableSegment returns a wholly unmapped range to the device.
+// releaseExpandableSegment returns a wholly unmapped range to the device
+// and takes it out of the directory.
 func (a *Allocator) releaseExpandableSegment(es *expSegment) error {
 	seg := es.seg
-	if err := a.exp.vm.ReleaseRange(cudart.Ptr(seg.Ptr), seg.Size); err != nil {
+	if err := a.exp.releaseRange(es); err != nil {
+		return err
+	}
+	a.dirRemove(seg)
+	a.log.Debug("expandable segment released", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", seg.Size))
+	a.poolOf(seg.Head).recycler.Put(seg.Head)
+	return nil
+}
+
+// releaseRange returns es's wholly unmapped range to the device and takes
+// it out of the segment table and the expandable segments.
+func (e *expandable) releaseRange(es *expSegment) error {
+	seg := es.seg
+	if err := e.vm.ReleaseRange(cudart.Ptr(seg.Ptr), seg.Size); err != nil {
 		return fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", seg.Ptr, err)
 	}
-	a.segs.remove(seg)
-	a.dirRemove(seg)
-	for i, x := range a.exp.segs {
+	e.table.remove(seg)
+	for i, x := range e.segs {
 		if x == es {
-			a.exp.segs = append(a.exp.segs[:i], a.exp.segs[i+1:]...)
+			e.segs = append(e.segs[:i], e.segs[i+1:]...)
 			break
 		}
 	}
-	a.log.Debug("expandable segment released", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", seg.Size))
-	a.poolOf(seg.Head).recycler.Put(seg.Head)
 	return nil
 }
 
