@@ -476,22 +476,39 @@ func (e *expandable) reserve(p *pool, stream uint64) (*blocks.Block, error) {
 	return b, nil
 }
 
-// mapBlock is map_block: map the whole pages covering the first size bytes
-// of the unmapped block b, split off the rest (still unmapped), merge b
-// with free neighbours and index it. It reports false, with a nil error
-// when the device is out of memory; nothing changes then.
+// mapBlock is map_block: mapBlock of the expandable state, then the
+// history's and the log's record of the mapping. It reports false, with a
+// nil error when the device is out of memory; nothing changes then.
 func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bool, error) {
+	seg, start := b.Segment, b.Ptr
+	n, elapsed, err := a.exp.mapBlock(c, p, b, size)
+	if n == 0 {
+		return false, err
+	}
+	a.record(c, actionSegmentMap, start, n, cudart.Stream(seg.Stream))
+	a.log.Debug("expandable segment mapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
+		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved), zap.Duration("took", elapsed))
+	return true, nil
+}
+
+// mapBlock maps the whole pages covering the first size bytes of the
+// unmapped block b of pool p, splits off the rest (still unmapped), merges
+// b with free neighbours, indexes it and counts the bytes mapped, which it
+// returns with the time the mapping took. It returns 0 bytes, with a nil
+// error when the device is out of memory (c.devErr says why); nothing
+// changes then.
+func (e *expandable) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (uint64, time.Duration, error) {
 	seg := b.Segment
-	es := a.exp.of(seg)
+	es := e.of(seg)
 	page := seg.PageSize
 	begin := (b.Ptr - seg.Ptr) / page
 	end := (b.Ptr - seg.Ptr + size + page - 1) / page
 	t0 := time.Now()
-	if ok, err := a.exp.mapPages(c, es, begin, end); !ok {
-		return false, err
+	if ok, err := e.mapPages(c, es, begin, end); !ok {
+		return 0, 0, err
 	}
 	elapsed := time.Since(t0)
-	start, n := b.Ptr, (end-begin)*page
+	n := (end - begin) * page
 	b.Unmapped = false
 	if n < b.Size {
 		rest := blocks.Split(b, n, &p.recycler)
@@ -500,15 +517,12 @@ func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bo
 	blocks.Merge(b, p.free, &p.recycler)
 	p.free.Insert(b)
 	seg.Mapped += n
-	a.segs.reserved += n
-	a.exp.mark = max(a.exp.mark, a.segs.reserved)
-	a.stats.ReservedBytes.add(p.stat, int64(n))
-	a.stats.NumDeviceAlloc++
-	a.stats.DeviceMallocLatency.observe(elapsed)
-	a.record(c, actionSegmentMap, start, n, cudart.Stream(seg.Stream))
-	a.log.Debug("expandable segment mapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
-		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved), zap.Duration("took", elapsed))
-	return true, nil
+	e.table.reserved += n
+	e.mark = max(e.mark, e.table.reserved)
+	e.stats.ReservedBytes.add(p.stat, int64(n))
+	e.stats.NumDeviceAlloc++
+	e.stats.DeviceMallocLatency.observe(elapsed)
+	return n, elapsed, nil
 }
 
 // mapPages maps pages [begin, end) of es in runs: first runs that reclaim
@@ -678,23 +692,37 @@ func (e *expandable) dropSpare() {
 	e.spare = e.spare[:0]
 }
 
-// unmapBlock is unmap_block: unmap the whole runs inside the free block
-// b. Their span becomes an unmapped block, merged with its unmapped
-// neighbours and returned; the rest of b at either end (partial pages,
-// and pages of runs that reach beyond b) stays mapped as free blocks. It
-// returns nil when b covers no whole run.
+// unmapBlock is unmap_block: unmapBlock of the expandable state, then
+// the history's and the log's record of the unmapping.
 func (a *Allocator) unmapBlock(c *call, b *blocks.Block) (*blocks.Block, error) {
 	seg := b.Segment
-	es := a.exp.of(seg)
-	begin, end := es.runsInside(b)
-	if begin >= end {
-		return nil, nil
-	}
-	page := seg.PageSize
-	if err := a.exp.unmapPages(es, begin, end); err != nil {
+	u, start, n, err := a.exp.unmapBlock(a.poolOf(b), b)
+	if u == nil {
 		return nil, err
 	}
-	p := a.poolOf(b)
+	a.record(c, actionSegmentUnmap, start, n, cudart.Stream(seg.Stream))
+	a.log.Debug("expandable segment unmapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
+		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved))
+	return u, nil
+}
+
+// unmapBlock unmaps the whole runs inside the free block b of pool p.
+// Their span becomes an unmapped block, merged with its unmapped
+// neighbours and returned with its address and size before the merge;
+// the rest of b at either end (partial pages, and pages of runs that
+// reach beyond b) stays mapped as free blocks. It returns nil when b
+// covers no whole run or on an error.
+func (e *expandable) unmapBlock(p *pool, b *blocks.Block) (*blocks.Block, uint64, uint64, error) {
+	seg := b.Segment
+	es := e.of(seg)
+	begin, end := es.runsInside(b)
+	if begin >= end {
+		return nil, 0, 0, nil
+	}
+	page := seg.PageSize
+	if err := e.unmapPages(es, begin, end); err != nil {
+		return nil, 0, 0, err
+	}
 	p.free.Delete(b)
 	start, n := es.addr(begin), (end-begin)*page
 	if before := start - b.Ptr; before > 0 {
@@ -708,13 +736,10 @@ func (a *Allocator) unmapBlock(c *call, b *blocks.Block) (*blocks.Block, error) 
 	b.Unmapped = true
 	blocks.MergeUnmapped(b, &p.recycler)
 	seg.Mapped -= n
-	a.segs.reserved -= n
-	a.stats.ReservedBytes.sub(p.stat, int64(n))
-	a.stats.NumDeviceFree++
-	a.record(c, actionSegmentUnmap, start, n, cudart.Stream(seg.Stream))
-	a.log.Debug("expandable segment unmapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
-		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved))
-	return b, nil
+	e.table.reserved -= n
+	e.stats.ReservedBytes.sub(p.stat, int64(n))
+	e.stats.NumDeviceFree++
+	return b, start, n, nil
 }
 
 // runsInside returns the pages [begin, end) of the whole runs inside the
