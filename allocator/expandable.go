@@ -139,8 +139,12 @@ import (
 	"github.com/allocd/allocd/snapshot"
 )
 
-// expandable is the allocator's expandable-segment state and its segment
-// source (segments.go).
+// expandable is the segment source of expandable segments (segments.go):
+// it owns the virtual ranges, their pages, runs and handles, and keeps the
+// segment table and the statistics in step with the device. It holds no
+// pointer back to the allocator; the policy around it (the cap, reclaim's
+// decisions, the directory, the history) is the allocator's methods in
+// this file.
 type expandable struct {
 	dev   cudart.Device
 	vm    cudart.VirtualMemory
@@ -372,7 +376,7 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 	if a.exp.reclaim {
 		sums, _ := a.hotSums()
 		a.exp.allocMark = max(a.exp.allocMark, uint64(sums[3][PoolAll])+rounded)
-		if excess := a.growthExcess(b, rounded); excess > 0 {
+		if excess := a.exp.growthExcess(b, rounded); excess > 0 {
 			defer a.exp.dropSpare()
 			a.exp.keep, a.exp.keepSize = true, a.exp.pageSize(p)
 			err := a.reclaimPages(c, excess)
@@ -526,7 +530,7 @@ func (e *expandable) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (u
 }
 
 // mapPages maps pages [begin, end) of es in runs: first runs that reclaim
-// kept (a.exp.spare) that fit, then new runs of at most runPages pages,
+// kept (e.spare) that fit, then new runs of at most runPages pages,
 // each one handle (Create, then Map); runs of one length are mapped in one
 // call when the device is a cudart.RangeMapper, else run by run.
 // On out of memory it releases what it made and returns (false, nil); on
@@ -755,8 +759,8 @@ func (es *expSegment) runsInside(b *blocks.Block) (uint64, uint64) {
 
 // unmappable returns the bytes that unmapBlock would unmap from the mapped
 // block b: its whole runs.
-func (a *Allocator) unmappable(b *blocks.Block) uint64 {
-	begin, end := a.exp.of(b.Segment).runsInside(b)
+func (e *expandable) unmappable(b *blocks.Block) uint64 {
+	begin, end := e.of(b.Segment).runsInside(b)
 	if begin >= end {
 		return 0
 	}
@@ -766,9 +770,9 @@ func (a *Allocator) unmappable(b *blocks.Block) uint64 {
 // growthExcess is how far serving size bytes from the candidate c would
 // raise reserved memory above its high-water mark, 0 when not at all. It
 // also leaves c and the blocks after it that the request would use in
-// a.exp.chain.
-func (a *Allocator) growthExcess(c *blocks.Block, size uint64) uint64 {
-	chain := a.exp.chain[:0]
+// e.chain.
+func (e *expandable) growthExcess(c *blocks.Block, size uint64) uint64 {
+	chain := e.chain[:0]
 	var need uint64
 	rem := size
 	for x := c; x != nil && rem > 0; x = x.Next {
@@ -785,19 +789,19 @@ func (a *Allocator) growthExcess(c *blocks.Block, size uint64) uint64 {
 		}
 		rem -= min(rem, x.Size)
 	}
-	a.exp.chain = chain
-	limit := max(a.exp.mark, a.exp.allocMark+a.reclaimSlack())
-	if a.segs.reserved+need <= limit {
+	e.chain = chain
+	limit := max(e.mark, e.allocMark+e.reclaimSlack())
+	if e.table.reserved+need <= limit {
 		return 0
 	}
-	return a.segs.reserved + need - limit
+	return e.table.reserved + need - limit
 }
 
 // reclaimSlack is how far reserved memory may rise above the largest
 // allocated figure seen at a mapping (allocMark) before a mapping past
 // the high-water mark reclaims.
-func (a *Allocator) reclaimSlack() uint64 {
-	return a.exp.allocMark / reclaimSlackDiv / smallBuffer * smallBuffer
+func (e *expandable) reclaimSlack() uint64 {
+	return e.allocMark / reclaimSlackDiv / smallBuffer * smallBuffer
 }
 
 // The reclaim policy's two fractions (docs/fragmentation.md has the
@@ -821,7 +825,7 @@ func (a *Allocator) reclaimPages(c *call, want uint64) error {
 		for _, p := range a.pools(small) {
 			p.free.Ascend(func(b *blocks.Block) bool {
 				if b.Segment.Expandable && !slices.Contains(a.exp.chain, b) {
-					if n := a.unmappable(b); n > 0 {
+					if n := a.exp.unmappable(b); n > 0 {
 						cands = append(cands, reclaimCand{b, n})
 					}
 				}
@@ -833,7 +837,7 @@ func (a *Allocator) reclaimPages(c *call, want uint64) error {
 	if len(cands) == 0 {
 		return nil
 	}
-	target := want + a.reclaimHeadroom()
+	target := want + a.exp.reclaimHeadroom()
 	sort.SliceStable(cands, func(i, j int) bool { return cands[i].bytes > cands[j].bytes })
 	for i := len(cands) - 1; i >= 0; i-- {
 		if cands[i].bytes >= target {
@@ -851,7 +855,7 @@ func (a *Allocator) reclaimPages(c *call, want uint64) error {
 		got += cand.bytes
 	}
 	a.exp.scratch = list[:0]
-	if err := a.syncStreams(list); err != nil {
+	if err := a.exp.syncStreams(list); err != nil {
 		return err
 	}
 	a.stats.NumReclaims++
@@ -870,8 +874,8 @@ func (a *Allocator) reclaimPages(c *call, want uint64) error {
 // key-value cache) reclaims, and so synchronises, on nearly every step:
 // with it the following mappings fit under the mark until the headroom is
 // used up.
-func (a *Allocator) reclaimHeadroom() uint64 {
-	return a.exp.mark / reclaimHeadroomDiv / smallBuffer * smallBuffer
+func (e *expandable) reclaimHeadroom() uint64 {
+	return e.mark / reclaimHeadroomDiv / smallBuffer * smallBuffer
 }
 
 // syncStreams waits for the work queued on each stream that owns the
@@ -883,7 +887,7 @@ func (a *Allocator) reclaimHeadroom() uint64 {
 // stream synchronisation waits for) or on other streams through
 // RecordStream, and then it entered the free index only after the events
 // recorded on those streams completed. Other streams keep running.
-func (a *Allocator) syncStreams(list []*blocks.Block) error {
+func (e *expandable) syncStreams(list []*blocks.Block) error {
 	var done [8]uint64
 	synced := done[:0]
 	for _, b := range list {
@@ -891,13 +895,13 @@ func (a *Allocator) syncStreams(list []*blocks.Block) error {
 		if slices.Contains(synced, s) {
 			continue
 		}
-		if err := a.dev.StreamSynchronize(cudart.Stream(s)); err != nil {
+		if err := e.dev.StreamSynchronize(cudart.Stream(s)); err != nil {
 			if !errors.Is(err, cudart.ErrInvalidValue) {
 				return fmt.Errorf("allocator: synchronising stream %#x before unmapping: %w", s, err)
 			}
 			// The stream was destroyed and the allocator not told
 			// (ReleaseStream): wait for the whole device instead.
-			if err := a.dev.Synchronize(); err != nil {
+			if err := e.dev.Synchronize(); err != nil {
 				return fmt.Errorf("allocator: synchronising the device before unmapping (stream %#x is gone): %w", s, err)
 			}
 			return nil
@@ -924,7 +928,7 @@ func (a *Allocator) releaseExpandable(c *call) error {
 		}
 		a.exp.scratch = list[:0]
 		for _, b := range list {
-			if a.unmappable(b) == 0 {
+			if a.exp.unmappable(b) == 0 {
 				continue
 			}
 			if !synced {

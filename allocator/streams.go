@@ -156,7 +156,7 @@ func (a *Allocator) releaseExpandableStream(sh *shard) error {
 	list := a.exp.scratch[:0]
 	for _, p := range [2]*pool{&sh.large, &sh.small} {
 		p.free.Ascend(func(b *blocks.Block) bool {
-			if b.Segment.Expandable && a.unmappable(b) > 0 {
+			if b.Segment.Expandable && a.exp.unmappable(b) > 0 {
 				list = append(list, b)
 			}
 			return true
