@@ -264,8 +264,8 @@ type Allocator struct {
 	misses     int
 	maxStreams int
 	dir        atomic.Pointer[directory] // segments by address, for Free
-	segments   []*blocks.Segment
-	scratch    []*blocks.Block // reused by release paths
+	segs       segTable                  // every segment, from any source (segments.go)
+	scratch    []*blocks.Block           // reused by release paths
 	// gcSearches counts searches of each pool while garbage collection is
 	// on; blocks age by it (PyTorch's get_free_blocks_call_count).
 	gcSearches [numPools]uint64
@@ -274,15 +274,15 @@ type Allocator struct {
 	pending     int            // events not yet completed
 	spareEvents eventpool.Pool // created events ready for reuse
 
-	total    uint64 // device memory
-	allowed  uint64 // per-process cap; total when no fraction is set
-	capped   bool   // per_process_memory_fraction set
-	reserved uint64 // bytes held from the device
+	total   uint64 // device memory
+	allowed uint64 // per-process cap; total when no fraction is set
+	capped  bool   // per_process_memory_fraction set
 
 	stats      Stats
 	be         backend         // the policy behind the public calls (backend.go)
 	async      *asyncAllocator // be, for backend:cudaMallocAsync; nil otherwise
 	src        source          // where segments come from (segments.go)
+	mal        mallocSource    // the cudaMalloc source; src unless exp is set
 	exp        *expandable     // non-nil for expandable_segments:True
 	history    *history        // nil unless recording history
 	ownsDevice bool            // opened by Open: Close closes the device
@@ -344,12 +344,13 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	a.res = new(reservoir)
 	a.dir.Store(&directory{})
 	a.addShard(cudart.DefaultStream).mu.Unlock()
-	a.src = mallocSource{a}
+	a.mal = mallocSource{dev: dev, table: &a.segs, stats: &a.stats, maxSplit: cfg.MaxSplitSize}
+	a.src = &a.mal
 	a.be = native{a}
 	if exp != nil {
 		exp.reclaim = !o.pytorchExpandable
 		exp.largePage = cmp.Or(o.expLargePage, cfg.ExpandablePageSize, DefaultExpandablePage)
-		exp.a = a
+		exp.dev, exp.table, exp.stats, exp.log, exp.total = dev, &a.segs, &a.stats, o.log, total
 		a.src = exp
 	}
 	a.allowed = total
@@ -539,6 +540,24 @@ func (a *Allocator) slowMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, e
 	return a.backendMalloc(&c, sh, size)
 }
 
+// backendMalloc and backendFree call the backend's (backend.go) malloc
+// and free by the concrete type: escape analysis cannot follow a call
+// through an interface, so the call context passed down would move to the
+// heap, one allocation per world-mode Malloc or Free.
+func (a *Allocator) backendMalloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
+	if m := a.async; m != nil {
+		return m.malloc(c, sh, size)
+	}
+	return native{a}.malloc(c, sh, size)
+}
+
+func (a *Allocator) backendFree(c *call, p cudart.Ptr) error {
+	if m := a.async; m != nil {
+		return m.free(c, p)
+	}
+	return native{a}.free(c, p)
+}
+
 // malloc is the native policy's Malloc in world mode, after the checks
 // every backend shares.
 func (n native) malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
@@ -625,7 +644,7 @@ func (a *Allocator) oomError(size, allocSize uint64, cause error) *OOMError {
 		Device: a.info.Index, Requested: size, AllocSize: allocSize,
 		DeviceTotal: total, DeviceFree: free,
 		Allocated: uint64(a.folded().AllocatedBytes[PoolAll].Current),
-		Reserved:  a.reserved, Cause: cause,
+		Reserved:  a.segs.reserved, Cause: cause,
 	}
 	if a.capped {
 		e.Allowed = a.allowed
@@ -790,7 +809,7 @@ func (n native) free(c *call, p cudart.Ptr) error {
 // unknownPointer explains a bad address: a double free when p starts a
 // block that is already free or pending, unknown otherwise.
 func (a *Allocator) unknownPointer(op string, p cudart.Ptr) error {
-	for _, s := range a.segments {
+	for _, s := range a.segs.list {
 		if uint64(p) < s.Ptr || uint64(p) >= s.Ptr+s.Size {
 			continue
 		}
@@ -1014,8 +1033,8 @@ func (a *Allocator) Close() error {
 	liveBytes := a.folded().AllocatedBytes[PoolAll].Current
 	live, errs := a.be.close()
 	errs = append(errs, a.spareEvents.Destroy(a.dev)...)
-	a.log.Info("allocator closed", zap.Int("segments_released", len(a.segments)),
-		zap.Uint64("bytes_released", a.reserved), zap.Int("live_blocks", live))
+	a.log.Info("allocator closed", zap.Int("segments_released", len(a.segs.list)),
+		zap.Uint64("bytes_released", a.segs.reserved), zap.Int("live_blocks", live))
 	// Everything went back to the device: current values drop to zero.
 	st := &a.stats
 	for _, arr := range st.namedArrays() {
@@ -1036,10 +1055,10 @@ func (a *Allocator) Close() error {
 		sh.active = newPtrMap(0)
 		sh.segments, sh.pendingEv = 0, 0
 	}
-	a.segments, a.queues = nil, nil
+	a.segs.list, a.queues = nil, nil
 	a.res = new(reservoir)
 	a.dir.Store(&directory{})
-	a.reserved, a.pending = 0, 0
+	a.segs.reserved, a.pending = 0, 0
 	a.closed = true
 	if a.ownsDevice {
 		if err := a.dev.Close(); err != nil {
@@ -1170,7 +1189,7 @@ func (a *Allocator) Check() error {
 // and flushed.
 func (n native) check() error {
 	a := n.a
-	t, err := blocks.Check(a.segments, a.freeIndexes()...)
+	t, err := blocks.Check(a.segs.list, a.freeIndexes()...)
 	var errs []error
 	if err != nil {
 		errs = append(errs, err)
@@ -1186,7 +1205,7 @@ func (n native) check() error {
 	// segment counts device allocations: expandable ranges do not count.
 	want("segment", st.Segment[PoolAll].Current, int64(t.Segments-t.ExpandableSegments))
 	want("reserved_bytes", st.ReservedBytes[PoolAll].Current, int64(t.SegmentBytes))
-	want("reserved", int64(a.reserved), int64(t.SegmentBytes))
+	want("reserved", int64(a.segs.reserved), int64(t.SegmentBytes))
 	want("allocation", st.Allocation[PoolAll].Current, int64(t.AllocatedCount))
 	want("allocated_bytes", st.AllocatedBytes[PoolAll].Current, int64(t.AllocatedBytes))
 	want("active", st.Active[PoolAll].Current, int64(t.AllocatedCount+t.PendingCount))
@@ -1203,7 +1222,7 @@ func (n native) check() error {
 		want(arr.name+" pools", arr.a[PoolSmall].Current+arr.a[PoolLarge].Current, arr.a[PoolAll].Current)
 	}
 	var events int
-	for _, s := range a.segments {
+	for _, s := range a.segs.list {
 		for b := s.Head; b != nil; b = b.Next {
 			events += b.EventCount
 			if b.Allocated && a.shardOf(cudart.Stream(s.Stream)).active.get(b.Ptr) != b {

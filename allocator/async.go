@@ -211,8 +211,8 @@ func (m *asyncAllocator) syncReserved() {
 	} else {
 		reserved = uint64(a.stats.ActiveBytes[PoolAll].Current)
 	}
-	delta := int64(reserved) - int64(a.reserved)
-	a.reserved = reserved
+	delta := int64(reserved) - int64(a.segs.reserved)
+	a.segs.reserved = reserved
 	// The pool does not say which size class holds its memory; count it in
 	// the large pool, where nearly all of it is.
 	a.stats.ReservedBytes.adjust(PoolLarge, delta)

@@ -17,7 +17,6 @@ package allocator
 // and the debug pages see one Allocator whichever backend serves it.
 
 import (
-	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
 )
 
@@ -62,37 +61,4 @@ func (m *asyncAllocator) holds(p cudart.Ptr) holding {
 		}
 	}
 	return holdNone
-}
-
-// backendMalloc and backendFree call the backend's malloc and free, and
-// grow and releaseSourceCached the segment source's grow and
-// releaseCached, by the concrete type: escape analysis cannot follow a
-// call through an interface, so the call context passed down would move
-// to the heap, one allocation per world-mode Malloc or Free.
-func (a *Allocator) backendMalloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
-	if m := a.async; m != nil {
-		return m.malloc(c, sh, size)
-	}
-	return native{a}.malloc(c, sh, size)
-}
-
-func (a *Allocator) backendFree(c *call, p cudart.Ptr) error {
-	if m := a.async; m != nil {
-		return m.free(c, p)
-	}
-	return native{a}.free(c, p)
-}
-
-func (a *Allocator) grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
-	if e := a.exp; e != nil {
-		return e.grow(c, p, stream, size, rounded)
-	}
-	return mallocSource{a}.grow(c, p, stream, size, rounded)
-}
-
-func (a *Allocator) releaseSourceCached(c *call) error {
-	if e := a.exp; e != nil {
-		return e.releaseCached(c)
-	}
-	return mallocSource{a}.releaseCached(c)
 }

@@ -17,7 +17,7 @@ type poolTotals struct {
 // Freed. st is the folded statistics (world mode).
 func (a *Allocator) checkPoolCounts(st *Stats) []error {
 	var t [numPools]poolTotals
-	for _, s := range a.segments {
+	for _, s := range a.segs.list {
 		pt := &t[PoolLarge]
 		if s.Small {
 			pt = &t[PoolSmall]

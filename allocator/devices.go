@@ -546,7 +546,7 @@ func (n native) holds(p cudart.Ptr) holding {
 	if a.activeBlock(uint64(p)) != nil {
 		return holdLive
 	}
-	for _, s := range a.segments {
+	for _, s := range a.segs.list {
 		if uint64(p) >= s.Ptr && uint64(p)-s.Ptr < s.Size {
 			return holdSegment
 		}

@@ -139,12 +139,20 @@ import (
 	"github.com/allocd/allocd/snapshot"
 )
 
-// expandable is the allocator's expandable-segment state and its segment
-// source (segments.go).
+// expandable is the segment source of expandable segments (segments.go):
+// it owns the virtual ranges, their pages, runs and handles, and keeps the
+// segment table and the statistics in step with the device. It holds no
+// pointer back to the allocator; the policy around it (the cap, reclaim's
+// decisions, the directory, the history) is the allocator's methods in
+// this file.
 type expandable struct {
-	a    *Allocator
-	vm   cudart.VirtualMemory
-	gran uint64
+	dev   cudart.Device
+	vm    cudart.VirtualMemory
+	table *segTable   // the allocator's, shared with its other sources
+	total uint64      // the device's memory; a range is an eighth more
+	stats *Stats      // the allocator's
+	log   *zap.Logger // the allocator's
+	gran  uint64
 	// segs are the live expandable segments in address order.
 	segs []*expSegment
 	// orphans are handles whose Release failed after their pages were
@@ -329,14 +337,6 @@ func expandableFit(p *pool, b *blocks.Block) *blocks.Block {
 	return b
 }
 
-// The source interface, over the functions below.
-func (e *expandable) grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
-	return e.a.growExpandable(c, p, stream, size, rounded)
-}
-func (e *expandable) releaseCached(c *call) error { return e.a.releaseExpandable(c) }
-func (e *expandable) close() []error              { return e.a.closeExpandable() }
-func (e *expandable) check() []error              { return e.a.checkExpandable() }
-
 // growExpandable is grow for expandable segments: map pages for the
 // request; if the device says no, release cached memory (unmap free pages)
 // and try once more; then fail with an OOMError.
@@ -366,7 +366,7 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 		a.stats.NumAllocRetries++
 	}
 	c.devErr = nil
-	if a.capped && a.reserved+allocSize > a.allowed {
+	if a.capped && a.segs.reserved+allocSize > a.allowed {
 		return nil, nil
 	}
 	b, err := a.findExpandableBlock(p, uint64(stream), rounded)
@@ -376,8 +376,8 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 	if a.exp.reclaim {
 		sums, _ := a.hotSums()
 		a.exp.allocMark = max(a.exp.allocMark, uint64(sums[3][PoolAll])+rounded)
-		if excess := a.growthExcess(b, rounded); excess > 0 {
-			defer a.dropSpare()
+		if excess := a.exp.growthExcess(b, rounded); excess > 0 {
+			defer a.exp.dropSpare()
 			a.exp.keep, a.exp.keepSize = true, a.exp.pageSize(p)
 			err := a.reclaimPages(c, excess)
 			a.exp.keep = false
@@ -409,13 +409,27 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 	return b, nil
 }
 
-// findExpandableBlock is find_expandable_block: the lowest-addressed
+// findExpandableBlock is find_expandable_block: the block findBlock
+// finds, or else the unmapped block of a newly reserved range, entered in
+// the directory.
+func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.Block, error) {
+	if b := a.exp.findBlock(p, stream, size); b != nil {
+		return b, nil
+	}
+	b, err := a.exp.reserve(p, stream)
+	if err != nil {
+		return nil, err
+	}
+	a.dirAdd(b.Segment)
+	return b, nil
+}
+
+// findBlock is the search of find_expandable_block: the lowest-addressed
 // unmapped block of the stream and pool which, with a free block just
 // before it and the free or unmapped blocks after it, has room for size
-// bytes (returning that free block when there is one), or else the
-// unmapped block of a newly reserved range.
-func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.Block, error) {
-	for _, es := range a.exp.segs {
+// bytes (returning that free block when there is one); nil if none has.
+func (e *expandable) findBlock(p *pool, stream, size uint64) *blocks.Block {
+	for _, es := range e.segs {
 		s := es.seg
 		if s.Stream != stream || s.Small != p.small {
 			continue
@@ -433,55 +447,72 @@ func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.B
 				room += x.Size
 			}
 			if room >= size {
-				return c, nil
+				return c
 			}
 		}
 	}
-	return a.reserveExpandable(p, stream)
+	return nil
 }
 
-// reserveExpandable reserves a new range for the stream and pool and
-// returns its single unmapped block.
-func (a *Allocator) reserveExpandable(p *pool, stream uint64) (*blocks.Block, error) {
-	page := a.exp.pageSize(p)
-	size := (a.total + a.total/8 + page - 1) / page * page
-	ptr, err := a.exp.vm.Reserve(size)
+// reserve reserves a new range for the stream and pool, of the device's
+// memory and an eighth more, enters it in the segment table and returns
+// its single unmapped block.
+func (e *expandable) reserve(p *pool, stream uint64) (*blocks.Block, error) {
+	page := e.pageSize(p)
+	size := (e.total + e.total/8 + page - 1) / page * page
+	ptr, err := e.vm.Reserve(size)
 	if err != nil {
 		return nil, fmt.Errorf("allocator: reserving %d bytes of address space for an expandable segment: %w", size, err)
 	}
 	seg := &blocks.Segment{Ptr: uint64(ptr), Size: size, Stream: stream, Small: p.small,
-		Index: len(a.segments), Expandable: true, PageSize: page}
+		Index: len(e.table.list), Expandable: true, PageSize: page}
 	b := p.recycler.Get()
 	b.Ptr, b.Size, b.Segment, b.Unmapped = seg.Ptr, size, seg, true
 	seg.Head = b
-	a.segments = append(a.segments, seg)
-	a.dirAdd(seg)
+	e.table.add(seg)
 	es := &expSegment{seg: seg}
-	i := sort.Search(len(a.exp.segs), func(i int) bool { return a.exp.segs[i].seg.Ptr > seg.Ptr })
-	a.exp.segs = append(a.exp.segs, nil)
-	copy(a.exp.segs[i+1:], a.exp.segs[i:])
-	a.exp.segs[i] = es
-	a.log.Debug("expandable segment reserved", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", size),
+	i := sort.Search(len(e.segs), func(i int) bool { return e.segs[i].seg.Ptr > seg.Ptr })
+	e.segs = append(e.segs, nil)
+	copy(e.segs[i+1:], e.segs[i:])
+	e.segs[i] = es
+	e.log.Debug("expandable segment reserved", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", size),
 		zap.Uint64("page_bytes", page), zap.Bool("small_pool", p.small), zap.Uint64("stream", stream))
 	return b, nil
 }
 
-// mapBlock is map_block: map the whole pages covering the first size bytes
-// of the unmapped block b, split off the rest (still unmapped), merge b
-// with free neighbours and index it. It reports false, with a nil error
-// when the device is out of memory; nothing changes then.
+// mapBlock is map_block: mapBlock of the expandable state, then the
+// history's and the log's record of the mapping. It reports false, with a
+// nil error when the device is out of memory; nothing changes then.
 func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bool, error) {
+	seg, start := b.Segment, b.Ptr
+	n, elapsed, err := a.exp.mapBlock(c, p, b, size)
+	if n == 0 {
+		return false, err
+	}
+	a.record(c, actionSegmentMap, start, n, cudart.Stream(seg.Stream))
+	a.log.Debug("expandable segment mapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
+		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved), zap.Duration("took", elapsed))
+	return true, nil
+}
+
+// mapBlock maps the whole pages covering the first size bytes of the
+// unmapped block b of pool p, splits off the rest (still unmapped), merges
+// b with free neighbours, indexes it and counts the bytes mapped, which it
+// returns with the time the mapping took. It returns 0 bytes, with a nil
+// error when the device is out of memory (c.devErr says why); nothing
+// changes then.
+func (e *expandable) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (uint64, time.Duration, error) {
 	seg := b.Segment
-	es := a.exp.of(seg)
+	es := e.of(seg)
 	page := seg.PageSize
 	begin := (b.Ptr - seg.Ptr) / page
 	end := (b.Ptr - seg.Ptr + size + page - 1) / page
 	t0 := time.Now()
-	if ok, err := a.mapPages(c, es, begin, end); !ok {
-		return false, err
+	if ok, err := e.mapPages(c, es, begin, end); !ok {
+		return 0, 0, err
 	}
 	elapsed := time.Since(t0)
-	start, n := b.Ptr, (end-begin)*page
+	n := (end - begin) * page
 	b.Unmapped = false
 	if n < b.Size {
 		rest := blocks.Split(b, n, &p.recycler)
@@ -490,38 +521,35 @@ func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bo
 	blocks.Merge(b, p.free, &p.recycler)
 	p.free.Insert(b)
 	seg.Mapped += n
-	a.reserved += n
-	a.exp.mark = max(a.exp.mark, a.reserved)
-	a.stats.ReservedBytes.add(p.stat, int64(n))
-	a.stats.NumDeviceAlloc++
-	a.stats.DeviceMallocLatency.observe(elapsed)
-	a.record(c, actionSegmentMap, start, n, cudart.Stream(seg.Stream))
-	a.log.Debug("expandable segment mapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
-		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.reserved), zap.Duration("took", elapsed))
-	return true, nil
+	e.table.reserved += n
+	e.mark = max(e.mark, e.table.reserved)
+	e.stats.ReservedBytes.add(p.stat, int64(n))
+	e.stats.NumDeviceAlloc++
+	e.stats.DeviceMallocLatency.observe(elapsed)
+	return n, elapsed, nil
 }
 
 // mapPages maps pages [begin, end) of es in runs: first runs that reclaim
-// kept (a.exp.spare) that fit, then new runs of at most runPages pages,
+// kept (e.spare) that fit, then new runs of at most runPages pages,
 // each one handle (Create, then Map); runs of one length are mapped in one
 // call when the device is a cudart.RangeMapper, else run by run.
 // On out of memory it releases what it made and returns (false, nil); on
 // another failure it undoes what it did and returns the error.
-func (a *Allocator) mapPages(c *call, es *expSegment, begin, end uint64) (bool, error) {
-	vm, page := a.exp.vm, es.seg.PageSize
-	hs, lens := a.exp.handles[:0], a.exp.lens[:0]
+func (e *expandable) mapPages(c *call, es *expSegment, begin, end uint64) (bool, error) {
+	vm, page := e.vm, es.seg.PageSize
+	hs, lens := e.handles[:0], e.lens[:0]
 	var moved, across int64
 	mapped := 0 // runs mapped so far, in order
 	undo := func() {
 		at := es.addr(begin)
 		for k := range mapped {
 			if err := vm.Unmap(cudart.Ptr(at), lens[k]*page); err != nil {
-				a.log.Error("undoing a mapping failed", zap.Uint64("addr", at), zap.Error(err))
+				e.log.Error("undoing a mapping failed", zap.Uint64("addr", at), zap.Error(err))
 			}
 			at += lens[k] * page
 		}
 		for _, h := range hs {
-			a.releaseHandle(h)
+			e.releaseHandle(h)
 		}
 	}
 	fail := func(err error, what string) (bool, error) {
@@ -533,18 +561,18 @@ func (a *Allocator) mapPages(c *call, es *expSegment, begin, end uint64) (bool, 
 		return false, fmt.Errorf("allocator: %s for expandable segment %#x: %w", what, es.seg.Ptr, err)
 	}
 	rem := end - begin
-	for page == a.exp.keepSize && rem > 0 {
+	for page == e.keepSize && rem > 0 {
 		best := -1 // the longest kept run that fits
-		for i, sp := range a.exp.spare {
-			if sp.pages <= rem && (best < 0 || sp.pages > a.exp.spare[best].pages) {
+		for i, sp := range e.spare {
+			if sp.pages <= rem && (best < 0 || sp.pages > e.spare[best].pages) {
 				best = i
 			}
 		}
 		if best < 0 {
 			break
 		}
-		sp := a.exp.spare[best]
-		a.exp.spare = slices.Delete(a.exp.spare, best, best+1)
+		sp := e.spare[best]
+		e.spare = slices.Delete(e.spare, best, best+1)
 		hs, lens = append(hs, sp.h), append(lens, sp.pages)
 		rem -= sp.pages
 		moved += int64(sp.pages)
@@ -552,7 +580,7 @@ func (a *Allocator) mapPages(c *call, es *expSegment, begin, end uint64) (bool, 
 			across += int64(sp.pages)
 		}
 	}
-	for maxRun := a.exp.runPages(es.seg, rem); rem > 0; {
+	for maxRun := e.runPages(es.seg, rem); rem > 0; {
 		n := min(rem, maxRun)
 		h, err := vm.Create(n * page)
 		if err != nil {
@@ -588,9 +616,9 @@ func (a *Allocator) mapPages(c *call, es *expSegment, begin, end uint64) (bool, 
 			i++
 		}
 	}
-	a.stats.NumPagesMoved += moved
-	a.stats.NumPagesMovedAcrossStreams += across
-	a.exp.handles, a.exp.lens = hs[:0], lens[:0]
+	e.stats.NumPagesMoved += moved
+	e.stats.NumPagesMovedAcrossStreams += across
+	e.handles, e.lens = hs[:0], lens[:0]
 	return true, nil
 }
 
@@ -616,10 +644,10 @@ func mapHandles(vm cudart.VirtualMemory, addr, size uint64, hs []cudart.Handle) 
 
 // releaseHandle releases a handle whose page is unmapped; one the device
 // refuses is kept for Close to retry.
-func (a *Allocator) releaseHandle(h cudart.Handle) {
-	if err := a.exp.vm.Release(h); err != nil {
-		a.exp.orphans = append(a.exp.orphans, h)
-		a.log.Error("releasing a physical page failed; retrying at Close", zap.Uint64("handle", uint64(h)), zap.Error(err))
+func (e *expandable) releaseHandle(h cudart.Handle) {
+	if err := e.vm.Release(h); err != nil {
+		e.orphans = append(e.orphans, h)
+		e.log.Error("releasing a physical page failed; retrying at Close", zap.Uint64("handle", uint64(h)), zap.Error(err))
 	}
 }
 
@@ -627,8 +655,8 @@ func (a *Allocator) releaseHandle(h cudart.Handle) {
 // (whole runs: see wholeRuns) and releases their handles, or keeps them
 // for the mapping under way. If an unmap fails, the runs already unmapped
 // are mapped again and the error is returned.
-func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
-	vm, page := a.exp.vm, es.seg.PageSize
+func (e *expandable) unmapPages(es *expSegment, begin, end uint64) error {
+	vm, page := e.vm, es.seg.PageSize
 	for i := begin; i < end; i += uint64(es.run[i]) {
 		if es.run[i] == 0 || i+uint64(es.run[i]) > end {
 			return fmt.Errorf("allocator: expandable segment %#x: pages [%d, %d) are not whole runs (page %d)", es.seg.Ptr, begin, end, i)
@@ -638,7 +666,7 @@ func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
 		if err := vm.Unmap(cudart.Ptr(es.addr(i)), uint64(es.run[i])*page); err != nil {
 			for j := begin; j < i; j += uint64(es.run[j]) {
 				if rerr := vm.Map(cudart.Ptr(es.addr(j)), uint64(es.run[j])*page, es.handles[j]); rerr != nil {
-					a.log.Error("mapping a run again after a failed unmap failed", zap.Uint64("addr", es.addr(j)), zap.Error(rerr))
+					e.log.Error("mapping a run again after a failed unmap failed", zap.Uint64("addr", es.addr(j)), zap.Error(rerr))
 				}
 			}
 			return fmt.Errorf("allocator: unmapping the %d-byte run at %#x: %w", uint64(es.run[i])*page, es.addr(i), err)
@@ -646,10 +674,10 @@ func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
 	}
 	for i := begin; i < end; {
 		n := uint64(es.run[i])
-		if a.exp.keep && page == a.exp.keepSize {
-			a.exp.spare = append(a.exp.spare, spareRun{h: es.handles[i], pages: n, stream: es.seg.Stream})
+		if e.keep && page == e.keepSize {
+			e.spare = append(e.spare, spareRun{h: es.handles[i], pages: n, stream: es.seg.Stream})
 		} else {
-			a.releaseHandle(es.handles[i])
+			e.releaseHandle(es.handles[i])
 		}
 		es.handles[i], es.run[i] = 0, 0
 		for range n {
@@ -661,30 +689,44 @@ func (a *Allocator) unmapPages(es *expSegment, begin, end uint64) error {
 }
 
 // dropSpare releases the runs reclaim kept that the mapping did not use.
-func (a *Allocator) dropSpare() {
-	for _, sp := range a.exp.spare {
-		a.releaseHandle(sp.h)
+func (e *expandable) dropSpare() {
+	for _, sp := range e.spare {
+		e.releaseHandle(sp.h)
 	}
-	a.exp.spare = a.exp.spare[:0]
+	e.spare = e.spare[:0]
 }
 
-// unmapBlock is unmap_block: unmap the whole runs inside the free block
-// b. Their span becomes an unmapped block, merged with its unmapped
-// neighbours and returned; the rest of b at either end (partial pages,
-// and pages of runs that reach beyond b) stays mapped as free blocks. It
-// returns nil when b covers no whole run.
+// unmapBlock is unmap_block: unmapBlock of the expandable state, then
+// the history's and the log's record of the unmapping.
 func (a *Allocator) unmapBlock(c *call, b *blocks.Block) (*blocks.Block, error) {
 	seg := b.Segment
-	es := a.exp.of(seg)
-	begin, end := es.runsInside(b)
-	if begin >= end {
-		return nil, nil
-	}
-	page := seg.PageSize
-	if err := a.unmapPages(es, begin, end); err != nil {
+	u, start, n, err := a.exp.unmapBlock(a.poolOf(b), b)
+	if u == nil {
 		return nil, err
 	}
-	p := a.poolOf(b)
+	a.record(c, actionSegmentUnmap, start, n, cudart.Stream(seg.Stream))
+	a.log.Debug("expandable segment unmapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
+		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved))
+	return u, nil
+}
+
+// unmapBlock unmaps the whole runs inside the free block b of pool p.
+// Their span becomes an unmapped block, merged with its unmapped
+// neighbours and returned with its address and size before the merge;
+// the rest of b at either end (partial pages, and pages of runs that
+// reach beyond b) stays mapped as free blocks. It returns nil when b
+// covers no whole run or on an error.
+func (e *expandable) unmapBlock(p *pool, b *blocks.Block) (*blocks.Block, uint64, uint64, error) {
+	seg := b.Segment
+	es := e.of(seg)
+	begin, end := es.runsInside(b)
+	if begin >= end {
+		return nil, 0, 0, nil
+	}
+	page := seg.PageSize
+	if err := e.unmapPages(es, begin, end); err != nil {
+		return nil, 0, 0, err
+	}
 	p.free.Delete(b)
 	start, n := es.addr(begin), (end-begin)*page
 	if before := start - b.Ptr; before > 0 {
@@ -698,13 +740,10 @@ func (a *Allocator) unmapBlock(c *call, b *blocks.Block) (*blocks.Block, error) 
 	b.Unmapped = true
 	blocks.MergeUnmapped(b, &p.recycler)
 	seg.Mapped -= n
-	a.reserved -= n
-	a.stats.ReservedBytes.sub(p.stat, int64(n))
-	a.stats.NumDeviceFree++
-	a.record(c, actionSegmentUnmap, start, n, cudart.Stream(seg.Stream))
-	a.log.Debug("expandable segment unmapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
-		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.reserved))
-	return b, nil
+	e.table.reserved -= n
+	e.stats.ReservedBytes.sub(p.stat, int64(n))
+	e.stats.NumDeviceFree++
+	return b, start, n, nil
 }
 
 // runsInside returns the pages [begin, end) of the whole runs inside the
@@ -720,8 +759,8 @@ func (es *expSegment) runsInside(b *blocks.Block) (uint64, uint64) {
 
 // unmappable returns the bytes that unmapBlock would unmap from the mapped
 // block b: its whole runs.
-func (a *Allocator) unmappable(b *blocks.Block) uint64 {
-	begin, end := a.exp.of(b.Segment).runsInside(b)
+func (e *expandable) unmappable(b *blocks.Block) uint64 {
+	begin, end := e.of(b.Segment).runsInside(b)
 	if begin >= end {
 		return 0
 	}
@@ -731,9 +770,9 @@ func (a *Allocator) unmappable(b *blocks.Block) uint64 {
 // growthExcess is how far serving size bytes from the candidate c would
 // raise reserved memory above its high-water mark, 0 when not at all. It
 // also leaves c and the blocks after it that the request would use in
-// a.exp.chain.
-func (a *Allocator) growthExcess(c *blocks.Block, size uint64) uint64 {
-	chain := a.exp.chain[:0]
+// e.chain.
+func (e *expandable) growthExcess(c *blocks.Block, size uint64) uint64 {
+	chain := e.chain[:0]
 	var need uint64
 	rem := size
 	for x := c; x != nil && rem > 0; x = x.Next {
@@ -750,19 +789,19 @@ func (a *Allocator) growthExcess(c *blocks.Block, size uint64) uint64 {
 		}
 		rem -= min(rem, x.Size)
 	}
-	a.exp.chain = chain
-	limit := max(a.exp.mark, a.exp.allocMark+a.reclaimSlack())
-	if a.reserved+need <= limit {
+	e.chain = chain
+	limit := max(e.mark, e.allocMark+e.reclaimSlack())
+	if e.table.reserved+need <= limit {
 		return 0
 	}
-	return a.reserved + need - limit
+	return e.table.reserved + need - limit
 }
 
 // reclaimSlack is how far reserved memory may rise above the largest
 // allocated figure seen at a mapping (allocMark) before a mapping past
 // the high-water mark reclaims.
-func (a *Allocator) reclaimSlack() uint64 {
-	return a.exp.allocMark / reclaimSlackDiv / smallBuffer * smallBuffer
+func (e *expandable) reclaimSlack() uint64 {
+	return e.allocMark / reclaimSlackDiv / smallBuffer * smallBuffer
 }
 
 // The reclaim policy's two fractions (docs/fragmentation.md has the
@@ -786,7 +825,7 @@ func (a *Allocator) reclaimPages(c *call, want uint64) error {
 		for _, p := range a.pools(small) {
 			p.free.Ascend(func(b *blocks.Block) bool {
 				if b.Segment.Expandable && !slices.Contains(a.exp.chain, b) {
-					if n := a.unmappable(b); n > 0 {
+					if n := a.exp.unmappable(b); n > 0 {
 						cands = append(cands, reclaimCand{b, n})
 					}
 				}
@@ -798,7 +837,7 @@ func (a *Allocator) reclaimPages(c *call, want uint64) error {
 	if len(cands) == 0 {
 		return nil
 	}
-	target := want + a.reclaimHeadroom()
+	target := want + a.exp.reclaimHeadroom()
 	sort.SliceStable(cands, func(i, j int) bool { return cands[i].bytes > cands[j].bytes })
 	for i := len(cands) - 1; i >= 0; i-- {
 		if cands[i].bytes >= target {
@@ -816,7 +855,7 @@ func (a *Allocator) reclaimPages(c *call, want uint64) error {
 		got += cand.bytes
 	}
 	a.exp.scratch = list[:0]
-	if err := a.syncStreams(list); err != nil {
+	if err := a.exp.syncStreams(list); err != nil {
 		return err
 	}
 	a.stats.NumReclaims++
@@ -835,8 +874,8 @@ func (a *Allocator) reclaimPages(c *call, want uint64) error {
 // key-value cache) reclaims, and so synchronises, on nearly every step:
 // with it the following mappings fit under the mark until the headroom is
 // used up.
-func (a *Allocator) reclaimHeadroom() uint64 {
-	return a.exp.mark / reclaimHeadroomDiv / smallBuffer * smallBuffer
+func (e *expandable) reclaimHeadroom() uint64 {
+	return e.mark / reclaimHeadroomDiv / smallBuffer * smallBuffer
 }
 
 // syncStreams waits for the work queued on each stream that owns the
@@ -848,7 +887,7 @@ func (a *Allocator) reclaimHeadroom() uint64 {
 // stream synchronisation waits for) or on other streams through
 // RecordStream, and then it entered the free index only after the events
 // recorded on those streams completed. Other streams keep running.
-func (a *Allocator) syncStreams(list []*blocks.Block) error {
+func (e *expandable) syncStreams(list []*blocks.Block) error {
 	var done [8]uint64
 	synced := done[:0]
 	for _, b := range list {
@@ -856,13 +895,13 @@ func (a *Allocator) syncStreams(list []*blocks.Block) error {
 		if slices.Contains(synced, s) {
 			continue
 		}
-		if err := a.dev.StreamSynchronize(cudart.Stream(s)); err != nil {
+		if err := e.dev.StreamSynchronize(cudart.Stream(s)); err != nil {
 			if !errors.Is(err, cudart.ErrInvalidValue) {
 				return fmt.Errorf("allocator: synchronising stream %#x before unmapping: %w", s, err)
 			}
 			// The stream was destroyed and the allocator not told
 			// (ReleaseStream): wait for the whole device instead.
-			if err := a.dev.Synchronize(); err != nil {
+			if err := e.dev.Synchronize(); err != nil {
 				return fmt.Errorf("allocator: synchronising the device before unmapping (stream %#x is gone): %w", s, err)
 			}
 			return nil
@@ -889,7 +928,7 @@ func (a *Allocator) releaseExpandable(c *call) error {
 		}
 		a.exp.scratch = list[:0]
 		for _, b := range list {
-			if a.unmappable(b) == 0 {
+			if a.exp.unmappable(b) == 0 {
 				continue
 			}
 			if !synced {
@@ -912,43 +951,47 @@ func (a *Allocator) releaseExpandable(c *call) error {
 	return nil
 }
 
-// releaseExpandableSegment returns a wholly unmapped range to the device.
+// releaseExpandableSegment returns a wholly unmapped range to the device
+// and takes it out of the directory.
 func (a *Allocator) releaseExpandableSegment(es *expSegment) error {
 	seg := es.seg
-	if err := a.exp.vm.ReleaseRange(cudart.Ptr(seg.Ptr), seg.Size); err != nil {
-		return fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", seg.Ptr, err)
+	if err := a.exp.releaseRange(es); err != nil {
+		return err
 	}
-	last := a.segments[len(a.segments)-1]
-	a.segments[seg.Index] = last
-	last.Index = seg.Index
-	a.segments[len(a.segments)-1] = nil
-	a.segments = a.segments[:len(a.segments)-1]
 	a.dirRemove(seg)
-	for i, x := range a.exp.segs {
-		if x == es {
-			a.exp.segs = append(a.exp.segs[:i], a.exp.segs[i+1:]...)
-			break
-		}
-	}
 	a.log.Debug("expandable segment released", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", seg.Size))
 	a.poolOf(seg.Head).recycler.Put(seg.Head)
 	return nil
 }
 
-// closeExpandable unmaps every mapped page, releases every handle and
-// every range. Each contiguous mapped run counts as one device free.
-func (a *Allocator) closeExpandable() []error {
-	if a.exp == nil {
-		return nil
+// releaseRange returns es's wholly unmapped range to the device and takes
+// it out of the segment table and the expandable segments.
+func (e *expandable) releaseRange(es *expSegment) error {
+	seg := es.seg
+	if err := e.vm.ReleaseRange(cudart.Ptr(seg.Ptr), seg.Size); err != nil {
+		return fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", seg.Ptr, err)
 	}
+	e.table.remove(seg)
+	for i, x := range e.segs {
+		if x == es {
+			e.segs = append(e.segs[:i], e.segs[i+1:]...)
+			break
+		}
+	}
+	return nil
+}
+
+// close unmaps every mapped page, releases every handle and
+// every range. Each contiguous mapped run counts as one device free.
+func (e *expandable) close() []error {
 	var errs []error
-	vm := a.exp.vm
-	if a.reserved > 0 {
-		if err := a.dev.Synchronize(); err != nil {
+	vm := e.vm
+	if e.table.reserved > 0 {
+		if err := e.dev.Synchronize(); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: synchronising the device before unmapping: %w", err))
 		}
 	}
-	for _, es := range a.exp.segs {
+	for _, es := range e.segs {
 		page := es.seg.PageSize
 		for i := uint64(0); i < uint64(len(es.mapped)); {
 			if !es.mapped[i] {
@@ -973,18 +1016,18 @@ func (a *Allocator) closeExpandable() []error {
 					i++
 				}
 			}
-			a.stats.NumDeviceFree++
+			e.stats.NumDeviceFree++
 		}
 		if err := vm.ReleaseRange(cudart.Ptr(es.seg.Ptr), es.seg.Size); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", es.seg.Ptr, err))
 		}
 	}
-	for _, h := range a.exp.orphans {
+	for _, h := range e.orphans {
 		if err := vm.Release(h); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: releasing physical page handle %#x: %w", uint64(h), err))
 		}
 	}
-	a.exp.segs, a.exp.orphans = nil, nil
+	e.segs, e.orphans = nil, nil
 	return errs
 }
 
@@ -1040,34 +1083,28 @@ func (es *expSegment) checkRuns(maxRun uint64) []error {
 	return errs
 }
 
-// checkExpandable compares the expandable segments' pages with their
+// check compares the expandable segments' pages with their
 // blocks: a page is mapped exactly when a mapped block covers part of it.
-func (a *Allocator) checkExpandable() []error {
+func (e *expandable) check() []error {
 	var errs []error
 	n := 0
-	for _, s := range a.segments {
+	for _, s := range e.table.list {
 		if s.Expandable {
 			n++
 		}
 	}
-	if a.exp == nil {
-		if n > 0 {
-			errs = append(errs, fmt.Errorf("%d expandable segments without expandable_segments:True", n))
-		}
-		return errs
+	if len(e.spare) > 0 {
+		errs = append(errs, fmt.Errorf("%d unmapped page handles kept outside a mapping", len(e.spare)))
 	}
-	if len(a.exp.spare) > 0 {
-		errs = append(errs, fmt.Errorf("%d unmapped page handles kept outside a mapping", len(a.exp.spare)))
+	if n != len(e.segs) {
+		errs = append(errs, fmt.Errorf("%d expandable segments in the segment list, %d registered", n, len(e.segs)))
 	}
-	if n != len(a.exp.segs) {
-		errs = append(errs, fmt.Errorf("%d expandable segments in the segment list, %d registered", n, len(a.exp.segs)))
-	}
-	for i, es := range a.exp.segs {
+	for i, es := range e.segs {
 		s := es.seg
-		if i > 0 && a.exp.segs[i-1].seg.Ptr >= s.Ptr {
+		if i > 0 && e.segs[i-1].seg.Ptr >= s.Ptr {
 			errs = append(errs, fmt.Errorf("expandable segments out of address order at %#x", s.Ptr))
 		}
-		if s.Index >= len(a.segments) || a.segments[s.Index] != s {
+		if s.Index >= len(e.table.list) || e.table.list[s.Index] != s {
 			errs = append(errs, fmt.Errorf("expandable segment %#x is not in the segment list", s.Ptr))
 			continue
 		}
@@ -1081,7 +1118,7 @@ func (a *Allocator) checkExpandable() []error {
 				pages++
 			}
 		}
-		errs = append(errs, es.checkRuns(a.exp.maxRunPages(s))...)
+		errs = append(errs, es.checkRuns(e.maxRunPages(s))...)
 		if pages*s.PageSize != s.Mapped {
 			errs = append(errs, fmt.Errorf("expandable segment %#x: %d pages mapped, %d bytes in mapped blocks", s.Ptr, pages, s.Mapped))
 		}

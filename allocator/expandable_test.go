@@ -789,15 +789,15 @@ func TestExpandableCheckFindsCorruption(t *testing.T) {
 		{"run without a handle", func() { es.handles[4] = 0 }, "page 4 has no handle"},
 		{"segment list", func() { a.exp.segs = nil }, "0 registered"},
 		{"mapped bytes", func() { es.seg.Mapped += 20 * miB }, "mapped"},
-		{"reserved", func() { a.reserved += 20 * miB }, "reserved"},
+		{"reserved", func() { a.segs.reserved += 20 * miB }, "reserved"},
 		{"segment stat", func() { a.stats.Segment[PoolAll].Current++ }, "stat segment"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			saved, savedSegs, savedMapped, savedRes, savedStats := append([]bool(nil), es.mapped...), a.exp.segs, es.seg.Mapped, a.reserved, a.stats
+			saved, savedSegs, savedMapped, savedRes, savedStats := append([]bool(nil), es.mapped...), a.exp.segs, es.seg.Mapped, a.segs.reserved, a.stats
 			savedRun, savedHandles := append([]uint32(nil), es.run...), append([]cudart.Handle(nil), es.handles...)
 			tc.corrupt()
 			err := a.Check()
-			es.mapped, a.exp.segs, es.seg.Mapped, a.reserved, a.stats = saved, savedSegs, savedMapped, savedRes, savedStats
+			es.mapped, a.exp.segs, es.seg.Mapped, a.segs.reserved, a.stats = saved, savedSegs, savedMapped, savedRes, savedStats
 			es.run, es.handles = savedRun, savedHandles
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("Check = %v, want a report containing %q", err, tc.want)

@@ -135,7 +135,7 @@ func (a *Allocator) checkParked() []error {
 			errs = append(errs, fmt.Errorf("parked %v is in the active map", b))
 		}
 		s := b.Segment
-		if s == nil || s.Expandable || s.Stream != uint64(sh.stream) || s.Index >= len(a.segments) || a.segments[s.Index] != s {
+		if s == nil || s.Expandable || s.Stream != uint64(sh.stream) || s.Index >= len(a.segs.list) || a.segs.list[s.Index] != s {
 			errs = append(errs, fmt.Errorf("parked %v is not in an ordinary segment of stream %#x", b, uint64(sh.stream)))
 			continue
 		}

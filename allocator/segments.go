@@ -5,9 +5,11 @@ package allocator
 // (shard.go, front.go) → free index (package blocks) → source. The source
 // is one of two:
 //
-//   - mallocSource (this file): one device malloc per segment, PyTorch's
-//     alloc_block, with its escalation on out of memory and the
-//     garbage collector;
+//   - mallocSource (this file): one device malloc per segment. It owns
+//     the device calls and the segment table's and statistics'
+//     bookkeeping; the allocator's growMalloc, allocBlock and releaseBlock
+//     around it are PyTorch's alloc_block with its escalation on out of
+//     memory and the garbage collector, which walk the pools;
 //   - *expandable (expandable.go): virtual ranges per stream and pool,
 //     grown by mapping pages (expandable_segments:True).
 //
@@ -27,51 +29,131 @@ import (
 	"github.com/allocd/allocd/cudart"
 )
 
-// source is a segment source.
+// source is a segment source: the part of it the allocator reaches
+// through an interface. grow and releaseCached are called by the concrete
+// type (backend.go says why).
 type source interface {
-	// grow finds room for a request of size bytes (rounded) on stream
-	// that the pool's free index could not serve, releasing cached memory
-	// and asking again as the policy says, and returns a free block of at
-	// least rounded bytes that is not indexed; or an *OOMError, counted.
-	grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error)
-	// releaseCached returns what the cache holds unused to the device
-	// (PyTorch's release_cached_blocks, after the events are waited for).
-	releaseCached(c *call) error
 	// close returns everything to the device, live blocks included.
 	close() []error
 	// check reports every broken invariant of the source's own state.
 	check() []error
 }
 
-// mallocSource is the source of cudaMalloc segments.
-type mallocSource struct{ a *Allocator }
-
-// releaseCached releases every whole free segment, large pools first.
-func (m mallocSource) releaseCached(c *call) error {
-	if err := m.a.releaseAll(c, m.a.collectWhole(false)); err != nil {
-		return err
+// grow and releaseSourceCached call the growth (growMalloc,
+// growExpandable) and the cache release (releaseWhole, releaseExpandable)
+// of the segment source in use by the concrete type, as backendMalloc
+// does the backend's.
+func (a *Allocator) grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
+	if a.exp != nil {
+		return a.growExpandable(c, p, stream, size, rounded)
 	}
-	return m.a.releaseAll(c, m.a.collectWhole(true))
+	return a.growMalloc(c, p, stream, size, rounded)
+}
+
+func (a *Allocator) releaseSourceCached(c *call) error {
+	if a.exp != nil {
+		return a.releaseExpandable(c)
+	}
+	return a.releaseWhole(c)
+}
+
+// segTable is every segment the allocator holds from the device, whatever
+// source made it, and the bytes they hold. A segment's Index is its place
+// in list.
+type segTable struct {
+	list     []*blocks.Segment
+	reserved uint64 // bytes held from the device
+}
+
+// add appends seg, whose Index must be len(list).
+func (t *segTable) add(seg *blocks.Segment) {
+	t.list = append(t.list, seg)
+}
+
+// remove takes seg out of the list, moving the last segment into its place.
+func (t *segTable) remove(seg *blocks.Segment) {
+	last := t.list[len(t.list)-1]
+	t.list[seg.Index] = last
+	last.Index = seg.Index
+	t.list[len(t.list)-1] = nil
+	t.list = t.list[:len(t.list)-1]
+}
+
+// mallocSource is the source of cudaMalloc segments: it makes and frees
+// them on the device and keeps the segment table, the reserved bytes and
+// the segment statistics in step with the device. The policy around it
+// (the cap, the escalation on out of memory, the world lock, the
+// directory, the history) is the allocator's, below.
+type mallocSource struct {
+	dev      cudart.Device
+	table    *segTable // shared with the allocator and its other sources
+	stats    *Stats    // the allocator's
+	maxSplit uint64    // max_split_size: segments from here up are oversize
+}
+
+// malloc asks the device for allocSize bytes and says how long it took.
+func (m *mallocSource) malloc(allocSize uint64) (cudart.Ptr, time.Duration, error) {
+	t0 := time.Now()
+	ptr, err := m.dev.Malloc(allocSize)
+	return ptr, time.Since(t0), err
+}
+
+// adopt makes the device memory at ptr a segment of pool p on stream and
+// counts it; it returns the segment's one block, not indexed.
+func (m *mallocSource) adopt(p *pool, stream cudart.Stream, ptr cudart.Ptr, allocSize uint64, took time.Duration) *blocks.Block {
+	m.stats.DeviceMallocLatency.observe(took)
+	seg := &blocks.Segment{Ptr: uint64(ptr), Size: allocSize, Stream: uint64(stream), Small: p.small, Index: len(m.table.list)}
+	b := p.recycler.Get()
+	b.Ptr, b.Size, b.Segment = uint64(ptr), allocSize, seg
+	seg.Head = b
+	m.table.add(seg)
+	m.table.reserved += allocSize
+	m.stats.Segment.add(p.stat, 1)
+	m.stats.ReservedBytes.add(p.stat, int64(allocSize))
+	if allocSize >= m.maxSplit {
+		m.stats.OversizeSegments.add(1)
+	}
+	m.stats.NumDeviceAlloc++
+	return b
+}
+
+// release returns b, a whole free segment of pool p, to the device and
+// takes it out of p's free index and the counts. b itself is left for the
+// caller to recycle.
+func (m *mallocSource) release(p *pool, b *blocks.Block) error {
+	seg := b.Segment
+	if err := m.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
+		return fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err)
+	}
+	p.free.Delete(b)
+	m.table.remove(seg)
+	m.table.reserved -= seg.Size
+	m.stats.Segment.sub(p.stat, 1)
+	m.stats.ReservedBytes.sub(p.stat, int64(seg.Size))
+	if seg.Size >= m.maxSplit {
+		m.stats.OversizeSegments.sub(1)
+	}
+	m.stats.NumDeviceFree++
+	return nil
 }
 
 // close frees every segment.
-func (m mallocSource) close() []error {
-	a := m.a
+func (m *mallocSource) close() []error {
 	var errs []error
-	for _, seg := range a.segments {
-		if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
+	for _, seg := range m.table.list {
+		if err := m.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err))
 			continue
 		}
-		a.stats.NumDeviceFree++
+		m.stats.NumDeviceFree++
 	}
 	return errs
 }
 
 // check: without expandable_segments no segment is expandable.
-func (m mallocSource) check() []error {
+func (m *mallocSource) check() []error {
 	n := 0
-	for _, s := range m.a.segments {
+	for _, s := range m.table.list {
 		if s.Expandable {
 			n++
 		}
@@ -80,6 +162,15 @@ func (m mallocSource) check() []error {
 		return []error{fmt.Errorf("%d expandable segments without expandable_segments:True", n)}
 	}
 	return nil
+}
+
+// releaseWhole is the cudaMalloc source's releaseCached: it releases
+// every whole free segment, large pools first.
+func (a *Allocator) releaseWhole(c *call) error {
+	if err := a.releaseAll(c, a.collectWhole(false)); err != nil {
+		return err
+	}
+	return a.releaseAll(c, a.collectWhole(true))
 }
 
 // allocationSize is PyTorch's get_allocation_size: the segment size for a
@@ -94,13 +185,12 @@ func allocationSize(size uint64) uint64 {
 	return (size + roundLarge - 1) / roundLarge * roundLarge
 }
 
-// grow is PyTorch's malloc after get_free_block fails: it obtains a new
+// growMalloc is the cudaMalloc source's grow, PyTorch's malloc after get_free_block fails: it obtains a new
 // segment for a request that no cached block serves,
 // following PyTorch's escalation: garbage-collect aged blocks (when
 // configured), ask the device, release oversize cached blocks and ask
 // again, release every cached segment and ask a last time.
-func (m mallocSource) grow(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
-	a := m.a
+func (a *Allocator) growMalloc(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
 	if a.gcEnabled() {
 		a.garbageCollect(c)
 	}
@@ -132,24 +222,23 @@ func (a *Allocator) allocBlock(c *call, p *pool, stream cudart.Stream, allocSize
 		a.stats.NumAllocRetries++
 	}
 	c.devErr = nil
-	if a.capped && a.reserved+allocSize > a.allowed {
+	if a.capped && a.segs.reserved+allocSize > a.allowed {
 		return nil, nil
 	}
-	t0 := time.Now()
 	var ptr cudart.Ptr
+	var elapsed time.Duration
 	var err error
 	if a.cfg.ReleaseLockOnDeviceMalloc {
 		a.unlockWorld()
-		ptr, err = a.dev.Malloc(allocSize)
+		ptr, elapsed, err = a.mal.malloc(allocSize)
 		a.lockWorld()
 		if err == nil && a.closed {
 			_ = a.dev.Free(ptr)
 			return nil, fmt.Errorf("allocator: malloc: %w", ErrClosed)
 		}
 	} else {
-		ptr, err = a.dev.Malloc(allocSize)
+		ptr, elapsed, err = a.mal.malloc(allocSize)
 	}
-	elapsed := time.Since(t0)
 	if err != nil {
 		if errors.Is(err, cudart.ErrOutOfMemory) {
 			c.devErr = err
@@ -157,24 +246,13 @@ func (a *Allocator) allocBlock(c *call, p *pool, stream cudart.Stream, allocSize
 		}
 		return nil, fmt.Errorf("allocator: device malloc of %d bytes: %w", allocSize, err)
 	}
-	a.stats.DeviceMallocLatency.observe(elapsed)
-	seg := &blocks.Segment{Ptr: uint64(ptr), Size: allocSize, Stream: uint64(stream), Small: p.small, Index: len(a.segments)}
-	b := p.recycler.Get()
-	b.Ptr, b.Size, b.Segment = uint64(ptr), allocSize, seg
-	seg.Head = b
-	a.segments = append(a.segments, seg)
+	b := a.mal.adopt(p, stream, ptr, allocSize, elapsed)
+	seg := b.Segment
 	a.dirAdd(seg)
-	a.reserved += allocSize
-	a.stats.Segment.add(p.stat, 1)
-	a.stats.ReservedBytes.add(p.stat, int64(allocSize))
-	if allocSize >= a.cfg.MaxSplitSize {
-		a.stats.OversizeSegments.add(1)
-	}
-	a.stats.NumDeviceAlloc++
 	a.record(c, actionSegmentAlloc, seg.Ptr, allocSize, stream)
 	a.log.Debug("segment allocated", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", allocSize),
 		zap.Bool("small_pool", p.small), zap.Uint64("stream", uint64(stream)),
-		zap.Uint64("reserved_bytes", a.reserved), zap.Duration("took", elapsed))
+		zap.Uint64("reserved_bytes", a.segs.reserved), zap.Duration("took", elapsed))
 	return b, nil
 }
 
@@ -182,26 +260,13 @@ func (a *Allocator) allocBlock(c *call, p *pool, stream cudart.Stream, allocSize
 func (a *Allocator) releaseBlock(c *call, b *blocks.Block) error {
 	seg := b.Segment
 	p := a.poolOf(b)
-	if err := a.dev.Free(cudart.Ptr(seg.Ptr)); err != nil {
-		return fmt.Errorf("allocator: device free of segment %#x: %w", seg.Ptr, err)
+	if err := a.mal.release(p, b); err != nil {
+		return err
 	}
-	p.free.Delete(b)
-	last := a.segments[len(a.segments)-1]
-	a.segments[seg.Index] = last
-	last.Index = seg.Index
-	a.segments[len(a.segments)-1] = nil
-	a.segments = a.segments[:len(a.segments)-1]
 	a.dirRemove(seg)
-	a.reserved -= seg.Size
-	a.stats.Segment.sub(p.stat, 1)
-	a.stats.ReservedBytes.sub(p.stat, int64(seg.Size))
-	if seg.Size >= a.cfg.MaxSplitSize {
-		a.stats.OversizeSegments.sub(1)
-	}
-	a.stats.NumDeviceFree++
 	a.record(c, actionSegmentFree, seg.Ptr, seg.Size, cudart.Stream(seg.Stream))
 	a.log.Debug("segment released", zap.Uint64("addr", seg.Ptr), zap.Uint64("bytes", seg.Size),
-		zap.Uint64("reserved_bytes", a.reserved))
+		zap.Uint64("reserved_bytes", a.segs.reserved))
 	p.recycler.Put(b)
 	return nil
 }
@@ -272,10 +337,10 @@ func (a *Allocator) releaseAvailableCachedBlocks(c *call, p *pool, stream, size 
 // whose age is at least the average, repeatedly, until enough is freed.
 func (a *Allocator) garbageCollect(c *call) {
 	threshold := uint64(a.cfg.GarbageCollectionThreshold * float64(a.allowed))
-	if a.reserved <= threshold {
+	if a.segs.reserved <= threshold {
 		return
 	}
-	target := a.reserved - threshold
+	target := a.segs.reserved - threshold
 	large := a.pools(false)
 	age := func(b *blocks.Block) uint64 { return a.gcSearches[PoolLarge] - b.GCBase }
 	var totalAge uint64

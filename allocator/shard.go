@@ -750,8 +750,8 @@ func (a *Allocator) checkShards() []error {
 	}
 	dir := a.dir.Load()
 	errs = append(errs, dir.check()...)
-	if dir.n != len(a.segments) {
-		errs = append(errs, fmt.Errorf("%d segments, %d in the directory", len(a.segments), dir.n))
+	if dir.n != len(a.segs.list) {
+		errs = append(errs, fmt.Errorf("%d segments, %d in the directory", len(a.segs.list), dir.n))
 	}
 	byStart := make(map[uint64]dirEntry, dir.n)
 	for e := range dir.all() {
@@ -760,7 +760,7 @@ func (a *Allocator) checkShards() []error {
 		}
 		byStart[e.start] = e
 	}
-	for _, s := range a.segments {
+	for _, s := range a.segs.list {
 		if e, ok := byStart[s.Ptr]; !ok || e.end != s.Ptr+s.Size || e.sh.stream != cudart.Stream(s.Stream) {
 			errs = append(errs, fmt.Errorf("segment %#x of stream %#x is not in the directory under its shard", s.Ptr, s.Stream))
 		}

@@ -26,13 +26,13 @@ func (a *Allocator) Snapshot() *snapshot.Snapshot {
 	a.lockWorld()
 	defer a.unlockWorld()
 	snap := &snapshot.Snapshot{
-		Segments: make([]snapshot.Segment, 0, len(a.segments)),
+		Segments: make([]snapshot.Segment, 0, len(a.segs.list)),
 		AllocatorSettings: map[string]any{
 			"PYTORCH_CUDA_ALLOC_CONF": a.cfg.String(),
 			"backend":                 "allocd",
 		},
 	}
-	for _, s := range a.segments {
+	for _, s := range a.segs.list {
 		if s.Expandable {
 			snap.Segments = a.appendExpandableInfo(snap.Segments, s)
 			continue

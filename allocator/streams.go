@@ -167,7 +167,7 @@ func (a *Allocator) releaseExpandableStream(sh *shard) error {
 	list := a.exp.scratch[:0]
 	for _, p := range [2]*pool{&sh.large, &sh.small} {
 		p.free.Ascend(func(b *blocks.Block) bool {
-			if b.Segment.Expandable && a.unmappable(b) > 0 {
+			if b.Segment.Expandable && a.exp.unmappable(b) > 0 {
 				list = append(list, b)
 			}
 			return true
@@ -405,7 +405,7 @@ func (a *Allocator) checkStreams() []error {
 			errs = append(errs, fmt.Errorf("doomed list holds stream %#x, which is not a doomed live shard", uint64(sh.stream)))
 		}
 	}
-	for _, s := range a.segments {
+	for _, s := range a.segs.list {
 		sh := a.byStream[cudart.Stream(s.Stream)]
 		if sh == nil {
 			errs = append(errs, fmt.Errorf("segment %#x of stream %#x, which has no shard", s.Ptr, s.Stream))
