@@ -415,29 +415,10 @@ func TestBench(t *testing.T) {
 // applied; and fork while two threads malloc and free, the children's frees
 // returning at once.
 func TestFreeQueue(t *testing.T) {
-	lib := buildLib(t)
-	prog := filepath.Join(t.TempDir(), "queue")
-	if b, err := exec.Command("gcc", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-o", prog, "testdata/queue.c", "-ldl").CombinedOutput(); err != nil {
-		t.Fatalf("gcc queue.c: %v\n%s", err, b)
-	}
-	cmd := exec.Command(prog, lib)
-	cmd.Env = append(os.Environ(), "ALLOCD_DEVICE=sim", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=1",
+	stderr := runCTest(t, "queue", "ALLOCD_DEVICE=sim", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=1",
 		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=warn")
-	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "ALLOCD_METRICS_LISTEN=") })
-	var stdout, stderr strings.Builder
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	timer := time.AfterFunc(60*time.Second, func() { _ = cmd.Process.Kill() })
-	defer timer.Stop()
-	err := cmd.Wait()
-	t.Logf("queue stdout:\n%s", stdout.String())
-	if err != nil || !strings.HasSuffix(stdout.String(), "DONE\n") {
-		t.Fatalf("queue: %v\nstderr:\n%s", err, stderr.String())
-	}
 	for _, want := range []string{`"reason":"unknown_pointer"`, `"reason":"double_free"`, `"ptr":"0xbad0080"`, `"ptr":"0xbad0103"`} {
-		if !strings.Contains(stderr.String(), want) {
+		if !strings.Contains(stderr, want) {
 			t.Errorf("stderr lacks %s", want)
 		}
 	}
@@ -450,30 +431,11 @@ func TestFreeQueue(t *testing.T) {
 // device not created are no-ops, and device indexes outside 0..127 fail.
 // It also checks the log line of the device's creation.
 func TestReleaseStream(t *testing.T) {
-	lib := buildLib(t)
-	prog := filepath.Join(t.TempDir(), "stream")
-	if b, err := exec.Command("gcc", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-o", prog, "testdata/stream.c", "-ldl").CombinedOutput(); err != nil {
-		t.Fatalf("gcc stream.c: %v\n%s", err, b)
-	}
-	cmd := exec.Command(prog, lib)
-	cmd.Env = append(os.Environ(), "ALLOCD_DEVICE=sim:2", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=",
+	stderr := runCTest(t, "stream", "ALLOCD_DEVICE=sim:2", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=",
 		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=info")
-	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "ALLOCD_METRICS_LISTEN=") })
-	var stdout, stderr strings.Builder
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	timer := time.AfterFunc(60*time.Second, func() { _ = cmd.Process.Kill() })
-	defer timer.Stop()
-	err := cmd.Wait()
-	t.Logf("stream stdout:\n%s", stdout.String())
-	if err != nil || !strings.HasSuffix(stdout.String(), "DONE\n") {
-		t.Fatalf("stream: %v\nstderr:\n%s", err, stderr.String())
-	}
 	// The device's creation is logged with the configuration in force.
-	if want := `"msg":"device allocator created","gpu":0,"conf":"defaults"`; !strings.Contains(stderr.String(), want) {
-		t.Errorf("stderr lacks %s:\n%s", want, stderr.String())
+	if want := `"msg":"device allocator created","gpu":0,"conf":"defaults"`; !strings.Contains(stderr, want) {
+		t.Errorf("stderr lacks %s:\n%s", want, stderr)
 	}
 }
 
@@ -504,4 +466,33 @@ func TestFork(t *testing.T) {
 	if err != nil || !strings.HasSuffix(stdout.String(), "DONE\n") {
 		t.Fatalf("fork: %v\nstderr:\n%s", err, stderr.String())
 	}
+}
+
+// runCTest builds testdata/NAME.c against liballocd, runs it with env added
+// to the test's environment (ALLOCD_METRICS_LISTEN removed) for at most a
+// minute, fails the test unless it exits 0 with "DONE" as its last line,
+// and returns its stderr (liballocd's log lines).
+func runCTest(t *testing.T, name string, env ...string) string {
+	t.Helper()
+	lib := buildLib(t)
+	prog := filepath.Join(t.TempDir(), name)
+	if b, err := exec.Command("gcc", "-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-o", prog, "testdata/"+name+".c", "-ldl").CombinedOutput(); err != nil {
+		t.Fatalf("gcc %s.c: %v\n%s", name, err, b)
+	}
+	cmd := exec.Command(prog, lib)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, "ALLOCD_METRICS_LISTEN=") })
+	var stdout, stderr strings.Builder
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	timer := time.AfterFunc(60*time.Second, func() { _ = cmd.Process.Kill() })
+	defer timer.Stop()
+	err := cmd.Wait()
+	t.Logf("%s stdout:\n%s", name, stdout.String())
+	if err != nil || !strings.HasSuffix(stdout.String(), "DONE\n") {
+		t.Fatalf("%s: %v\nstderr:\n%s", name, err, stderr.String())
+	}
+	return stderr.String()
 }
