@@ -35,16 +35,7 @@ func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := workload.Replay(ops, a, workload.ReplayOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Check(); err != nil {
-		t.Fatal(err)
-	}
-	if r.FailedAllocs != 0 {
-		t.Errorf("%d allocations failed", r.FailedAllocs)
-	}
+	r := replayChecked(t, ops, a)
 	vmm := sim.VMMCounters()
 	// The traces end with a few allocations never freed (the model).
 	if err := a.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {

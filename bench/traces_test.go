@@ -10,6 +10,7 @@ import (
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/simdev"
+	"github.com/allocd/allocd/trace"
 	"github.com/allocd/allocd/workload"
 )
 
@@ -169,17 +170,7 @@ func replayTrace(t *testing.T, name, mode string) replayed {
 	switch mode {
 	case modeDefault:
 		a := newSimAllocator(t, "", true, plan...)
-		r, err := workload.Replay(ops, a, workload.ReplayOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := a.Check(); err != nil {
-			t.Fatal(err)
-		}
-		if r.FailedAllocs != 0 {
-			t.Fatalf("%d allocations failed", r.FailedAllocs)
-		}
-		out.r = r
+		out.r = replayChecked(t, ops, a)
 	case modeExpandable:
 		out.r, out.vmm = replayExpandableVMM(t, ops)
 	case modePyTorchExpandable:
@@ -191,4 +182,21 @@ func replayTrace(t *testing.T, name, mode string) replayed {
 		replayDone[name+"/"+mode] = out
 	}
 	return out
+}
+
+// replayChecked replays ops on a and fails the test if the replay fails,
+// Check finds a broken invariant after it, or an allocation failed.
+func replayChecked(t *testing.T, ops *trace.Ops, a *allocator.Allocator) workload.ReplayResult {
+	t.Helper()
+	r, err := workload.Replay(ops, a, workload.ReplayOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	if r.FailedAllocs != 0 {
+		t.Fatalf("%d allocations failed", r.FailedAllocs)
+	}
+	return r
 }
