@@ -2,7 +2,7 @@ package allocator
 
 // The front cache: one parked block per shard in front of the free index.
 //
-// A cached Free does not merge its block and insert it into the B-tree at
+// A cached Free does not merge its block and insert it into the free index at
 // once: it parks it in its shard, with the statistics already settled as
 // if PyTorch's free_block had merged it. The shard's next call decides:
 // a Malloc of exactly the parked size takes it back when PyTorch's best
@@ -10,7 +10,7 @@ package allocator
 // merged block ranking first in (size, address) order, and the split that
 // PyTorch would make leaving the same remainder); any other call first
 // flushes it (merge and insert, the statistics unchanged). So a
-// malloc/free pair of one size touches the B-tree only to read it, while
+// malloc/free pair of one size touches the free index only to read it, while
 // every placement, every split and every statistic stay exactly those of
 // PyTorch's policy: replays show the same peaks. World mode flushes every
 // shard before anything else (lockWorld), so device mallocs, EmptyCache,

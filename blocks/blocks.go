@@ -1,6 +1,6 @@
 // Package blocks holds the caching allocator's data structures and nothing
-// of its policy: Block and Segment, the free index ordered by
-// (stream, size, address) on a B-tree, split and merge, a recycler that keeps
+// of its policy: Block and Segment, the free index of one stream's blocks
+// ordered by (size, address) on a B+tree, split and merge, a recycler that keeps
 // Block structs off the Go heap in steady state, and Check, which walks all
 // of it and reports every broken invariant.
 //

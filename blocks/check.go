@@ -56,7 +56,8 @@ const maxReported = 32
 //   - every free block is indexed, and every indexed block is free and
 //     belongs to one of the segments;
 //   - no two free blocks are neighbours (they would have been merged);
-//   - the index's byte count equals the sum of its blocks;
+//   - the index files each block under its current size, address and
+//     stream, and its byte count equals the sum of its blocks;
 //   - no segment lies at address 0, wraps past 2^64 or overlaps another
 //     (checkRanges);
 //   - in an expandable segment, unmapped blocks are free, not indexed,
@@ -190,9 +191,13 @@ func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
 	var indexed int
 	for _, x := range idx {
 		var bytes uint64
-		x.Ascend(func(b *Block) bool {
+		x.ascendEntries(func(k *entry) {
+			b := k.b
 			indexed++
 			bytes += b.Size
+			if k.size != b.Size || k.ptr != b.Ptr || b.Segment == nil || b.Segment.Stream != x.stream {
+				report("index of stream %#x files %v under size %d, address %#x: the block changed while indexed", x.stream, b, k.size, k.ptr)
+			}
 			if !b.indexed {
 				report("index holds %v not marked indexed", b)
 			}
@@ -202,8 +207,10 @@ func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
 			if !owned[b] {
 				report("index holds %v, which belongs to no segment", b)
 			}
-			return true
 		})
+		if err := x.tree.check(); err != nil {
+			report("index of stream %#x: %v", x.stream, err)
+		}
 		if bytes != x.bytes {
 			report("index counts %d bytes, its blocks add up to %d", x.bytes, bytes)
 		}

@@ -31,7 +31,7 @@ func TestCheckSegmentRanges(t *testing.T) {
 		{"the same address twice", []*Segment{oneBlock(0x200000, 2*mib, 0), oneBlock(0x200000, 2*mib, 1)}, "overlap"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := Check(tc.segs, NewFreeIndex())
+			_, err := Check(tc.segs, NewStreamFreeIndex(0))
 			switch {
 			case tc.want == "" && err != nil:
 				t.Errorf("Check = %v, want nil", err)
