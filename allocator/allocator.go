@@ -368,6 +368,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	if o.history.MaxEntries > 0 {
 		a.history = newHistory(o.history)
 	}
+	a.refreshGates()
 	conf := cfg.String() // the keys that differ from PyTorch's defaults
 	if conf == "" {
 		conf = "defaults"
@@ -486,8 +487,7 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 // shard's caps escalates (shard.go). It returns 0 when the call needs world
 // mode, having changed nothing but, perhaps, flushed the front cache.
 func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
-	if a.closed || sh.doomed || a.pending > 0 || a.history != nil || a.async != nil ||
-		size > a.allowed || size > maxRequestSize || a.gcEnabled() {
+	if size > sh.mallocMax {
 		return 0
 	}
 	rounded := a.roundSize(size)
@@ -710,7 +710,7 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 // escalates (shard.go). It reports false when the call needs world mode,
 // having changed nothing but, perhaps, flushed the front cache.
 func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
-	if a.closed || sh.doomed || a.history != nil || a.async != nil {
+	if sh.freeOff {
 		return false
 	}
 	if sh.parked != nil {

@@ -1,6 +1,7 @@
 package allocator
 
 import (
+	"errors"
 	"strings"
 	"sync"
 	"testing"
@@ -114,4 +115,41 @@ func TestCheckCatchesWrappedSegment(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "wraps") {
 		t.Errorf("Check = %v, want an error saying the segment wraps past 2^64", err)
 	}
+}
+
+// TestCheckCatchesStaleGates: a shard whose hot-path gates disagree with
+// the allocator's state (history on, yet the gate open) is reported, and
+// with the gates right, recording history sends Malloc and Free to the
+// slow path, which records them.
+func TestCheckCatchesStaleGates(t *testing.T) {
+	sim, err := simdev.New(simdev.Config{Capacity: 1 << 30})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := New(sim, DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	mustFree(t, a, mustMalloc(t, a, 4096, 0))
+	if err := a.RecordHistory(HistoryOptions{MaxEntries: 100}); err != nil {
+		t.Fatal(err)
+	}
+	sh := a.shardOf(0)
+	if sh.mallocMax != 0 || !sh.freeOff {
+		t.Fatalf("history on, gates still open: %d/%v", sh.mallocMax, sh.freeOff)
+	}
+	mustFree(t, a, mustMalloc(t, a, 4096, 0))
+	if n := len(a.Snapshot().DeviceTraces[0]); n < 2 {
+		t.Fatalf("history holds %d entries after a malloc and a free, want 2", n)
+	}
+	a.lockAll()
+	sh.mallocMax, sh.freeOff = maxRequestSize, false
+	err = errors.Join(a.checkShards()...)
+	a.refreshGates()
+	a.unlockWorld()
+	if err == nil || !strings.Contains(err.Error(), "hot-path gates") {
+		t.Fatalf("Check with stale gates: %v", err)
+	}
+	mustCheck(t, a)
 }

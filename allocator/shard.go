@@ -19,10 +19,12 @@ package allocator
 // consistent whole there, as if one mutex guarded the allocator. A hot
 // path that cannot finish (a miss, pending events, history on, a new
 // stream) changes nothing (but may flush its front cache, front.go),
-// unlocks its shard and redoes the call in world mode. Fields read by the
-// hot path outside its shard (closed, pending, history, async, the
-// configuration and cap) are written only in world mode, when every shard
-// lock is held.
+// unlocks its shard and redoes the call in world mode. The state that
+// sends a call there (closed, pending, history, async, the cap) is written
+// only in world mode, when every shard lock is held, and world mode
+// summarises it in each shard's gates before it unlocks (refreshGates), so
+// the hot path tests one field of its own shard; the configuration it
+// reads is likewise written only in world mode.
 //
 // # Exact statistics
 //
@@ -89,6 +91,10 @@ type shard struct {
 	// doomed: the hot path must not use the shard (streams.go): it is
 	// released, or will be once idle. Written in world mode only.
 	doomed bool
+	// The hot path's gates (refreshGates): a Malloc above mallocMax bytes
+	// and any Free while freeOff is set take the slow path.
+	mallocMax uint64
+	freeOff   bool
 	small  pool
 	large  pool
 	active ptrMap        // allocated blocks of this stream by address
@@ -478,8 +484,8 @@ func (a *Allocator) lockAll() {
 	a.world = true
 }
 
-// unlockWorld shares out the caps again when a statistic changed, and
-// unlocks.
+// unlockWorld shares out the caps again when a statistic changed,
+// refreshes the hot path's gates, and unlocks.
 func (a *Allocator) unlockWorld() {
 	if len(a.doomed) > 0 {
 		a.reapDoomed()
@@ -487,11 +493,36 @@ func (a *Allocator) unlockWorld() {
 	if a.capsDirty {
 		a.shareCaps()
 	}
+	a.refreshGates()
 	a.world = false
 	for i := len(a.shards) - 1; i >= 0; i-- {
 		a.shards[i].mu.Unlock()
 	}
 	a.mu.Unlock()
+}
+
+// gates returns what refreshGates sets on sh.
+func (a *Allocator) gates(sh *shard) (mallocMax uint64, freeOff bool) {
+	freeOff = a.closed || a.history != nil || a.async != nil || sh.doomed
+	if freeOff || a.pending > 0 || a.gcEnabled() {
+		return 0, freeOff
+	}
+	return min(a.allowed, maxRequestSize), false
+}
+
+// refreshGates sets each shard's hot-path gates from the world-mode state
+// that sends a call to the slow path: a closed allocator, history being
+// recorded, the cudaMallocAsync backend or a doomed shard send every call
+// there; blocks waiting for events (processed before a search) and
+// garbage collection (which counts searches) every Malloc; a request above
+// the memory cap or the largest request, that Malloc. The hot path then
+// tests one field of its own shard instead of reading the allocator's
+// state. Those fields change only in world mode, which refreshes the gates
+// before it unlocks (unlockWorld), and New sets them first.
+func (a *Allocator) refreshGates() {
+	for _, sh := range a.shards {
+		sh.mallocMax, sh.freeOff = a.gates(sh)
+	}
 }
 
 // hotSums returns, for each hot statistic and pool, the global Current:
@@ -736,6 +767,9 @@ func (a *Allocator) checkShards() []error {
 		errs = append(errs, fmt.Errorf("%d shards, %d published", len(a.shards), len(t)))
 	}
 	for i, sh := range a.shards {
+		if m, f := a.gates(sh); m != sh.mallocMax || f != sh.freeOff {
+			errs = append(errs, fmt.Errorf("stream %#x: hot-path gates %d/%v, the allocator's state says %d/%v", uint64(sh.stream), sh.mallocMax, sh.freeOff, m, f))
+		}
 		if i < len(t) && (t[i] != sh || a.shardTab.Load().streams[i] != sh.stream) {
 			errs = append(errs, fmt.Errorf("shard %d (stream %#x) is not the one published", i, uint64(sh.stream)))
 		}
