@@ -9,6 +9,10 @@ type FreeIndex struct {
 	tree   tree
 	bytes  uint64
 	stream uint64
+	// found is where the last search found its block, until the index
+	// changes: a Malloc searches and then deletes the block it found, and
+	// Delete takes it from there instead of searching again.
+	found pos
 }
 
 // NewStreamFreeIndex returns an empty index for the blocks of stream.
@@ -34,6 +38,7 @@ func (x *FreeIndex) Insert(b *Block) {
 	}
 	b.indexed = true
 	x.bytes += b.Size
+	x.found = pos{}
 	x.tree.insert(entry{size: b.Size, ptr: b.Ptr, b: b})
 }
 
@@ -42,7 +47,9 @@ func (x *FreeIndex) Delete(b *Block) {
 	if !b.indexed {
 		panic(fmt.Sprintf("blocks: %v deleted but not indexed", b))
 	}
-	if !x.tree.remove(b, b.Size, b.Ptr) {
+	f := x.found
+	x.found = pos{}
+	if !(f.valid() && f.i < f.l.n && f.block() == b && x.tree.removeAt(f)) && !x.tree.remove(b, b.Size, b.Ptr) {
 		panic(fmt.Sprintf("blocks: %v marked indexed but missing from the index", b))
 	}
 	b.indexed = false
@@ -56,7 +63,8 @@ func (x *FreeIndex) LowerBound(stream, size uint64) *Block {
 		return nil
 	}
 	if p := x.tree.lowerBound(size, 0); p.valid() {
-		return p.entry().b
+		x.found = p
+		return p.block()
 	}
 	return nil
 }
@@ -68,11 +76,12 @@ func (x *FreeIndex) LowerBoundExcept(stream, size uint64, skip *Block) *Block {
 		return nil
 	}
 	p := x.tree.lowerBound(size, 0)
-	if p.valid() && p.entry().b == skip {
+	if p.valid() && p.block() == skip {
 		p = p.next()
 	}
 	if p.valid() {
-		return p.entry().b
+		x.found = p
+		return p.block()
 	}
 	return nil
 }
@@ -85,7 +94,7 @@ func (x *FreeIndex) After(b *Block) *Block {
 		panic(fmt.Sprintf("blocks: After(%v), which is not indexed", b))
 	}
 	if p = p.next(); p.valid() {
-		return p.entry().b
+		return p.block()
 	}
 	return nil
 }
@@ -103,7 +112,7 @@ func (x *FreeIndex) DescendStream(stream, limit uint64, fn func(*Block) bool) {
 		p = x.tree.tail()
 	}
 	for ; p.valid(); p = p.prev() {
-		if !fn(p.entry().b) {
+		if !fn(p.block()) {
 			return
 		}
 	}
@@ -113,7 +122,7 @@ func (x *FreeIndex) DescendStream(stream, limit uint64, fn func(*Block) bool) {
 // or nil.
 func (x *FreeIndex) Largest() *Block {
 	if p := x.tree.tail(); p.valid() {
-		return p.entry().b
+		return p.block()
 	}
 	return nil
 }
@@ -122,7 +131,7 @@ func (x *FreeIndex) Largest() *Block {
 // returns false. fn must not modify the index; collect first.
 func (x *FreeIndex) Ascend(fn func(*Block) bool) {
 	for p := x.tree.head(); p.valid(); p = p.next() {
-		if !fn(p.entry().b) {
+		if !fn(p.block()) {
 			return
 		}
 	}

@@ -69,7 +69,7 @@ func (l *leaf) search(size, ptr uint64) int {
 	for n > 1 {
 		half := n >> 1
 		e := &l.keys[base+half]
-		base += half * less128(e.size, e.ptr, size, ptr)
+		base += half & -less128(e.size, e.ptr, size, ptr) // a mask: no multiply in the chain
 		n -= half
 	}
 	e := &l.keys[base]
@@ -100,7 +100,7 @@ func (x *inner) route(size, ptr uint64) int {
 	for n > 1 {
 		half := n >> 1
 		s := &x.seps[base+half]
-		base += half * (1 - less128(size, ptr, s.size, s.ptr))
+		base += half &^ -less128(size, ptr, s.size, s.ptr)
 		n -= half
 	}
 	s := &x.seps[base]
@@ -128,6 +128,8 @@ type pos struct {
 func (p pos) valid() bool { return p.l != nil }
 
 func (p pos) entry() *entry { return &p.l.keys[p.i] }
+
+func (p pos) block() *Block { return p.l.keys[p.i].b }
 
 func (p pos) next() pos {
 	if p.i+1 < p.l.n {
@@ -349,6 +351,20 @@ func (x *inner) removeAt(i int) {
 	x.n--
 	x.seps[x.n], x.leaves[x.n], x.inners[x.n] = sep{}, nil, nil
 	x.seps[0] = sep{}
+}
+
+// removeAt deletes the entry at p when its leaf keeps others (the tree
+// keeps its shape) and reports whether it did.
+func (t *tree) removeAt(p pos) bool {
+	l := p.l
+	if l == nil || l.n < 2 || p.i >= l.n {
+		return false
+	}
+	copy(l.keys[p.i:], l.keys[p.i+1:l.n])
+	l.n--
+	l.keys[l.n] = entry{}
+	t.len--
+	return true
 }
 
 // remove deletes the entry of b, filed under (size, ptr), and reports

@@ -69,6 +69,13 @@ func (m *treeModel) query(size uint64, k int) {
 	if got := m.idx.LowerBound(3, size); got != want {
 		m.t.Fatalf("LowerBound(%d) = %v, want %v", size, got, want)
 	}
+	if want != nil && k%3 == 0 {
+		// A Malloc's pattern: delete the block the search found.
+		m.idx.Delete(want)
+		m.live = slices.Delete(m.live, i, i+1)
+		m.verify("delete after a search")
+		return
+	}
 	var skip *Block
 	if len(m.live) > 0 {
 		skip = m.live[k%len(m.live)]
