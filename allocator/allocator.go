@@ -260,12 +260,15 @@ type Allocator struct {
 	doomed     []*shard
 	newShards  int
 	sweepEvery int
-	swept      map[cudart.Stream]struct{}
-	misses     int
-	maxStreams int
-	dir        atomic.Pointer[directory] // segments by address, for Free
-	segs       segTable                  // every segment, from any source (segments.go)
-	scratch    []*blocks.Block           // reused by release paths
+	// unlockedMallocs counts the device mallocs running outside world
+	// mode (release_lock_on_cudamalloc), each holding its shard busy.
+	unlockedMallocs int
+	swept           map[cudart.Stream]struct{}
+	misses          int
+	maxStreams      int
+	dir             atomic.Pointer[directory] // segments by address, for Free
+	segs            segTable                  // every segment, from any source (segments.go)
+	scratch         []*blocks.Block           // reused by release paths
 	// gcSearches counts searches of each pool while garbage collection is
 	// on; blocks age by it (PyTorch's get_free_blocks_call_count).
 	gcSearches [numPools]uint64

@@ -229,9 +229,11 @@ func (a *Allocator) allocBlock(c *call, p *pool, stream cudart.Stream, allocSize
 	var elapsed time.Duration
 	var err error
 	if a.cfg.ReleaseLockOnDeviceMalloc {
+		a.unlockedMallocs++
 		a.unlockWorld()
 		ptr, elapsed, err = a.mal.malloc(allocSize)
 		a.lockWorld()
+		a.unlockedMallocs--
 		if err == nil && a.closed {
 			_ = a.dev.Free(ptr)
 			return nil, fmt.Errorf("allocator: malloc: %w", ErrClosed)

@@ -95,12 +95,12 @@ type shard struct {
 	// and any Free while freeOff is set take the slow path.
 	mallocMax uint64
 	freeOff   bool
-	small  pool
-	large  pool
-	active ptrMap        // allocated blocks of this stream by address
-	parked *blocks.Block // the front cache (front.go)
-	noPark bool          // tests: free as PyTorch does, straight into the index
-	stats  hotStats
+	small     pool
+	large     pool
+	active    ptrMap        // allocated blocks of this stream by address
+	parked    *blocks.Block // the front cache (front.go)
+	noPark    bool          // tests: free as PyTorch does, straight into the index
+	stats     hotStats
 	// caps bound each hot statistic's Current (per hotStats.arrays order,
 	// then OversizeAllocations) while the hot path runs.
 	caps    [numHot][numPools]int64

@@ -383,6 +383,7 @@ func (a *Allocator) checkStreams() []error {
 	doomed := 0
 	segs := make(map[*shard]int, len(a.shards))
 	events := make(map[*shard]int, len(a.shards))
+	busy := 0
 	for _, sh := range a.shards {
 		if a.byStream[sh.stream] != sh {
 			errs = append(errs, fmt.Errorf("the stream map does not lead to stream %#x's shard", uint64(sh.stream)))
@@ -393,9 +394,15 @@ func (a *Allocator) checkStreams() []error {
 		if sh.doomed {
 			doomed++
 		}
-		if sh.busy != 0 {
-			errs = append(errs, fmt.Errorf("stream %#x: %d calls under way between calls", uint64(sh.stream), sh.busy))
+		if sh.busy < 0 {
+			errs = append(errs, fmt.Errorf("stream %#x: %d calls under way", uint64(sh.stream), sh.busy))
 		}
+		busy += sh.busy
+	}
+	// Between calls only a Malloc waiting for the device outside world
+	// mode (release_lock_on_cudamalloc) is under way.
+	if busy != a.unlockedMallocs {
+		errs = append(errs, fmt.Errorf("%d calls under way on the streams, %d device mallocs running unlocked", busy, a.unlockedMallocs))
 	}
 	if doomed != len(a.doomed) {
 		errs = append(errs, fmt.Errorf("%d doomed shards, %d in the doomed list", doomed, len(a.doomed)))
