@@ -18,15 +18,17 @@ type Suite struct {
 	// benchmark, run once for each goroutine count of Threads; 0 skips it.
 	MixedSteps int
 	Threads    []int
-	// Traces are trace files (workload.LoadTrace) replayed once each.
+	// Traces are trace files (workload.LoadTrace), each replayed cold (one
+	// pass on a fresh allocator) and warm (workload.ReplayWarm, on another),
+	// and timed without the allocator (workload.DriverCost).
 	Traces []string
 }
 
 // RunSuite runs the benchmarks of s on t's devices with cfg, each on a
 // fresh allocator, and returns their results: the best of 3 runs of each
 // pair size (on a Sim whose events complete like a GPU's), the mixed
-// benchmark for each goroutine count, and a replay of each trace (named
-// without ".pickle.gz"). rep.Device is t.Desc; rep.Conf is left to the
+// benchmark for each goroutine count, and for each trace (named without
+// ".pickle.gz") its cold replay's row with its WarmFigures. rep.Device is t.Desc; rep.Conf is left to the
 // caller. The first error stops it and names the benchmark.
 func RunSuite(t *Target, cfg allocator.Config, s Suite) (Report, error) {
 	rep := Report{Device: t.Desc, Pair: map[string]float64{}}
@@ -90,6 +92,15 @@ func RunSuite(t *Target, cfg allocator.Config, s Suite) (Report, error) {
 		if err != nil {
 			return rep, fmt.Errorf("replaying %s: %w", file, err)
 		}
+		warm, err := t.ReplayWarm(tr, cfg)
+		if err != nil {
+			return rep, fmt.Errorf("replaying %s warm: %w", file, err)
+		}
+		driver, err := workload.DriverCost(&tr.Ops)
+		if err != nil {
+			return rep, fmt.Errorf("timing the replay driver on %s: %w", file, err)
+		}
+		row.WarmFigures = WarmFiguresOf(warm, driver)
 		row.Trace = strings.TrimSuffix(tr.Name, ".pickle.gz")
 		rep.Replay = append(rep.Replay, row)
 	}
