@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"runtime/pprof"
 	"time"
 
 	"github.com/allocd/allocd/allocator"
@@ -366,7 +367,8 @@ const (
 // counters (DeviceMallocs, DeviceMallocTime, DeviceFrees, AllocRetries,
 // OOMs, the reclaims) are the second pass's alone: a cache that the first
 // pass filled makes no device malloc in the second. Its peaks are the
-// allocator's over both passes.
+// allocator's over both passes. In a CPU profile the passes carry the
+// label pass=first or pass=second, beside opt.Ctx's labels.
 func ReplayWarm(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayResult, error) {
 	if opt.Streams == nil {
 		opt.Streams = map[uint64]cudart.Stream{}
@@ -378,14 +380,21 @@ func ReplayWarm(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (Repl
 			}
 		}()
 	}
-	if _, err := Replay(ops, a, opt); err != nil {
+	ctx := opt.Ctx
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	var err error
+	pprof.Do(ctx, pprof.Labels("pass", "first"), func(context.Context) { _, err = Replay(ops, a, opt) })
+	if err != nil {
 		return ReplayResult{}, fmt.Errorf("warm replay, first pass: %w", err)
 	}
 	if err := FreeLive(a); err != nil {
 		return ReplayResult{}, fmt.Errorf("warm replay, freeing what the first pass left: %w", err)
 	}
 	before := a.Stats()
-	res, err := Replay(ops, a, opt)
+	var res ReplayResult
+	pprof.Do(ctx, pprof.Labels("pass", "second"), func(context.Context) { res, err = Replay(ops, a, opt) })
 	if err != nil {
 		return res, fmt.Errorf("warm replay, second pass: %w", err)
 	}
