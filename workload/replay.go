@@ -184,8 +184,8 @@ func (r *replayer) destroy(streams []cudart.Stream) {
 // The loop does per operation what the anchor's C++ loop does (index the
 // operation, branch on its kind, store or load ptr[id]) plus one
 // predictable branch each for the stream of an allocation (the last one
-// seen is kept), a failed allocation and the hooks (Ctx, Observe,
-// Progress), which cost nothing when none is set.
+// seen is kept), a failed allocation and the hooks (Observe, Progress);
+// Ctx is checked between chunks of operations.
 func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) {
 	var res ReplayResult
 	ptr := make([]cudart.Ptr, ops.NumIDs)
@@ -218,7 +218,7 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 	if opt.Stop > 0 && opt.Stop < n {
 		n = opt.Stop
 	}
-	hooks := opt.Ctx != nil || opt.Observe != nil || (opt.Progress != nil && opt.ProgressEvery > 0)
+	hooks := opt.Observe != nil || (opt.Progress != nil && opt.ProgressEvery > 0)
 	completed := 0 // OpFreeCompleted operations, which Ops does not count
 	// Collect the garbage of loading the trace now, so that no collection
 	// of it runs inside the timed loop (the C++ side has none to run).
@@ -226,79 +226,83 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 		runtime.GC()
 	}
 	t0 := time.Now()
-	for i := range n {
-		if hooks && opt.Ctx != nil && i%4096 == 0 {
+	// Ctx is checked before every replayChunk operations, outside the inner loop.
+	for start := 0; start < n; start += replayChunk {
+		if opt.Ctx != nil {
 			if err := opt.Ctx.Err(); err != nil {
 				res.Elapsed = time.Since(t0)
-				res.Ops = i - completed
-				return res, fmt.Errorf("replay: stopped at operation %d: %w", i, err)
+				res.Ops = start - completed
+				return res, fmt.Errorf("replay: stopped at operation %d: %w", start, err)
 			}
 		}
-		op := &ops.Ops[i]
-		var err error
-		switch op.Kind {
-		case trace.OpAlloc:
-			s := lastStream
-			if op.Stream != lastKey {
-				s = lookup(op.Stream)
-				lastKey, lastStream = op.Stream, s
-			}
-			var p cudart.Ptr
-			if dry {
-				p = cudart.Ptr(uint64(i+1)<<9 | uint64(s)&0x1ff)
-			} else if p, err = r.a.Malloc(op.Size, s); err != nil {
-				if !errors.Is(err, allocator.ErrOutOfMemory) {
+		end := min(start+replayChunk, n)
+		for i := start; i < end; i++ {
+			op := &ops.Ops[i]
+			var err error
+			switch op.Kind {
+			case trace.OpAlloc:
+				s := lastStream
+				if op.Stream != lastKey {
+					s = lookup(op.Stream)
+					lastKey, lastStream = op.Stream, s
+				}
+				var p cudart.Ptr
+				if dry {
+					p = cudart.Ptr(uint64(i+1)<<9 | uint64(s)&0x1ff)
+				} else if p, err = r.a.Malloc(op.Size, s); err != nil {
+					if !errors.Is(err, allocator.ErrOutOfMemory) {
+						break
+					}
+					err = nil
+					failed[op.ID] = true
+					res.FailedAllocs++
 					break
 				}
-				err = nil
-				failed[op.ID] = true
-				res.FailedAllocs++
-				break
-			}
-			ptr[op.ID] = p
-		case trace.OpFree:
-			if failed[op.ID] || (op.Deferred && !useEvents) {
-				break // failed, or freed at its OpFreeCompleted
-			}
-			if op.Deferred {
-				var s cudart.Stream
-				if s, err = r.sideStream(); err != nil {
-					res.Elapsed = time.Since(t0)
-					res.Ops = i + 1 - completed
-					return res, err
+				ptr[op.ID] = p
+			case trace.OpFree:
+				if failed[op.ID] || (op.Deferred && !useEvents) {
+					break // failed, or freed at its OpFreeCompleted
 				}
-				if err = r.a.RecordStream(ptr[op.ID], s); err != nil {
-					break
+				if op.Deferred {
+					var s cudart.Stream
+					if s, err = r.sideStream(); err != nil {
+						res.Elapsed = time.Since(t0)
+						res.Ops = i + 1 - completed
+						return res, err
+					}
+					if err = r.a.RecordStream(ptr[op.ID], s); err != nil {
+						break
+					}
+					side[op.ID] = s
 				}
-				side[op.ID] = s
-			}
-			err = r.free(ptr[op.ID], dry)
-		case trace.OpFreeCompleted:
-			completed++
-			if failed[op.ID] {
-				break
-			}
-			if !useEvents {
 				err = r.free(ptr[op.ID], dry)
-				break
+			case trace.OpFreeCompleted:
+				completed++
+				if failed[op.ID] {
+					break
+				}
+				if !useEvents {
+					err = r.free(ptr[op.ID], dry)
+					break
+				}
+				if s, ok := side[op.ID]; ok {
+					r.sim.CompleteStream(s)
+					delete(side, op.ID)
+					r.side = append(r.side, s)
+				}
 			}
-			if s, ok := side[op.ID]; ok {
-				r.sim.CompleteStream(s)
-				delete(side, op.ID)
-				r.side = append(r.side, s)
+			if err != nil {
+				res.Elapsed = time.Since(t0)
+				res.Ops = i + 1 - completed
+				return res, fmt.Errorf("replay: operation %d: %w", i, err)
 			}
-		}
-		if err != nil {
-			res.Elapsed = time.Since(t0)
-			res.Ops = i + 1 - completed
-			return res, fmt.Errorf("replay: operation %d: %w", i, err)
-		}
-		if hooks {
-			if opt.Observe != nil {
-				opt.Observe(i)
-			}
-			if opt.Progress != nil && opt.ProgressEvery > 0 && (i+1)%opt.ProgressEvery == 0 {
-				opt.Progress(i + 1)
+			if hooks {
+				if opt.Observe != nil {
+					opt.Observe(i)
+				}
+				if opt.Progress != nil && opt.ProgressEvery > 0 && (i+1)%opt.ProgressEvery == 0 {
+					opt.Progress(i + 1)
+				}
 			}
 		}
 	}
@@ -306,6 +310,10 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 	res.Ops = n - completed
 	return res, nil
 }
+
+// replayChunk is how many operations run between two checks of
+// ReplayOptions.Ctx.
+const replayChunk = 4096
 
 // errDriverFree is DriverCost's failure: a free of an allocation the loop
 // never gave an address, which the real replay would pass to Free as 0.

@@ -1,7 +1,10 @@
 package workload
 
 import (
+	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/allocd/allocd/simdev"
@@ -99,4 +102,30 @@ func BenchmarkReplayDriver(b *testing.B) {
 		}
 	}
 	b.ReportMetric(last.NsPerOp(), "ns/trace-op")
+}
+
+// TestReplayStopsBetweenChunks: a context cancelled during a replay stops
+// it at the next check, every replayChunk operations, with Ops counting
+// what ran before.
+func TestReplayStopsBetweenChunks(t *testing.T) {
+	tr := loadTestTrace(t)
+	if len(tr.Ops.Ops) <= replayChunk {
+		t.Fatalf("the test trace has %d operations, want more than %d", len(tr.Ops.Ops), replayChunk)
+	}
+	want := 0
+	for _, op := range tr.Ops.Ops[:replayChunk] {
+		if op.Kind != trace.OpFreeCompleted {
+			want++
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	r, err := Replay(&tr.Ops, newLoadAllocator(t, true), ReplayOptions{Ctx: ctx, Observe: func(i int) {
+		if i == 100 {
+			cancel()
+		}
+	}})
+	if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), fmt.Sprintf("stopped at operation %d", replayChunk)) || r.Ops != want {
+		t.Errorf("cancelled at operation 100: %d ops, err %v; want %d ops, stopped at operation %d", r.Ops, err, want, replayChunk)
+	}
 }
