@@ -34,6 +34,38 @@ type ReplayRow struct {
 	// PyTorchExpandable is set when expandable segments ran with
 	// allocator.WithPyTorchExpandable (allocd replay --pytorch-expandable).
 	PyTorchExpandable bool `json:"pytorch_expandable,omitempty"`
+	// WarmFigures are set by `allocd bench` (RunSuite); nil, and left out
+	// of the JSON, in `allocd replay`.
+	*WarmFigures
+}
+
+// WarmFigures are what `allocd bench` measures of a trace beside its cold
+// replay (ReplayRow.NsPerOp, on a fresh allocator): the warm replay, as
+// PyTorch's anchor measures replay_warm, and the replay driver's own cost.
+type WarmFigures struct {
+	// WarmNsPerOp is the time per operation of the second of two passes
+	// over the trace on one allocator (workload.ReplayWarm).
+	WarmNsPerOp float64 `json:"warm_ns_per_op"`
+	// WarmDeviceMallocs counts the device mallocs of that pass: 0 when the
+	// cache the first pass filled serves it all.
+	WarmDeviceMallocs int64 `json:"warm_device_mallocs"`
+	// WarmDeviceMallocNsPerOp is the share of WarmNsPerOp spent in device
+	// mallocs.
+	WarmDeviceMallocNsPerOp float64 `json:"warm_device_malloc_ns_per_op"`
+	// DriverNsPerOp is the replay loop's own cost per operation, the
+	// allocator left out (workload.DriverCost): a part of NsPerOp and of
+	// WarmNsPerOp that is not the allocator's.
+	DriverNsPerOp float64 `json:"driver_ns_per_op"`
+}
+
+// WarmFiguresOf returns the figures of a warm replay (workload.ReplayWarm)
+// and of the driver alone (workload.DriverCost).
+func WarmFiguresOf(warm, driver workload.ReplayResult) *WarmFigures {
+	w := &WarmFigures{WarmNsPerOp: warm.NsPerOp(), WarmDeviceMallocs: warm.DeviceMallocs, DriverNsPerOp: driver.NsPerOp()}
+	if warm.Ops > 0 {
+		w.WarmDeviceMallocNsPerOp = float64(warm.DeviceMallocTime.Nanoseconds()) / float64(warm.Ops)
+	}
+	return w
 }
 
 // RowOf returns r as a row, with Trace and Conf empty.
@@ -128,16 +160,24 @@ func BestRows(rows []ReplayRow) map[int]bool {
 
 // WriteReplayTable writes rows as an aligned table, in MiB, with the best
 // row of each trace (BestRows) marked "*" in a best column. The column is
-// left out when no trace has several configurations to compare.
+// left out when no trace has several configurations to compare. When rows
+// have WarmFigures (`allocd bench`), columns follow ns/op: the cold
+// replay's ns/op in device mallocs, the warm replay's ns/op and device
+// mallocs, and the driver's ns/op; a line under the table names each
+// trace whose warm pass made device mallocs.
 func WriteReplayTable(w io.Writer, rows []ReplayRow) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	confs := map[string]int{}
-	compared := false
+	compared, warm := false, false
 	for _, r := range rows {
 		confs[r.Trace]++
 		compared = compared || confs[r.Trace] > 1
+		warm = warm || r.WarmFigures != nil
 	}
 	header := "trace\tconf\tops\tpeak allocated MiB\tpeak reserved MiB\treserved/allocated\tdevice mallocs\tretries\tOOMs\tns/op\t"
+	if warm {
+		header += "device ns/op\twarm ns/op\twarm device mallocs\tdriver ns/op\t"
+	}
 	if compared {
 		header += "best\t"
 	}
@@ -154,6 +194,13 @@ func WriteReplayTable(w io.Writer, rows []ReplayRow) error {
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.3f\t%d\t%d\t%d\t%.0f\t", r.Trace, label, r.Ops,
 			mibString(r.PeakAllocatedBytes), mibString(r.PeakReservedBytes), ratio, r.DeviceMallocs, r.AllocRetries, r.OOMs, r.NsPerOp)
+		if warm {
+			if wf := r.WarmFigures; wf != nil {
+				fmt.Fprintf(tw, "%.0f\t%.0f\t%d\t%.1f\t", r.DeviceMallocNsPerOp, wf.WarmNsPerOp, wf.WarmDeviceMallocs, wf.DriverNsPerOp)
+			} else {
+				fmt.Fprint(tw, "\t\t\t\t")
+			}
+		}
 		if compared {
 			mark := ""
 			if best[i] {
@@ -163,7 +210,18 @@ func WriteReplayTable(w io.Writer, rows []ReplayRow) error {
 		}
 		fmt.Fprintln(tw)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, r := range rows {
+		if r.WarmFigures != nil && r.WarmDeviceMallocs > 0 {
+			if _, err := fmt.Fprintf(w, "%s, %s: the warm pass made %d device mallocs (%.0f ns/op): the cache the first pass filled did not serve it all\n",
+				r.Trace, ConfLabel(r.Conf), r.WarmDeviceMallocs, r.WarmDeviceMallocNsPerOp); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // WriteReport writes rep as tables: the pair benchmark (in PairSizes'

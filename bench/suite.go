@@ -1,7 +1,9 @@
 package bench
 
 import (
+	"context"
 	"fmt"
+	"runtime/pprof"
 	"strings"
 
 	"github.com/allocd/allocd/allocator"
@@ -18,16 +20,24 @@ type Suite struct {
 	// benchmark, run once for each goroutine count of Threads; 0 skips it.
 	MixedSteps int
 	Threads    []int
-	// Traces are trace files (workload.LoadTrace) replayed once each.
+	// Traces are trace files (workload.LoadTrace), each replayed cold (one
+	// pass on a fresh allocator) and warm (workload.ReplayWarm, on another),
+	// and timed without the allocator (workload.DriverCost).
 	Traces []string
 }
 
 // RunSuite runs the benchmarks of s on t's devices with cfg, each on a
 // fresh allocator, and returns their results: the best of 3 runs of each
 // pair size (on a Sim whose events complete like a GPU's), the mixed
-// benchmark for each goroutine count, and a replay of each trace (named
-// without ".pickle.gz"). rep.Device is t.Desc; rep.Conf is left to the
-// caller. The first error stops it and names the benchmark.
+// benchmark for each goroutine count, and for each trace (named without
+// ".pickle.gz") its cold replay's row with its WarmFigures. rep.Device is
+// t.Desc; rep.Conf is left to the caller. The first error stops it and
+// names the benchmark.
+//
+// In a CPU profile each benchmark carries the label bench (pair, mixed,
+// mixed_warm, replay_load, replay_cold, replay_warm, replay_driver),
+// with size, threads or trace; the warm replay's passes carry pass (first,
+// second: the timed one), so that `go tool pprof -tagfocus` picks one.
 func RunSuite(t *Target, cfg allocator.Config, s Suite) (Report, error) {
 	rep := Report{Device: t.Desc, Pair: map[string]float64{}}
 	fresh := func() (*allocator.Allocator, error) {
@@ -37,26 +47,19 @@ func RunSuite(t *Target, cfg allocator.Config, s Suite) (Report, error) {
 		}
 		return allocator.New(dev, cfg)
 	}
+	var err error
+	labelled := func(run func(context.Context), kv ...string) {
+		pprof.Do(context.Background(), pprof.Labels(kv...), run)
+	}
 	for _, size := range PairSizes {
 		if s.PairIters <= 0 {
 			break
 		}
-		a, err := fresh()
+		var best float64
+		labelled(func(context.Context) { best, err = pairBest(fresh, size, s.PairIters) }, "bench", "pair", "size", fmt.Sprint(size))
 		if err != nil {
-			return rep, err
+			return rep, fmt.Errorf("pair/%d: %w", size, err)
 		}
-		best := 0.0
-		for range 3 {
-			d, err := Pair(a, size, s.PairIters)
-			if err != nil {
-				_ = a.Close()
-				return rep, fmt.Errorf("pair/%d: %w", size, err)
-			}
-			if ns := float64(d.Nanoseconds()); best == 0 || ns < best {
-				best = ns
-			}
-		}
-		_ = a.Close()
 		rep.Pair[fmt.Sprint(size)] = best
 	}
 	// The cold mixed runs, then the warm ones, each on a fresh allocator.
@@ -73,7 +76,8 @@ func RunSuite(t *Target, cfg allocator.Config, s Suite) (Report, error) {
 			if err != nil {
 				return rep, err
 			}
-			r, err := m.run(a, th, s.MixedSteps)
+			var r MixedResult
+			labelled(func(context.Context) { r, err = m.run(a, th, s.MixedSteps) }, "bench", m.name, "threads", fmt.Sprint(th))
 			_ = a.Close()
 			if err != nil {
 				return rep, fmt.Errorf("%s/threads=%d: %w", m.name, th, err)
@@ -82,16 +86,54 @@ func RunSuite(t *Target, cfg allocator.Config, s Suite) (Report, error) {
 		}
 	}
 	for _, file := range s.Traces {
-		tr, err := workload.LoadTrace(file)
+		var tr *workload.Trace
+		labelled(func(context.Context) { tr, err = workload.LoadTrace(file) }, "bench", "replay_load", "trace", file)
 		if err != nil {
 			return rep, err // names the file
 		}
-		row, err := t.Replay(tr, cfg, workload.ReplayOptions{}, nil)
+		name := strings.TrimSuffix(tr.Name, ".pickle.gz")
+		var row ReplayRow
+		labelled(func(ctx context.Context) {
+			row, err = t.Replay(tr, cfg, workload.ReplayOptions{Ctx: ctx}, nil)
+		}, "bench", "replay_cold", "trace", name)
 		if err != nil {
 			return rep, fmt.Errorf("replaying %s: %w", file, err)
 		}
-		row.Trace = strings.TrimSuffix(tr.Name, ".pickle.gz")
+		var warm, driver workload.ReplayResult
+		labelled(func(ctx context.Context) {
+			warm, err = t.ReplayWarm(tr, cfg, workload.ReplayOptions{Ctx: ctx})
+		}, "bench", "replay_warm", "trace", name)
+		if err != nil {
+			return rep, fmt.Errorf("replaying %s warm: %w", file, err)
+		}
+		labelled(func(context.Context) { driver, err = workload.DriverCost(&tr.Ops) }, "bench", "replay_driver", "trace", name)
+		if err != nil {
+			return rep, fmt.Errorf("timing the replay driver on %s: %w", file, err)
+		}
+		row.WarmFigures = WarmFiguresOf(warm, driver)
+		row.Trace = name
 		rep.Replay = append(rep.Replay, row)
 	}
 	return rep, nil
+}
+
+// pairBest returns the best of 3 runs of n pairs of size, in ns per pair,
+// on a fresh allocator.
+func pairBest(fresh func() (*allocator.Allocator, error), size uint64, n int) (float64, error) {
+	a, err := fresh()
+	if err != nil {
+		return 0, err
+	}
+	defer a.Close()
+	best := 0.0
+	for range 3 {
+		d, err := Pair(a, size, n)
+		if err != nil {
+			return 0, err
+		}
+		if ns := float64(d.Nanoseconds()); best == 0 || ns < best {
+			best = ns
+		}
+	}
+	return best, nil
 }

@@ -122,6 +122,31 @@ func (t *Target) Replay(tr *workload.Trace, cfg allocator.Config, opt workload.R
 	return RowOf(r), nil
 }
 
+// ReplayWarm replays tr twice on a fresh allocator configured by cfg with
+// opt and returns the second pass (workload.ReplayWarm); the allocator's
+// Check must pass after it, as in Replay. aopts are passed to
+// allocator.New.
+func (t *Target) ReplayWarm(tr *workload.Trace, cfg allocator.Config, opt workload.ReplayOptions, aopts ...allocator.Option) (workload.ReplayResult, error) {
+	dev, err := t.replayDevice(tr)
+	if err != nil {
+		return workload.ReplayResult{}, err
+	}
+	a, err := allocator.New(dev, cfg, aopts...)
+	if err != nil {
+		return workload.ReplayResult{}, err
+	}
+	r, err := workload.ReplayWarm(&tr.Ops, a, opt)
+	if err == nil {
+		if cerr := a.Check(); cerr != nil {
+			err = fmt.Errorf("warm replay: the allocator's Check failed after the replay: %w", cerr)
+		}
+	}
+	if cerr := a.Close(); err == nil && cerr != nil && !errors.Is(cerr, allocator.ErrLiveBlocks) {
+		err = cerr
+	}
+	return r, err
+}
+
 // SnapshotAtPeak returns the snapshot at the moment of tr's peak reserved
 // memory with cfg (SnapshotAtPeak), its history bounded by
 // historyEntries. It needs a simulated target, whose replays are

@@ -4,49 +4,86 @@
 #
 #   scripts/device_bench.sh TRACEDIR ANCHORDIR
 #
-# TRACEDIR holds the shared *.pickle.gz traces; ANCHORDIR holds PyTorch's anchor
-# (bench.py). Builds allocd into $BIN (default .devrun/bin) when Go is present, then
-# runs, writing results to $OUT (default .devrun/bench):
-#   1. allocd bench --device cuda --json TRACEDIR/*.pickle.gz -> allocd.json
-#      (pair, mixed cold and warm at 1, 2, 4 and 8 goroutines, replays)
-#   2. PyTorch's anchor on the same traces                   -> anchor.json
-#   3. the ratios, each beside the speed goal it is held to   -> compare.txt
-# Both sides run in the same command, so that the ratios do not mix machines.
-# Stages stop starting past $BUDGET_S seconds (default 560). No network is used.
+# TRACEDIR holds the traces, *.pickle.gz or *.pickle (testdata/traces holds all ten);
+# ANCHORDIR holds PyTorch's anchor (bench.py). Builds allocd into $BIN (default
+# .devrun/bin) when Go is present, then runs, writing each stage's results to $OUT
+# (default .devrun/bench) as it ends:
+#   1. allocd bench --device cuda --json TRACES       -> allocd.json, allocd.err
+#      (pair; mixed cold and warm at 1, 2, 4 and 8 goroutines; each trace cold, warm
+#      and the replay driver alone)
+#   2. PyTorch's anchor on the same traces              -> anchor.json, anchor.log
+#   3. each ratio beside the speed goal it is held to   -> compare.txt
+#   4. CPU profiles of allocd's replays of gpt2_train and resnet50_train, each
+#      trace given $PROF_REPS times (default 100) to one allocd bench --cpuprofile:
+#      one profile per trace holds its cold and warm replays, told apart by label
+#      (go tool pprof -tagfocus=bench=replay_cold, or -tagfocus=pass=second for the
+#      warm replay's timed pass)                        -> profiles.tar.gz
+#      (the profiles, their runs' JSON, a summary of the runs' spread, top lists
+#      where Go is present, and the allocd binary for go tool pprof)
+# plus gpu.txt: seven files in all. Both sides run in the same command, so that the
+# ratios do not mix machines. Stages stop starting past $BUDGET_S seconds (default
+# 420 here); each stage's timeout leaves time for the ones after it. No network is
+# used. To check the script without a GPU: DEVICE=sim (allocd's stages on the
+# simulated device; the anchor fails without torch, and the comparison prints
+# allocd's side), BENCH_ARGS="--pair-iters 20000 --mixed-steps 20000" (added to
+# stage 1) and PROF_REPS=5.
 set -uo pipefail
 . "$(dirname "$0")/device_lib.sh"
+BUDGET_S=${BUDGET_S:-420}
+PROF_REPS=${PROF_REPS:-100}
+DEVICE=${DEVICE:-cuda}
+read -ra bench_args <<<"${BENCH_ARGS:-}"
 device_setup device_bench "$@"
 device_build
 
+shopt -s nullglob
+traces=("$TRACES"/*.pickle.gz "$TRACES"/*.pickle)
+[ ${#traces[@]} -gt 0 ] || { say "no *.pickle.gz or *.pickle in $TRACES"; exit 2; }
+say "${#traces[@]} traces in $TRACES"
+
 say "allocd bench -> $OUT/allocd.json"
-timeout "$(($(left) / 2))" "$BIN/allocd" bench --device cuda --json "$TRACES"/*.pickle.gz >"$OUT/allocd.json" 2>"$OUT/allocd.err"
+timeout "$(($(left) * 2 / 5))" "$BIN/allocd" bench --device "$DEVICE" --json "${bench_args[@]}" "${traces[@]}" >"$OUT/allocd.json" 2>"$OUT/allocd.err"
 echo "allocd bench rc=$?"
 
 say "PyTorch anchor -> $OUT/anchor.json"
 tr=$(mktemp -d)
-for f in "$TRACES"/*.pickle.gz; do gunzip -c "$f" >"$tr/$(basename "$f" .gz)"; done
-EXT_BUILD=/tmp/anchor_build timeout "$(left)" python3 "$ANCHOR/bench.py" "$tr" "$OUT/anchor.json" >"$OUT/anchor.log" 2>&1
+for f in "${traces[@]}"; do
+	case $f in
+	*.gz) gunzip -c "$f" >"$tr/$(basename "$f" .gz)" ;;
+	*) cp "$f" "$tr/" ;;
+	esac
+done
+limit=$(($(left) - 60))
+[ "$limit" -gt 0 ] || limit=1
+EXT_BUILD=/tmp/anchor_build timeout "$limit" python3 "$ANCHOR/bench.py" "$tr" "$OUT/anchor.json" >"$OUT/anchor.log" 2>&1
 echo "anchor rc=$?"
 rm -rf "$tr"
 
 python3 - "$OUT/allocd.json" "$OUT/anchor.json" <<'PY' | tee "$OUT/compare.txt"
 import json, sys
-try:
-    a = json.load(open(sys.argv[1]))
-    t = json.load(open(sys.argv[2]))
-except Exception as e:
-    sys.exit(f"no comparison: {e}")
+
+def load(path, who):
+    try:
+        return json.load(open(path))
+    except Exception as e:
+        print(f"no {who} figures ({path}): {e}")
+        return {}
+
+a, t = load(sys.argv[1], "allocd"), load(sys.argv[2], "PyTorch")
 micro, rep = t.get("micro", {}), t.get("replay", {})
 
 def line(what, ratio, goal):
     mark = "met" if ratio >= goal else "NOT met"
-    print(f"{what:<58} {ratio:>7.2f}x  (goal {goal}x: {mark})")
+    print(f"{what:<66} {ratio:>7.2f}x  (goal {goal}x: {mark})")
+
+def na(what, goal):
+    print(f"{what:<66} {'n/a':>8}  (goal {goal}x)")
 
 for size, ns in sorted(a.get("pair_ns", {}).items(), key=lambda kv: int(kv[0])):
     tn = micro.get(f"pair_torch_{size}")
     if tn:
         line(f"pair/{size}: PyTorch {tn:.0f} ns / allocd {ns:.0f} ns", tn / ns, 5)
-runs = {(kind, r["threads"]): r for kind in ("mixed", "mixed_warm") for r in a.get(kind, [])}
+runs = {(kind, r["threads"]): r for kind in ("mixed", "mixed_warm") for r in a.get(kind) or []}
 w1, w8 = runs.get(("mixed_warm", 1)), runs.get(("mixed_warm", 8))
 if w1 and w8:
     line(f"mixed warm t8 / own t1: {w8['mops_per_s']:.2f} / {w1['mops_per_s']:.2f} Mops/s", w8["mops_per_s"] / w1["mops_per_s"], 5)
@@ -57,12 +94,83 @@ c8, tc8 = runs.get(("mixed", 8)), micro.get("mixed_torch_t8", {})
 if c8 and tc8.get("mops_per_s"):
     line(f"mixed cold t8: allocd {c8['mops_per_s']:.2f} / PyTorch {tc8['mops_per_s']:.2f} Mops/s", c8["mops_per_s"] / tc8["mops_per_s"], 10)
     pr = tc8.get("peak_reserved") or 0
-    print(f"{'mixed cold t8 peak reserved, MiB: allocd / PyTorch':<58} {c8['peak_reserved_bytes'] / 2**20:>7.0f} / {pr / 2**20:.0f}"
+    print(f"{'mixed cold t8 peak reserved, MiB: allocd / PyTorch':<66} {c8['peak_reserved_bytes'] / 2**20:>7.0f} / {pr / 2**20:.0f}"
           f"  (goal: no higher: {'met' if c8['peak_reserved_bytes'] <= pr else 'NOT met'})")
-for r in a.get("replay", []):
-    name = r["trace"].removesuffix(".pickle.gz")
-    tn = rep.get(name, {}).get("torch", {}).get("ns_per_op")
-    if tn:
-        line(f"replay {name}: PyTorch {tn:.0f} / allocd {r['ns_per_op']:.0f} ns/op", tn / r["ns_per_op"], 5 if name == "gpt2m_generate" else 3)
+
+# Replays, per trace: warm (the second of two passes on one pool) against 3x (5x on
+# gpt2m_generate), cold against 1.5x, and what one cudaMalloc costs each side:
+# allocd measures its device mallocs (device_malloc_ns_per_op x ops / device mallocs);
+# PyTorch's is estimated as (cold - warm) x ops / device allocs, and allocd's by the
+# same formula beside it.
+def ns(x):
+    return f"{x:.0f}" if x else "n/a"
+
+def per_malloc(ns_per_op, ops, mallocs):
+    return f"{ns_per_op * ops / mallocs / 1000:.1f} us" if ns_per_op is not None and mallocs else "n/a"
+
+for r in a.get("replay") or []:
+    name = r["trace"].removesuffix(".pickle.gz").removesuffix(".pickle")
+    tr = rep.get(name, {})
+    q = tr.get("torch", {})
+    print()
+    ac, aw, ad = r["ns_per_op"], r.get("warm_ns_per_op"), r.get("driver_ns_per_op")
+    tc, tw = q.get("ns_per_op"), q.get("warm_ns_per_op")
+    goal = 5 if name == "gpt2m_generate" else 3
+    what = f"replay {name} warm: PyTorch {ns(tw)} / allocd {ns(aw)} ns/op"
+    line(what, tw / aw, goal) if tw and aw else na(what, goal)
+    what = f"replay {name} cold: PyTorch {ns(tc)} / allocd {ns(ac)} ns/op"
+    line(what, tc / ac, 1.5) if tc else na(what, 1.5)
+    ops, mallocs = r["ops"], r["device_mallocs"]
+    print(f"  ns per cudaMalloc: allocd {per_malloc(r.get('device_malloc_ns_per_op'), ops, mallocs)} measured,"
+          f" {per_malloc(ac - aw if aw else None, ops, mallocs)} as (cold - warm) x ops / {mallocs};"
+          f" PyTorch {per_malloc(tc - tw if tc and tw else None, tr.get('ops', 0), q.get('num_device_alloc'))}"
+          f" as (cold - warm) x {tr.get('ops', 'n/a')} / {q.get('num_device_alloc', 'n/a')}")
+    tnew = q.get("warm_num_device_alloc", 0) - q.get("num_device_alloc", 0) if "warm_num_device_alloc" in q else "n/a"
+    print(f"  device mallocs in the warm pass: allocd {r.get('warm_device_mallocs', 'n/a')}, PyTorch {tnew};"
+          f" allocd's driver alone {ad if ad is not None else float('nan'):.1f} ns/op;"
+          f" allocd's cold in cudaMalloc {r.get('device_malloc_ns_per_op', 0):.0f} ns/op")
 PY
+
+say "CPU profiles of allocd's replays -> $OUT/profiles.tar.gz"
+prof=$(mktemp -d)
+mkdir "$prof/profiles"
+cp "$BIN/allocd" "$prof/profiles/allocd"
+for name in gpt2_train resnet50_train; do
+	f=$(ls "$TRACES/$name".pickle.gz "$TRACES/$name".pickle 2>/dev/null | head -1)
+	[ -n "$f" ] || { say "no $name trace in $TRACES"; continue; }
+	[ "$(left)" -gt 20 ] || { say "no time left for the $name profile"; break; }
+	args=()
+	for _ in $(seq "$PROF_REPS"); do args+=("$f"); done
+	limit=$(($(left) - 10))
+	[ "$name" = gpt2_train ] && limit=$((limit / 2))
+	timeout "$limit" "$BIN/allocd" bench --device "$DEVICE" --no-pair --no-mixed --json \
+		--cpuprofile "$prof/profiles/$name.prof" "${args[@]}" >"$prof/profiles/$name.json" 2>"$prof/profiles/$name.err"
+	echo "allocd bench --cpuprofile $name rc=$?"
+	if command -v go >/dev/null && [ -s "$prof/profiles/$name.prof" ]; then
+		for sel in bench=replay_cold pass=second; do
+			go tool pprof -top -nodecount 40 -tagfocus="$sel" "$prof/profiles/allocd" "$prof/profiles/$name.prof" \
+				>"$prof/profiles/$name.${sel#*=}.top.txt" 2>&1
+		done
+	fi
+done
+python3 - "$prof/profiles"/*.json <<'PY' | tee "$prof/profiles/summary.txt"
+import json, statistics, sys
+for path in sys.argv[1:]:
+    try:
+        rows = json.load(open(path)).get("replay") or []
+    except Exception as e:
+        print(f"{path}: no runs: {e}")
+        continue
+    if not rows:
+        continue
+    print(f"{rows[0]['trace']}: {len(rows)} runs, ns/op min / median / max")
+    for key in ("ns_per_op", "warm_ns_per_op", "device_malloc_ns_per_op", "driver_ns_per_op"):
+        v = sorted(r[key] for r in rows if key in r)
+        if v:
+            print(f"  {key:<26} {v[0]:8.1f} {statistics.median(v):8.1f} {v[-1]:8.1f}")
+PY
+tar -czf "$OUT/profiles.tar.gz" -C "$prof" profiles
+rm -rf "$prof"
+ls -la "$OUT"
 say "done"
+exit 0

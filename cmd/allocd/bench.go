@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime/pprof"
 
 	"github.com/spf13/cobra"
 
@@ -27,6 +28,7 @@ type benchFlags struct {
 	skipMixed   bool
 	json        bool
 	copies      bool
+	cpuProfile  string
 }
 
 func newBenchCmd() *cobra.Command {
@@ -40,9 +42,14 @@ mixed/threads=T (T goroutines, each on its own stream over its share of a
 4096-slot window, freeing a random slot when it is live and allocating it
 otherwise; sizes 80% up to 1 MiB, 18% up to 32 MiB, 2% up to 256 MiB),
 mixed_warm/threads=T (the same pattern twice on the same streams, only the
-second pass timed) and, for each TRACE, a replay. Each benchmark gets a
-fresh allocator. --device and --sim-capacity default as replay's do
-(ALLOCD_DEVICE and ALLOCD_SIM_CAPACITY when set).`,
+second pass timed) and, for each TRACE, a cold replay (one pass on a fresh
+allocator), a warm replay (two passes on one allocator, freeing what the
+first left live, only the second timed: warm_ns_per_op) and the replay
+driver's own cost with the allocator left out (driver_ns_per_op). Each
+benchmark gets a fresh allocator. --cpuprofile FILE writes a CPU profile
+of the benchmarks (go tool pprof reads it with the allocd binary).
+--device and --sim-capacity default as replay's do (ALLOCD_DEVICE and
+ALLOCD_SIM_CAPACITY when set).`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			f.confFrom = "--conf"
 			if !cmd.Flags().Changed("conf") {
@@ -68,6 +75,7 @@ fresh allocator. --device and --sim-capacity default as replay's do
 	fl.BoolVar(&f.skipPair, "no-pair", false, "skip the pair benchmark")
 	fl.BoolVar(&f.skipMixed, "no-mixed", false, "skip the mixed benchmark")
 	fl.BoolVar(&f.json, "json", false, "print one JSON object with every result")
+	fl.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of the benchmarks to this file (runtime/pprof; read it with go tool pprof ALLOCD_BINARY FILE)")
 	fl.BoolVar(&f.copies, "copies", false, "run only the host-device copy benchmark (bench.RunCopies): pageable vs pinned bandwidth, cached pinned alloc vs cudaHostAlloc")
 	return cmd
 }
@@ -100,7 +108,7 @@ func checkBenchFlags(f benchFlags) error {
 	return nil
 }
 
-func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
+func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) (err error) {
 	if err := checkBenchFlags(f); err != nil {
 		return err
 	}
@@ -113,6 +121,18 @@ func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
 		return err
 	}
 	defer target.Close()
+	if f.cpuProfile != "" {
+		stop, perr := startCPUProfile(f.cpuProfile)
+		if perr != nil {
+			return perr
+		}
+		defer func() { // err is runBench's result
+
+			if serr := stop(); err == nil && serr != nil {
+				err = serr
+			}
+		}()
+	}
 	fmt.Fprintf(stderr, "allocd: benchmarking on the %s\n", target.Desc)
 	if f.copies {
 		return target.RunCopies(stdout, f.json)
@@ -138,4 +158,25 @@ func runBench(stdout, stderr io.Writer, f benchFlags, traces []string) error {
 		return enc.Encode(rep)
 	}
 	return bench.WriteReport(stdout, rep)
+}
+
+// startCPUProfile starts a CPU profile written to path (--cpuprofile) and
+// returns the function that stops it and closes the file. The error of a
+// file that cannot be created names the flag and the file.
+func startCPUProfile(path string) (stop func() error, err error) {
+	file, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("--cpuprofile: %w", err)
+	}
+	if err := pprof.StartCPUProfile(file); err != nil {
+		_ = file.Close()
+		return nil, fmt.Errorf("--cpuprofile %s: %w", path, err)
+	}
+	return func() error {
+		pprof.StopCPUProfile()
+		if err := file.Close(); err != nil {
+			return fmt.Errorf("--cpuprofile: %w", err)
+		}
+		return nil
+	}, nil
 }
