@@ -136,7 +136,11 @@ type reservoir struct {
 	_    [64]byte // its own cache lines, away from the allocator's fields
 	r    [numHot][numPools]atomic.Int64
 	over atomic.Int64
-	_    [64]byte
+	// short is set when a borrow found the reservoir short: only then do
+	// shards repay (repay), so that while it has plenty, caps are not
+	// moved back and forth through these shared lines at every few frees.
+	short atomic.Bool
+	_     [64]byte
 }
 
 // take moves need from r to the caller, and a quarter of what r would
@@ -185,6 +189,7 @@ func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
 			}
 			t := take(&res.r[k][q], need)
 			if t == 0 {
+				res.short.Store(true)
 				giveBack()
 				return false
 			}
@@ -198,6 +203,7 @@ func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
 		if need := st.OversizeAllocations.Current + d.over - sh.capOver; need > 0 {
 			t := take(&res.over, need)
 			if t == 0 {
+				res.short.Store(true)
 				giveBack()
 				return false
 			}
@@ -224,7 +230,10 @@ const repayEvery = 4
 // their values, keeping one share: slack that a shard's frees left it
 // would otherwise wait for the next escalation, while other shards
 // escalate for want of it. It looks at every repayEvery-th free of the
-// shard only. sh's lock is held.
+// shard only, and only after a borrow found the reservoir short (the
+// look clears that): while the reservoir has plenty, repaying would only
+// move caps that the shard borrows again, through lines every shard
+// shares. sh's lock is held.
 func (a *Allocator) repay(sh *shard, p Pool) {
 	if !sh.lend {
 		return
@@ -233,6 +242,10 @@ func (a *Allocator) repay(sh *shard, p Pool) {
 		return
 	}
 	sh.repays = 0
+	if !a.res.short.Load() {
+		return
+	}
+	a.res.short.Store(false)
 	h := sh.stats.arrays()
 	for k := range numHot {
 		for _, q := range [2]Pool{PoolAll, p} {
