@@ -355,8 +355,8 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 			LargePage:   largeBuffer,
 			ReclaimPage: cmp.Or(o.expLargePage, cfg.ExpandablePageSize, DefaultExpandablePage),
 			Reclaim:     !o.pytorchExpandable,
-		}, expStats{table: &a.segs, stats: &a.stats}, o.log)
-		a.src = expSource{space: a.exp, table: &a.segs}
+		}, o.log)
+		a.src = expSource{space: a.exp, table: &a.segs, stats: &a.stats}
 	}
 	a.allowed = total
 	if cfg.Backend == BackendAsync {

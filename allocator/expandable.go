@@ -37,7 +37,6 @@ package allocator
 import (
 	"errors"
 	"fmt"
-	"time"
 
 	"go.uber.org/zap"
 
@@ -77,47 +76,21 @@ func checkExpandable(dev cudart.Device, cfg Config) (cudart.VirtualMemory, error
 	return vm, nil
 }
 
-// expStats is the allocator's side of vmm.Stats: a Space's mappings and
-// unmappings move the segment table's reserved bytes and the statistics.
-type expStats struct {
-	table *segTable
-	stats *Stats
-}
-
-func poolStat(small bool) Pool {
-	if small {
-		return PoolSmall
-	}
-	return PoolLarge
-}
-
-func (e expStats) Mapped(small bool, n uint64, took time.Duration) {
-	e.table.reserved += n
-	e.stats.ReservedBytes.add(poolStat(small), int64(n))
-	e.stats.NumDeviceAlloc++
-	e.stats.DeviceMallocLatency.observe(took)
-}
-
-func (e expStats) Unmapped(small bool, n uint64) {
-	e.table.reserved -= n
-	e.stats.ReservedBytes.sub(poolStat(small), int64(n))
-	e.stats.NumDeviceFree++
-}
-
-func (e expStats) Closed() { e.stats.NumDeviceFree++ }
-
-func (e expStats) Moved(pages, across int64) {
-	e.stats.NumPagesMoved += pages
-	e.stats.NumPagesMovedAcrossStreams += across
-}
-
 // expSource is the expandable segments as the allocator's segment source.
 type expSource struct {
 	space *vmm.Space
 	table *segTable
+	stats *Stats
 }
 
-func (e expSource) close() []error { return e.space.Close() }
+// close returns every range to the device; each contiguous mapped
+// stretch counts as one device free.
+func (e expSource) close() []error {
+	frees, errs := e.space.Close()
+	e.stats.NumDeviceFree += frees
+	return errs
+}
+
 func (e expSource) check() []error { return e.space.Check(e.table.list) }
 
 // vmPool is p as the Space sees it.
@@ -218,12 +191,12 @@ func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.B
 }
 
 // mapBlock is map_block: the Space maps size bytes of the unmapped block b,
-// then the history and the log record the mapping. It reports false when
-// nothing was mapped: with a nil error when the device is out of memory
-// (c.devErr says why).
+// then the reserved bytes, the statistics, the history and the log count
+// the mapping. It reports false when nothing was mapped: with a nil error
+// when the device is out of memory (c.devErr says why).
 func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bool, error) {
 	seg, start := b.Segment, b.Ptr
-	n, elapsed, err := a.exp.MapBlock(p.vmPool(), b, size)
+	m, err := a.exp.MapBlock(p.vmPool(), b, size)
 	if err != nil {
 		if errors.Is(err, cudart.ErrOutOfMemory) {
 			c.devErr = err
@@ -231,22 +204,32 @@ func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bo
 		}
 		return false, err
 	}
-	a.record(c, actionSegmentMap, start, n, cudart.Stream(seg.Stream))
+	a.segs.reserved += m.Bytes
+	a.stats.ReservedBytes.add(p.stat, int64(m.Bytes))
+	a.stats.NumDeviceAlloc++
+	a.stats.DeviceMallocLatency.observe(m.Took)
+	a.stats.NumPagesMoved += m.Moved
+	a.stats.NumPagesMovedAcrossStreams += m.Across
+	a.record(c, actionSegmentMap, start, m.Bytes, cudart.Stream(seg.Stream))
 	a.log.Debug("expandable segment mapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
-		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved), zap.Duration("took", elapsed))
+		zap.Uint64("bytes", m.Bytes), zap.Uint64("reserved_bytes", a.segs.reserved), zap.Duration("took", m.Took))
 	return true, nil
 }
 
 // unmapBlock is unmap_block: the Space unmaps the whole runs inside the
-// free block b, then the history and the log record the unmapping. It
-// returns the unmapped block, or nil when b covers no whole run or on an
-// error.
+// free block b, then the reserved bytes, the statistics, the history and
+// the log count the unmapping. It returns the unmapped block, or nil when
+// b covers no whole run or on an error.
 func (a *Allocator) unmapBlock(c *call, b *blocks.Block) (*blocks.Block, error) {
 	seg := b.Segment
-	u, start, n, err := a.exp.UnmapBlock(a.poolOf(b).vmPool(), b)
+	p := a.poolOf(b)
+	u, start, n, err := a.exp.UnmapBlock(p.vmPool(), b)
 	if u == nil {
 		return nil, err
 	}
+	a.segs.reserved -= n
+	a.stats.ReservedBytes.sub(p.stat, int64(n))
+	a.stats.NumDeviceFree++
 	a.record(c, actionSegmentUnmap, start, n, cudart.Stream(seg.Stream))
 	a.log.Debug("expandable segment unmapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
 		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved))

@@ -64,7 +64,7 @@
 //   - The candidates are the free blocks of every stream's pools, so a
 //     stream that must grow takes the pages another stream freed:
 //     unmapped from that stream's range, mapped into its own (the same
-//     physical pages, reported through Stats.Moved); live blocks never
+//     physical pages, reported in MapBlock's Mapping); live blocks never
 //     move. A block that another stream may still use (RecordStream) is
 //     not in any free index until its events complete, so its pages are
 //     never handed over before then.
@@ -111,11 +111,13 @@
 // # What a Space reports
 //
 // A Space keeps its segments' Mapped bytes and their sum (Reserved), and
-// reports every change to the Stats it is given: each mapping (one per
-// MapBlock, however many pages it maps: PyTorch's num_device_alloc and
-// reserved_bytes), each unmapping, each range unmapped at Close, and the
-// pages reclaim moved. The caller enters the segments Reserve returns in
-// its own segment table and takes out those ReleaseRange releases.
+// returns every change for the caller's statistics: the bytes of each
+// mapping (one per MapBlock, however many pages it maps: PyTorch's
+// num_device_alloc) with its time and the pages reclaim moved into it
+// (Mapping), the bytes of each unmapping, and the device frees of Close.
+// The caller enters the segments Reserve returns in its own segment table
+// and takes out those ReleaseRange releases; it holds no pointer of the
+// caller's but the pools' free indexes and recyclers it is handed.
 //
 // A Space is not safe for concurrent use: the allocator calls it in world
 // mode only. Its errors read "allocator: …", the package its callers see.

@@ -22,21 +22,13 @@ type Pool struct {
 	Small    bool
 }
 
-// Stats receives every change a Space makes to what it holds from the
-// device; the allocator's statistics and segment table implement it.
-type Stats interface {
-	// Mapped reports n bytes mapped in the small or large pool, one
-	// device allocation that took took.
-	Mapped(small bool, n uint64, took time.Duration)
-	// Unmapped reports n bytes unmapped from the small or large pool,
-	// one device free.
-	Unmapped(small bool, n uint64)
-	// Closed reports one contiguous mapped range unmapped by Close, one
-	// device free; Close leaves the bytes reported.
-	Closed()
-	// Moved reports pages that reclaim unmapped and mapped again, across
-	// of them into another stream's range.
-	Moved(pages, across int64)
+// Mapping is what one MapBlock mapped, for the caller's statistics: one
+// device allocation of Bytes that took Took, Moved of its pages from runs
+// that reclaim unmapped (Across of them from another stream's range).
+type Mapping struct {
+	Bytes         uint64
+	Took          time.Duration
+	Moved, Across int64
 }
 
 // Config is a Space's sizes and policy.
@@ -54,11 +46,10 @@ type Config struct {
 // Space is the expandable segments of one device: their ranges, pages,
 // runs and handles, and the bytes mapped.
 type Space struct {
-	dev   cudart.Device
-	vm    cudart.VirtualMemory
-	cfg   Config
-	stats Stats
-	log   *zap.Logger
+	dev cudart.Device
+	vm  cudart.VirtualMemory
+	cfg Config
+	log *zap.Logger
 	// reserved is the bytes mapped in every range.
 	reserved uint64
 	// segs are the live expandable segments in address order.
@@ -85,9 +76,11 @@ type Space struct {
 }
 
 // New returns an empty Space over dev and its virtual memory vm, which
-// must map in a granularity that divides the configured pages.
-func New(dev cudart.Device, vm cudart.VirtualMemory, cfg Config, stats Stats, log *zap.Logger) *Space {
-	return &Space{dev: dev, vm: vm, cfg: cfg, stats: stats, log: log}
+// must map in a granularity that divides the configured pages. log
+// receives the device failures a Space cannot return (a handle it could
+// not release, an undo that failed).
+func New(dev cudart.Device, vm cudart.VirtualMemory, cfg Config, log *zap.Logger) *Space {
+	return &Space{dev: dev, vm: vm, cfg: cfg, log: log}
 }
 
 // Reclaims says whether reclaim before growth is on.
@@ -261,19 +254,20 @@ func (s *Space) Reserve(p Pool, stream uint64) (*blocks.Block, error) {
 
 // MapBlock is map_block: it maps the whole pages covering the first size
 // bytes of the unmapped block b of pool p, splits off the rest (still
-// unmapped), merges b with free neighbours, indexes it and reports the
-// bytes mapped, which it returns with the time the mapping took. When the
-// device is out of memory it returns 0 bytes and the device's error as it
-// is (errors.Is cudart.ErrOutOfMemory); on any error nothing changes.
-func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (uint64, time.Duration, error) {
+// unmapped), merges b with free neighbours, indexes it and returns what it
+// mapped. When the device is out of memory it returns the device's error
+// as it is (errors.Is cudart.ErrOutOfMemory); on any error nothing
+// changes.
+func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) {
 	seg := b.Segment
 	es := s.of(seg)
 	page := seg.PageSize
 	begin := (b.Ptr - seg.Ptr) / page
 	end := (b.Ptr - seg.Ptr + size + page - 1) / page
 	t0 := time.Now()
-	if err := s.mapPages(es, begin, end); err != nil {
-		return 0, 0, err
+	moved, across, err := s.mapPages(es, begin, end)
+	if err != nil {
+		return Mapping{}, err
 	}
 	elapsed := time.Since(t0)
 	n := (end - begin) * page
@@ -287,20 +281,19 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (uint64, time.Dur
 	seg.Mapped += n
 	s.reserved += n
 	s.mark = max(s.mark, s.reserved)
-	s.stats.Mapped(p.Small, n, elapsed)
-	return n, elapsed, nil
+	return Mapping{Bytes: n, Took: elapsed, Moved: moved, Across: across}, nil
 }
 
 // mapPages maps pages [begin, end) of es in runs: first runs that reclaim
 // kept (s.spare) that fit, then new runs of at most runPages pages, each
 // one handle (Create, then Map); runs of one length are mapped in one call
-// when the device is a cudart.RangeMapper, else run by run. On a failure
-// it undoes what it did and returns the error: the device's own when it is
-// out of memory, else wrapped.
-func (s *Space) mapPages(es *expSegment, begin, end uint64) error {
+// when the device is a cudart.RangeMapper, else run by run. It returns
+// how many pages came from kept runs, and how many of those from another
+// stream's range. On a failure it undoes what it did and returns the
+// error: the device's own when it is out of memory, else wrapped.
+func (s *Space) mapPages(es *expSegment, begin, end uint64) (moved, across int64, err error) {
 	vm, page := s.vm, es.seg.PageSize
 	hs, lens := s.handles[:0], s.lens[:0]
-	var moved, across int64
 	mapped := 0 // runs mapped so far, in order
 	undo := func() {
 		at := es.addr(begin)
@@ -314,12 +307,12 @@ func (s *Space) mapPages(es *expSegment, begin, end uint64) error {
 			s.releaseHandle(h)
 		}
 	}
-	fail := func(err error, what string) error {
+	fail := func(err error, what string) (int64, int64, error) {
 		undo()
 		if errors.Is(err, cudart.ErrOutOfMemory) {
-			return err
+			return 0, 0, err
 		}
-		return fmt.Errorf("allocator: %s for expandable segment %#x: %w", what, es.seg.Ptr, err)
+		return 0, 0, fmt.Errorf("allocator: %s for expandable segment %#x: %w", what, es.seg.Ptr, err)
 	}
 	rem := end - begin
 	for page == s.keepSize && rem > 0 {
@@ -377,11 +370,8 @@ func (s *Space) mapPages(es *expSegment, begin, end uint64) error {
 			i++
 		}
 	}
-	if moved > 0 {
-		s.stats.Moved(moved, across)
-	}
 	s.handles, s.lens = hs[:0], lens[:0]
-	return nil
+	return moved, across, nil
 }
 
 // mapHandles maps hs[i], each a run of size bytes, at addr + i*size: in
@@ -454,9 +444,9 @@ func (s *Space) unmapPages(es *expSegment, begin, end uint64) error {
 // block b of pool p. Their span becomes an unmapped block, merged with its
 // unmapped neighbours and returned with its address and size before the
 // merge; the rest of b at either end (partial pages, and pages of runs
-// that reach beyond b) stays mapped as free blocks. It returns nil when b
-// covers no whole run or on an error; the caller has synchronised the
-// work that may use b.
+// that reach beyond b) stays mapped as free blocks; each call that
+// unmaps is one device free. It returns nil when b covers no whole run or
+// on an error; the caller has synchronised the work that may use b.
 func (s *Space) UnmapBlock(p Pool, b *blocks.Block) (*blocks.Block, uint64, uint64, error) {
 	seg := b.Segment
 	es := s.of(seg)
@@ -482,7 +472,6 @@ func (s *Space) UnmapBlock(p Pool, b *blocks.Block) (*blocks.Block, uint64, uint
 	blocks.MergeUnmapped(b, p.Recycler)
 	seg.Mapped -= n
 	s.reserved -= n
-	s.stats.Unmapped(p.Small, n)
 	return b, start, n, nil
 }
 
@@ -537,10 +526,9 @@ func (s *Space) ReleaseRange(seg *blocks.Segment) error {
 }
 
 // Close unmaps every mapped page, releases every handle and every range,
-// and leaves the Space empty. Each contiguous mapped stretch counts as one
-// device free (Stats.Closed).
-func (s *Space) Close() []error {
-	var errs []error
+// and leaves the Space empty. It returns how many device frees that made,
+// one per contiguous mapped stretch, and every failure.
+func (s *Space) Close() (frees int64, errs []error) {
 	vm := s.vm
 	if s.reserved > 0 {
 		if err := s.dev.Synchronize(); err != nil {
@@ -572,7 +560,7 @@ func (s *Space) Close() []error {
 					i++
 				}
 			}
-			s.stats.Closed()
+			frees++
 		}
 		if err := vm.ReleaseRange(cudart.Ptr(es.seg.Ptr), es.seg.Size); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", es.seg.Ptr, err))
@@ -584,5 +572,5 @@ func (s *Space) Close() []error {
 		}
 	}
 	s.segs, s.orphans, s.reserved = nil, nil, 0
-	return errs
+	return frees, errs
 }

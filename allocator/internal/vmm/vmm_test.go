@@ -5,7 +5,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"go.uber.org/zap"
 
@@ -16,24 +15,11 @@ import (
 
 const miB = 1 << 20
 
-// recorder is a Stats that adds up what a Space reports.
-type recorder struct {
-	mapped, unmapped     uint64
-	maps, unmaps, closed int
-	moved, across        int64
-}
-
-func (r *recorder) Mapped(_ bool, n uint64, _ time.Duration) { r.mapped += n; r.maps++ }
-func (r *recorder) Unmapped(_ bool, n uint64)                { r.unmapped += n; r.unmaps++ }
-func (r *recorder) Closed()                                  { r.closed++ }
-func (r *recorder) Moved(pages, across int64)                { r.moved += pages; r.across += across }
-
 // space is a Space over a simulated device, with the segment table its
 // caller would keep.
 type space struct {
 	*Space
 	sim   *simdev.Sim
-	rec   *recorder
 	table []*blocks.Segment
 }
 
@@ -46,14 +32,13 @@ func newSpace(t *testing.T, capacity uint64, reclaim bool) *space {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rec := new(recorder)
 	cfg := Config{Total: capacity, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: reclaim}
-	s := &space{Space: New(sim, sim, cfg, rec, zap.NewNop()), sim: sim, rec: rec}
+	s := &space{Space: New(sim, sim, cfg, zap.NewNop()), sim: sim}
 	t.Cleanup(func() {
 		if errs := s.Check(s.table); len(errs) > 0 {
 			t.Errorf("Check at end of test: %v", errors.Join(errs...))
 		}
-		if errs := s.Close(); len(errs) > 0 {
+		if _, errs := s.Close(); len(errs) > 0 {
 			t.Errorf("Close: %v", errors.Join(errs...))
 		}
 		c := sim.VMMCounters()
@@ -98,8 +83,8 @@ func (s *space) runs() []uint32 {
 
 // TestMapBlockRuns: MapBlock maps whole pages in runs (a quarter of the
 // growth, at most 32 MiB; one page per handle in the small pool and
-// without reclaim), reports one mapping, and UnmapBlock and ReleaseRange
-// give it all back.
+// without reclaim) and returns what it mapped; UnmapBlock and
+// ReleaseRange give it all back.
 func TestMapBlockRuns(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
@@ -119,18 +104,19 @@ func TestMapBlockRuns(t *testing.T) {
 			s := newSpace(t, 1<<30, tc.reclaim)
 			p := newPool(tc.small)
 			b := s.find(t, p, tc.size)
-			n, _, err := s.MapBlock(p, b, tc.size)
+			m, err := s.MapBlock(p, b, tc.size)
 			if err != nil {
 				t.Fatal(err)
 			}
+			n := m.Bytes
 			page := s.PageSize(tc.small)
 			want := (tc.size + page - 1) / page * page
 			if runs := s.runs(); n != want || !slices.Equal(runs, tc.wantRuns) {
 				t.Fatalf("mapped %d bytes in runs %v; want %d in %v", n, runs, want, tc.wantRuns)
 			}
-			if s.Reserved() != want || s.rec.mapped != want || s.rec.maps != 1 || s.sim.Used() != want || b.Segment.Mapped != want {
-				t.Fatalf("reserved %d, reported %d in %d mappings, device %d, segment %d; want %d in 1",
-					s.Reserved(), s.rec.mapped, s.rec.maps, s.sim.Used(), b.Segment.Mapped, want)
+			if s.Reserved() != want || m.Moved != 0 || s.sim.Used() != want || b.Segment.Mapped != want {
+				t.Fatalf("reserved %d, %d pages moved, device %d, segment %d; want %d, none moved",
+					s.Reserved(), m.Moved, s.sim.Used(), b.Segment.Mapped, want)
 			}
 			if b.Unmapped || b.Size != want || b.Next == nil || !b.Next.Unmapped || !b.Indexed() {
 				t.Fatalf("mapped block %v (next %v), want %d bytes, indexed, before the unmapped rest", b, b.Next, want)
@@ -145,8 +131,8 @@ func TestMapBlockRuns(t *testing.T) {
 			if err != nil || u == nil || start != b.Segment.Ptr || un != want || u.Prev != nil || u.Next != nil {
 				t.Fatalf("UnmapBlock = %v, %#x, %d, %v; want the whole range unmapped, %d bytes", u, start, un, err, want)
 			}
-			if s.Reserved() != 0 || s.rec.unmapped != want || s.rec.unmaps != 1 || s.sim.Used() != 0 {
-				t.Fatalf("after unmapping: reserved %d, reported %d in %d, device %d", s.Reserved(), s.rec.unmapped, s.rec.unmaps, s.sim.Used())
+			if s.Reserved() != 0 || s.sim.Used() != 0 {
+				t.Fatalf("after unmapping: reserved %d, device %d", s.Reserved(), s.sim.Used())
 			}
 			seg := u.Segment
 			if unused := s.Unused(nil, 0); len(unused) != 1 || unused[0] != seg {
@@ -186,9 +172,9 @@ func TestMapBlockFailures(t *testing.T) {
 			if tc.fail > 0 {
 				s.sim.Faults().FailMalloc(tc.fail, tc.err)
 			}
-			n, _, err := s.MapBlock(p, b, tc.size)
-			if n != 0 || err == nil {
-				t.Fatalf("MapBlock = %d, %v; want a failure", n, err)
+			m, err := s.MapBlock(p, b, tc.size)
+			if m != (Mapping{}) || err == nil {
+				t.Fatalf("MapBlock = %+v, %v; want a failure", m, err)
 			}
 			if oom := errors.Is(err, cudart.ErrOutOfMemory); oom != tc.wantOOM || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("MapBlock: %v; want out of memory %v, a message containing %q", err, tc.wantOOM, tc.want)
@@ -197,9 +183,9 @@ func TestMapBlockFailures(t *testing.T) {
 				t.Fatalf("MapBlock: %v does not wrap the device's error", err)
 			}
 			c := s.sim.VMMCounters()
-			if s.Reserved() != 0 || s.rec.maps != 0 || c.LiveHandles != 0 || c.LiveMappings != 0 || !b.Unmapped || b.Next != nil {
-				t.Fatalf("after the failure: reserved %d, %d mappings reported, %d handles and %d mappings live, block %v",
-					s.Reserved(), s.rec.maps, c.LiveHandles, c.LiveMappings, b)
+			if s.Reserved() != 0 || c.LiveHandles != 0 || c.LiveMappings != 0 || !b.Unmapped || b.Next != nil {
+				t.Fatalf("after the failure: reserved %d, %d handles and %d mappings live, block %v",
+					s.Reserved(), c.LiveHandles, c.LiveMappings, b)
 			}
 		})
 	}
@@ -213,7 +199,7 @@ func TestReclaimMovesRuns(t *testing.T) {
 	s := newSpace(t, 1<<30, true)
 	p0 := newPool(false)
 	b0 := s.find(t, p0, 40*miB)
-	if _, _, err := s.MapBlock(p0, b0, 40*miB); err != nil {
+	if _, err := s.MapBlock(p0, b0, 40*miB); err != nil {
 		t.Fatal(err)
 	}
 	// Stream 1's range: nothing mapped yet.
@@ -240,13 +226,14 @@ func TestReclaimMovesRuns(t *testing.T) {
 		t.Fatalf("UnmapBlock = %v, %v", u, err)
 	}
 	s.StopKeeping()
-	if _, _, err := s.MapBlock(p1, b1, 20*miB); err != nil {
+	m, err := s.MapBlock(p1, b1, 20*miB)
+	if err != nil {
 		t.Fatal(err)
 	}
 	s.DropSpare()
-	if s.rec.moved != 10 || s.rec.across != 10 || s.Reserved() != 20*miB || s.sim.Used() != 20*miB {
+	if m.Moved != 10 || m.Across != 10 || s.Reserved() != 20*miB || s.sim.Used() != 20*miB {
 		t.Fatalf("moved %d pages (%d across), reserved %d MiB, device %d MiB; want 10 (10), 20, 20",
-			s.rec.moved, s.rec.across, s.Reserved()/miB, s.sim.Used()/miB)
+			m.Moved, m.Across, s.Reserved()/miB, s.sim.Used()/miB)
 	}
 	if c := s.sim.VMMCounters(); c.Creates != 4 {
 		t.Fatalf("%d handles created, want the first mapping's 4 only", c.Creates)
@@ -291,7 +278,7 @@ func TestCheckFindsCorruption(t *testing.T) {
 	s := newSpace(t, 1<<30, true)
 	p := newPool(false)
 	b := s.find(t, p, 30*miB)
-	if _, _, err := s.MapBlock(p, b, 30*miB); err != nil { // runs of 4, 4, 4 and 3 pages
+	if _, err := s.MapBlock(p, b, 30*miB); err != nil { // runs of 4, 4, 4 and 3 pages
 		t.Fatal(err)
 	}
 	es := s.segs[0]
@@ -326,4 +313,30 @@ func TestCheckFindsCorruption(t *testing.T) {
 	if errs := s.Check(s.table); len(errs) > 0 {
 		t.Fatal(errors.Join(errs...))
 	}
+}
+
+// TestCloseCountsFrees: Close unmaps and releases everything and counts
+// one device free per contiguous mapped stretch.
+func TestCloseCountsFrees(t *testing.T) {
+	s := newSpace(t, 1<<30, true)
+	for stream := range uint64(3) {
+		p := Pool{Free: blocks.NewStreamFreeIndex(stream), Recycler: new(blocks.Recycler)}
+		b, err := s.Reserve(p, stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.Segment.Index = len(s.table)
+		s.table = append(s.table, b.Segment)
+		if stream == 2 {
+			continue // reserved, nothing mapped
+		}
+		if _, err := s.MapBlock(p, b, 30*miB); err != nil {
+			t.Fatal(err)
+		}
+	}
+	frees, errs := s.Close()
+	if frees != 2 || len(errs) > 0 || s.Reserved() != 0 {
+		t.Fatalf("Close = %d frees, %v, reserved %d after; want 2, none, 0", frees, errs, s.Reserved())
+	}
+	s.table = nil
 }
