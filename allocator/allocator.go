@@ -49,7 +49,8 @@
 // blocks are released and the device asked once more before an OOMError.
 // Segments come from a segment source (segments.go): one device malloc
 // each, or, with expandable_segments:True, virtual ranges that grow by
-// mapping pages at their end (expandable.go).
+// mapping pages at their end (expandable.go, over the ranges and pages
+// of package allocator/internal/vmm).
 //
 // # Concurrency and cost
 //
@@ -86,6 +87,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/allocd/allocd/allocator/internal/vmm"
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/internal/eventpool"
@@ -286,7 +288,7 @@ type Allocator struct {
 	async      *asyncAllocator // be, for backend:cudaMallocAsync; nil otherwise
 	src        source          // where segments come from (segments.go)
 	mal        mallocSource    // the cudaMalloc source; src unless exp is set
-	exp        *expandable     // non-nil for expandable_segments:True
+	exp        *vmm.Space      // expandable_segments:True's memory (expandable.go); nil otherwise
 	history    *history        // nil unless recording history
 	ownsDevice bool            // opened by Open: Close closes the device
 }
@@ -322,10 +324,10 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	if err := o.history.validate(); err != nil {
 		return nil, err
 	}
-	var exp *expandable
+	var vm cudart.VirtualMemory
 	if cfg.ExpandableSegments {
 		var err error
-		if exp, err = newExpandable(dev, cfg); err != nil {
+		if vm, err = checkExpandable(dev, cfg); err != nil {
 			return nil, err
 		}
 	}
@@ -339,7 +341,6 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		cfg:   cfg,
 		log:   o.log,
 		total: total,
-		exp:   exp,
 
 		maxStreams: o.maxStreams,
 		sweepEvery: idleSweepMin,
@@ -350,11 +351,15 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	a.mal = mallocSource{dev: dev, table: &a.segs, stats: &a.stats, maxSplit: cfg.MaxSplitSize}
 	a.src = &a.mal
 	a.be = native{a}
-	if exp != nil {
-		exp.reclaim = !o.pytorchExpandable
-		exp.largePage = cmp.Or(o.expLargePage, cfg.ExpandablePageSize, DefaultExpandablePage)
-		exp.dev, exp.table, exp.stats, exp.log, exp.total = dev, &a.segs, &a.stats, o.log, total
-		a.src = exp
+	if vm != nil {
+		a.exp = vmm.New(dev, vm, vmm.Config{
+			Total:       total,
+			SmallPage:   smallBuffer,
+			LargePage:   largeBuffer,
+			ReclaimPage: cmp.Or(o.expLargePage, cfg.ExpandablePageSize, DefaultExpandablePage),
+			Reclaim:     !o.pytorchExpandable,
+		}, o.log)
+		a.src = expSource{space: a.exp, table: &a.segs, stats: &a.stats}
 	}
 	a.allowed = total
 	if cfg.Backend == BackendAsync {
@@ -611,7 +616,7 @@ func (a *Allocator) findFreeBlock(p *pool, stream, size uint64) *blocks.Block {
 		return nil
 	}
 	if b.Segment.Expandable {
-		b = expandableFit(p, b)
+		b = vmm.Fit(p.free, b)
 	}
 	maxSplit := a.cfg.MaxSplitSize
 	if size < maxSplit && b.Size >= maxSplit {

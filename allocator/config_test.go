@@ -253,12 +253,12 @@ func TestExpandablePageKey(t *testing.T) {
 			t.Errorf("%s: page %d, String %q", conf, c.ExpandablePageSize, c.String())
 		}
 		a, _ := newTestAllocator(t, 4*giB, conf)
-		if got := a.exp.pageSize(&a.shards[0].large); got != mb<<20 {
+		if got := a.exp.PageSize(false); got != mb<<20 {
 			t.Errorf("%s: large-pool page %d", conf, got)
 		}
 	}
 	a, _ := newTestAllocator(t, 4*giB, "expandable_segments:True")
-	if got := a.exp.pageSize(&a.shards[0].large); got != DefaultExpandablePage {
+	if got := a.exp.PageSize(false); got != DefaultExpandablePage {
 		t.Errorf("default large-pool page %d, want %d", got, DefaultExpandablePage)
 	}
 	if err := (Config{Backend: BackendNative, MaxSplitSize: math.MaxUint64, MaxNonSplitRounding: 20 << 20, ExpandablePageSize: 3 << 20}).Validate(); err == nil {

@@ -10,8 +10,11 @@ package allocator
 //     bookkeeping; the allocator's growMalloc, allocBlock and releaseBlock
 //     around it are PyTorch's alloc_block with its escalation on out of
 //     memory and the garbage collector, which walk the pools;
-//   - *expandable (expandable.go): virtual ranges per stream and pool,
-//     grown by mapping pages (expandable_segments:True).
+//   - expandable segments (expandable_segments:True): virtual ranges per
+//     stream and pool, grown by mapping pages. Their memory (ranges,
+//     pages, runs, handles) is a vmm.Space (package
+//     allocator/internal/vmm); the allocator's growExpandable and
+//     releaseExpandable around it (expandable.go) are its policy.
 //
 // Both run in world mode; with release_lock_on_cudamalloc, allocBlock
 // leaves world mode around the device malloc, and the other goroutines'

@@ -164,16 +164,16 @@ func (a *Allocator) releaseShardSegments(sh *shard) error {
 // segments and releases their address ranges. It waits for the whole
 // device, not the stream, before unmapping: the stream may be destroyed.
 func (a *Allocator) releaseExpandableStream(sh *shard) error {
-	list := a.exp.scratch[:0]
+	list := a.scratch[:0]
 	for _, p := range [2]*pool{&sh.large, &sh.small} {
 		p.free.Ascend(func(b *blocks.Block) bool {
-			if b.Segment.Expandable && a.exp.unmappable(b) > 0 {
+			if b.Segment.Expandable && a.exp.Unmappable(b) > 0 {
 				list = append(list, b)
 			}
 			return true
 		})
 	}
-	a.exp.scratch = list[:0]
+	a.scratch = list[:0]
 	if len(list) > 0 {
 		if err := a.dev.Synchronize(); err != nil {
 			return fmt.Errorf("allocator: synchronising the device before unmapping stream %#x's pages: %w", uint64(sh.stream), err)
@@ -184,15 +184,8 @@ func (a *Allocator) releaseExpandableStream(sh *shard) error {
 			return err
 		}
 	}
-	var whole []*expSegment
-	for _, es := range a.exp.segs {
-		h := es.seg.Head
-		if es.seg.Stream == uint64(sh.stream) && h.Prev == nil && h.Next == nil && h.Unmapped {
-			whole = append(whole, es)
-		}
-	}
-	for _, es := range whole {
-		if err := a.releaseExpandableSegment(es); err != nil {
+	for _, seg := range a.exp.Unused(nil, uint64(sh.stream)) {
+		if err := a.releaseExpandableSegment(seg); err != nil {
 			return err
 		}
 	}

@@ -1,0 +1,124 @@
+// Package vmm is the memory of expandable segments
+// (expandable_segments:True), after PyTorch's ExpandableSegment
+// (c10/cuda/CUDACachingAllocator.cpp): virtual address ranges, the
+// physical pages mapped into them, the runs and handles behind those
+// pages, and the bytes they hold. The allocator keeps the policy around
+// it: the pools and their streams, the cap, retries and out of memory, the
+// segment table and directory, history and logs. A Space imports only
+// blocks and cudart of allocd's packages; it never calls back into the
+// allocator.
+//
+// # Design
+//
+// Instead of one device allocation per segment, the allocator reserves a
+// range of virtual addresses per (stream, pool), large enough to map the
+// whole device (1⅛ × its total memory, rounded to pages, as PyTorch sizes
+// it), and maps physical pages into it on demand: 2 MiB pages in the small
+// pool, 20 MiB pages in the large one (2 MiB by default with allocd's
+// reclaim, below). The range is one blocks.Segment with Expandable set;
+// its blocks tile the whole reservation, and the blocks over unmapped
+// pages carry Unmapped. An unmapped block is free but never in a free
+// index, starts and ends on page boundaries, and merges only with unmapped
+// neighbours; a mapped block never merges with an unmapped one. The
+// segment's Mapped bytes are what it holds from the device.
+//
+// A request is first served, as always, from the pool's free index (best
+// fit within the stream), with one twist (PyTorch's expandable_size, Fit):
+// a free block followed by unmapped pages can grow into them, so for best
+// fit its size counts as its own plus theirs, and the next larger block is
+// taken while that sum is smaller. That keeps the free block at the mapped
+// end of a segment, which can grow, for requests nothing else serves.
+//
+// A miss (PyTorch's try_allocate_expandable_block; Find, Reserve,
+// MapBlock) looks, in address order, for the first unmapped block of the
+// stream and pool that, together with a free block just before it and the
+// free or unmapped blocks after it, has room for the request; normally
+// that is the segment's unmapped tail and the free block at the end of the
+// mapped part. It maps just enough whole pages at the start of the
+// unmapped block, merges the new pages with the free neighbours and hands
+// out the result; the segment grows at its end instead of a new segment
+// being allocated. Only when no segment of the stream and pool has room is
+// a new range reserved. Blocks of an expandable segment split whenever the
+// remainder is at least 512 bytes, in both pools.
+//
+// # Beyond PyTorch: reclaim before growth
+//
+// PyTorch unmaps free pages only on out of memory and in empty_cache, so a
+// free hole in the middle of a segment that a large request does not fit
+// stays mapped while the segment grows at its end: on the gpt2_train trace
+// a 785 MiB request grows the segment past a 393 MiB hole and PyTorch's
+// expandable peak (7886 MiB) ends above its default one (7708 MiB). With
+// Config.Reclaim a Space moves the physical memory instead
+// (docs/fragmentation.md has the measurements):
+//
+//   - A mapping may raise reserved memory above its high-water mark (the
+//     largest reserved figure so far) only while reserved stays within
+//     1/32 of the largest allocated figure seen at a mapping (GrowthExcess
+//     is told it). Past both, the whole runs (below) of other free blocks
+//     are unmapped first (Choose: the smallest block that covers the
+//     target, else the largest first), then the request is mapped. The
+//     target is the excess plus a headroom of 1/128 of the mark, so that
+//     the next few mappings of a workload whose requests grow a little
+//     every step (a decoder's key-value cache) fit without another
+//     reclaim. Neither mark is ever reset.
+//   - The candidates are the free blocks of every stream's pools, so a
+//     stream that must grow takes the pages another stream freed:
+//     unmapped from that stream's range, mapped into its own (the same
+//     physical pages, reported in MapBlock's Mapping); live blocks never
+//     move. A block that another stream may still use (RecordStream) is
+//     not in any free index until its events complete, so its pages are
+//     never handed over before then.
+//   - Before unmapping, a reclaim waits for the streams that own the
+//     chosen blocks (SyncStreams), not for the whole device.
+//   - With reclaim on, the large pool maps Config.ReclaimPage pages (2 MiB
+//     by default) instead of PyTorch's 20 MiB, so a free hole gives back
+//     all of itself but the partial pages at either end (and the runs,
+//     below, that reach past it).
+//
+// Without Config.Reclaim (the allocator's WithPyTorchExpandable) a Space
+// grows exactly as PyTorch's segments do, and replays reproduce PyTorch's
+// expandable_segments:True peaks.
+//
+// # Runs
+//
+// On a GPU each handle costs a cuMemCreate and a cuMemMap of tens of
+// microseconds whatever its size, so one handle per 2 MiB page made growth
+// about ten times as costly as PyTorch's 20 MiB pages. Physical memory
+// therefore comes in runs: one handle backs a run of consecutive pages,
+// created, mapped, unmapped and moved whole. A growth of n pages maps them
+// in runs of ⌈n/4⌉ pages (runsPerGrowth), none longer than 32 MiB
+// (maxRunBytes), after reusing the longest runs that reclaim kept and that
+// fit; runs of one length are mapped with one grant of access. So a growth
+// of up to 128 MiB makes at most four handles (a larger one, one per 32
+// MiB), while the runs of a block stay at most a quarter of it: when the
+// block is freed and its hole partly reused, the runs that the new block
+// only partly covers are what stays mapped, a bounded share of the hole.
+// Unmapping (reclaim, the allocator's EmptyCache) takes the whole runs
+// inside a free block. The small pool and PyTorch's mode map one page per
+// handle, as PyTorch does.
+//
+// A failed Create releases the handles made for the request and MapBlock
+// returns the device's out-of-memory error; the allocator then takes its
+// usual path (release cached memory, retry once, then an OOMError).
+// UnmapBlock is PyTorch's unmap_block: the span of the whole runs inside a
+// free block becomes unmapped and merges with unmapped neighbours; the
+// rest of the block at either end stays mapped as free blocks. A range
+// that is wholly unmapped can be released (ReleaseRange). Unlike cudaFree,
+// unmapping does not wait for work still using the memory: the caller
+// synchronises first (SyncStreams, or the whole device). Close unmaps and
+// releases everything.
+//
+// # What a Space reports
+//
+// A Space keeps its segments' Mapped bytes and their sum (Reserved), and
+// returns every change for the caller's statistics: the bytes of each
+// mapping (one per MapBlock, however many pages it maps: PyTorch's
+// num_device_alloc) with its time and the pages reclaim moved into it
+// (Mapping), the bytes of each unmapping, and the device frees of Close.
+// The caller enters the segments Reserve returns in its own segment table
+// and takes out those ReleaseRange releases; it holds no pointer of the
+// caller's but the pools' free indexes and recyclers it is handed.
+//
+// A Space is not safe for concurrent use: the allocator calls it in world
+// mode only. Its errors read "allocator: …", the package its callers see.
+package vmm

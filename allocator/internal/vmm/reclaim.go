@@ -1,0 +1,179 @@
+package vmm
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+
+	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/cudart"
+)
+
+// reclaimCand is a free block that reclaim may unmap and the bytes of its
+// whole runs.
+type reclaimCand struct {
+	b     *blocks.Block
+	bytes uint64
+}
+
+// spareRun is a run's handle that reclaim unmapped, its length in pages
+// and the stream whose range it left.
+type spareRun struct {
+	h      cudart.Handle
+	pages  uint64
+	stream uint64
+}
+
+// GrowthExcess is how far serving size bytes from the candidate c would
+// raise reserved memory above what reclaim allows, 0 when not at all:
+// above the high-water mark and more than 1/32 above allocated, the
+// largest allocated figure seen at a mapping (the request included; the
+// caller passes the figure now). It also remembers c and the blocks after
+// it that the request would use, which Choose then leaves alone.
+func (s *Space) GrowthExcess(c *blocks.Block, size, allocated uint64) uint64 {
+	s.allocMark = max(s.allocMark, allocated)
+	chain := s.chain[:0]
+	var need uint64
+	rem := size
+	for x := c; x != nil && rem > 0; x = x.Next {
+		chain = append(chain, x)
+		if !x.Unmapped {
+			rem -= min(rem, x.Size)
+			continue
+		}
+		page := x.Segment.PageSize
+		m := min((min(rem, x.Size)+page-1)/page*page, x.Size)
+		need += m
+		if m < x.Size {
+			break
+		}
+		rem -= min(rem, x.Size)
+	}
+	s.chain = chain
+	limit := max(s.mark, s.allocMark+s.reclaimSlack())
+	if s.reserved+need <= limit {
+		return 0
+	}
+	return s.reserved + need - limit
+}
+
+// reclaimSlack is how far reserved memory may rise above the largest
+// allocated figure seen at a mapping (allocMark) before a mapping past
+// the high-water mark reclaims.
+func (s *Space) reclaimSlack() uint64 {
+	return s.allocMark / reclaimSlackDiv / s.cfg.SmallPage * s.cfg.SmallPage
+}
+
+// The reclaim policy's two fractions (docs/fragmentation.md has the
+// measurements that chose them): reserved memory may pass the high-water
+// mark without a reclaim while it stays within 1/32 of the largest
+// allocated figure, and a reclaim unmaps 1/128 of the mark more than it
+// must.
+const (
+	reclaimSlackDiv    = 32
+	reclaimHeadroomDiv = 128
+)
+
+// Choose picks, from the free blocks in free (of every stream's pools),
+// those whose whole runs a reclaim unmaps so that at least want bytes,
+// and if the blocks allow reclaimHeadroom more, are unmapped: the
+// smallest block whose runs cover that target, else the largest blocks
+// first. It leaves out the blocks of the last GrowthExcess's request and
+// blocks of ordinary segments. The list it returns is reused by the next
+// call; it is empty when no block has a whole run.
+func (s *Space) Choose(free []*blocks.Block, want uint64) []*blocks.Block {
+	cands := s.cands[:0]
+	for _, b := range free {
+		if b.Segment.Expandable && !slices.Contains(s.chain, b) {
+			if n := s.Unmappable(b); n > 0 {
+				cands = append(cands, reclaimCand{b, n})
+			}
+		}
+	}
+	s.cands = cands[:0]
+	list := s.scratch[:0]
+	if len(cands) == 0 {
+		return list
+	}
+	target := want + s.reclaimHeadroom()
+	sort.SliceStable(cands, func(i, j int) bool { return cands[i].bytes > cands[j].bytes })
+	for i := len(cands) - 1; i >= 0; i-- {
+		if cands[i].bytes >= target {
+			cands = cands[i : i+1] // the smallest that covers the target
+			break
+		}
+	}
+	var got uint64
+	for _, cand := range cands {
+		if got >= target {
+			break
+		}
+		list = append(list, cand.b)
+		got += cand.bytes
+	}
+	s.scratch = list[:0]
+	return list
+}
+
+// reclaimHeadroom is how much more than the excess a reclaim unmaps when
+// free blocks allow: 1/128 of the high-water mark, in whole small pages.
+// Peak reserved memory hardly depends on it (a reclaim never maps), but
+// without it a workload whose requests grow a little every step (a
+// decoder's key-value cache) reclaims, and so synchronises, on nearly
+// every step: with it the following mappings fit under the mark until the
+// headroom is used up.
+func (s *Space) reclaimHeadroom() uint64 {
+	return s.mark / reclaimHeadroomDiv / s.cfg.SmallPage * s.cfg.SmallPage
+}
+
+// Keep makes UnmapBlock keep the runs it unmaps from pages of the pool's
+// page size, for the next MapBlock of that pool to map again, until
+// StopKeeping; DropSpare releases what is left.
+func (s *Space) Keep(small bool) {
+	s.keep, s.keepSize = true, s.PageSize(small)
+}
+
+// StopKeeping makes UnmapBlock release the runs it unmaps again.
+func (s *Space) StopKeeping() { s.keep = false }
+
+// DropSpare releases the runs kept since Keep that no mapping used.
+func (s *Space) DropSpare() {
+	for _, sp := range s.spare {
+		s.releaseHandle(sp.h)
+	}
+	s.spare = s.spare[:0]
+}
+
+// SyncStreams waits for the work queued on each stream that owns the
+// segment of a block in list, once per stream, before those blocks' pages
+// are unmapped: unlike cudaFree, unmapping does not wait for queued work
+// that may still read or write the pages. Waiting for the owning streams
+// is enough, as in PyTorch's ExpandableSegment::unmapHandles: a free block
+// in a free index was last used either on its own stream (work that
+// stream synchronisation waits for) or on other streams through
+// RecordStream, and then it entered the free index only after the events
+// recorded on those streams completed. Other streams keep running. A
+// stream the device no longer knows (destroyed, the allocator not told)
+// makes it wait for the whole device instead.
+func (s *Space) SyncStreams(list []*blocks.Block) error {
+	var done [8]uint64
+	synced := done[:0]
+	for _, b := range list {
+		st := b.Segment.Stream
+		if slices.Contains(synced, st) {
+			continue
+		}
+		if err := s.dev.StreamSynchronize(cudart.Stream(st)); err != nil {
+			if !errors.Is(err, cudart.ErrInvalidValue) {
+				return fmt.Errorf("allocator: synchronising stream %#x before unmapping: %w", st, err)
+			}
+			if err := s.dev.Synchronize(); err != nil {
+				return fmt.Errorf("allocator: synchronising the device before unmapping (stream %#x is gone): %w", st, err)
+			}
+			return nil
+		}
+		synced = append(synced, st)
+	}
+	return nil
+}

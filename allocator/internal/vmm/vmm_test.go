@@ -1,0 +1,342 @@
+package vmm
+
+import (
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+
+	"go.uber.org/zap"
+
+	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
+)
+
+const miB = 1 << 20
+
+// space is a Space over a simulated device, with the segment table its
+// caller would keep.
+type space struct {
+	*Space
+	sim   *simdev.Sim
+	table []*blocks.Segment
+}
+
+// newSpace returns a Space over a simulated device of capacity bytes,
+// with the allocator's pages; at the end of the test it checks the
+// Space, closes it and checks that the device holds nothing.
+func newSpace(t *testing.T, capacity uint64, reclaim bool) *space {
+	t.Helper()
+	sim, err := simdev.New(simdev.Config{Capacity: capacity})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := Config{Total: capacity, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: reclaim}
+	s := &space{Space: New(sim, sim, cfg, zap.NewNop()), sim: sim}
+	t.Cleanup(func() {
+		if errs := s.Check(s.table); len(errs) > 0 {
+			t.Errorf("Check at end of test: %v", errors.Join(errs...))
+		}
+		if _, errs := s.Close(); len(errs) > 0 {
+			t.Errorf("Close: %v", errors.Join(errs...))
+		}
+		c := sim.VMMCounters()
+		if used := sim.Used(); used != 0 || c.LiveHandles != 0 || c.LiveMappings != 0 || c.LiveReservations != 0 {
+			t.Errorf("after Close the device holds %d bytes, %d handles, %d mappings, %d reservations",
+				used, c.LiveHandles, c.LiveMappings, c.LiveReservations)
+		}
+	})
+	return s
+}
+
+func newPool(small bool) Pool {
+	return Pool{Free: blocks.NewStreamFreeIndex(0), Recycler: new(blocks.Recycler), Small: small}
+}
+
+// find returns the block Find finds on stream 0, or the unmapped block of
+// a new range, entered in the table as the allocator does.
+func (s *space) find(t *testing.T, p Pool, size uint64) *blocks.Block {
+	t.Helper()
+	if b := s.Find(p, 0, size); b != nil {
+		return b
+	}
+	b, err := s.Reserve(p, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.Segment.Index = len(s.table)
+	s.table = append(s.table, b.Segment)
+	return b
+}
+
+// runs lists the run lengths of the first range, in page order.
+func (s *space) runs() []uint32 {
+	var out []uint32
+	for _, n := range s.segs[0].run {
+		if n != 0 {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// TestMapBlockRuns: MapBlock maps whole pages in runs (a quarter of the
+// growth, at most 32 MiB; one page per handle in the small pool and
+// without reclaim) and returns what it mapped; UnmapBlock and
+// ReleaseRange give it all back.
+func TestMapBlockRuns(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		small    bool
+		reclaim  bool
+		size     uint64
+		wantRuns []uint32
+	}{
+		{"30 MiB in 2 MiB pages", false, true, 30 * miB, []uint32{4, 4, 4, 3}},
+		{"8 MiB in 2 MiB pages", false, true, 8 * miB, []uint32{1, 1, 1, 1}},
+		{"a partial page rounds up", false, true, 5*miB + 1, []uint32{1, 1, 1}},
+		{"200 MiB: runs of 32 MiB", false, true, 200 * miB, []uint32{16, 16, 16, 16, 16, 16, 4}},
+		{"PyTorch's 20 MiB pages", false, false, 30 * miB, []uint32{1, 1}},
+		{"small pool", true, true, 6 * miB, []uint32{1, 1, 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newSpace(t, 1<<30, tc.reclaim)
+			p := newPool(tc.small)
+			b := s.find(t, p, tc.size)
+			m, err := s.MapBlock(p, b, tc.size)
+			if err != nil {
+				t.Fatal(err)
+			}
+			n := m.Bytes
+			page := s.PageSize(tc.small)
+			want := (tc.size + page - 1) / page * page
+			if runs := s.runs(); n != want || !slices.Equal(runs, tc.wantRuns) {
+				t.Fatalf("mapped %d bytes in runs %v; want %d in %v", n, runs, want, tc.wantRuns)
+			}
+			if s.Reserved() != want || m.Moved != 0 || s.sim.Used() != want || b.Segment.Mapped != want {
+				t.Fatalf("reserved %d, %d pages moved, device %d, segment %d; want %d, none moved",
+					s.Reserved(), m.Moved, s.sim.Used(), b.Segment.Mapped, want)
+			}
+			if b.Unmapped || b.Size != want || b.Next == nil || !b.Next.Unmapped || !b.Indexed() {
+				t.Fatalf("mapped block %v (next %v), want %d bytes, indexed, before the unmapped rest", b, b.Next, want)
+			}
+			if errs := s.Check(s.table); len(errs) > 0 {
+				t.Fatal(errors.Join(errs...))
+			}
+			if got := s.Unmappable(b); got != want {
+				t.Fatalf("Unmappable = %d, want %d", got, want)
+			}
+			u, start, un, err := s.UnmapBlock(p, b)
+			if err != nil || u == nil || start != b.Segment.Ptr || un != want || u.Prev != nil || u.Next != nil {
+				t.Fatalf("UnmapBlock = %v, %#x, %d, %v; want the whole range unmapped, %d bytes", u, start, un, err, want)
+			}
+			if s.Reserved() != 0 || s.sim.Used() != 0 {
+				t.Fatalf("after unmapping: reserved %d, device %d", s.Reserved(), s.sim.Used())
+			}
+			seg := u.Segment
+			if unused := s.Unused(nil, 0); len(unused) != 1 || unused[0] != seg {
+				t.Fatalf("Unused = %v, want the one range", unused)
+			}
+			if err := s.ReleaseRange(seg); err != nil {
+				t.Fatal(err)
+			}
+			s.table = nil
+			p.Recycler.Put(u)
+		})
+	}
+}
+
+// TestMapBlockFailures: a failed Create or Map leaves nothing mapped and
+// no handle made; out of memory comes back as the device's own error, any
+// other failure wrapped with what was being done.
+func TestMapBlockFailures(t *testing.T) {
+	boom := errors.New("boom")
+	for _, tc := range []struct {
+		name    string
+		fail    int   // the Create that fails
+		err     error // what it fails with (nil: out of memory)
+		size    uint64
+		wantOOM bool
+		want    string
+	}{
+		{"first create out of memory", 1, nil, 30 * miB, true, ""},
+		{"third create out of memory", 3, nil, 30 * miB, true, ""},
+		{"create fails otherwise", 2, boom, 30 * miB, false, "creating a 8388608-byte run"},
+		{"larger than the device", 0, nil, 80 * miB, true, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newSpace(t, 64*miB, true)
+			p := newPool(false)
+			b := s.find(t, p, tc.size)
+			if tc.fail > 0 {
+				s.sim.Faults().FailMalloc(tc.fail, tc.err)
+			}
+			m, err := s.MapBlock(p, b, tc.size)
+			if m != (Mapping{}) || err == nil {
+				t.Fatalf("MapBlock = %+v, %v; want a failure", m, err)
+			}
+			if oom := errors.Is(err, cudart.ErrOutOfMemory); oom != tc.wantOOM || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("MapBlock: %v; want out of memory %v, a message containing %q", err, tc.wantOOM, tc.want)
+			}
+			if tc.err != nil && !errors.Is(err, boom) {
+				t.Fatalf("MapBlock: %v does not wrap the device's error", err)
+			}
+			c := s.sim.VMMCounters()
+			if s.Reserved() != 0 || c.LiveHandles != 0 || c.LiveMappings != 0 || !b.Unmapped || b.Next != nil {
+				t.Fatalf("after the failure: reserved %d, %d handles and %d mappings live, block %v",
+					s.Reserved(), c.LiveHandles, c.LiveMappings, b)
+			}
+		})
+	}
+}
+
+// TestReclaimMovesRuns: with runs kept (Keep), the runs UnmapBlock takes
+// from one stream's range are mapped again into another's, reported as
+// moved pages; GrowthExcess reports the growth past the high-water mark
+// and Choose leaves out the blocks of the request.
+func TestReclaimMovesRuns(t *testing.T) {
+	s := newSpace(t, 1<<30, true)
+	p0 := newPool(false)
+	b0 := s.find(t, p0, 40*miB)
+	if _, err := s.MapBlock(p0, b0, 40*miB); err != nil {
+		t.Fatal(err)
+	}
+	// Stream 1's range: nothing mapped yet.
+	p1 := Pool{Free: blocks.NewStreamFreeIndex(1), Recycler: new(blocks.Recycler)}
+	b1, err := s.Reserve(p1, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b1.Segment.Index = len(s.table)
+	s.table = append(s.table, b1.Segment)
+	// 40 MiB reserved is the mark; 20 MiB allocated allows no slack.
+	if got := s.GrowthExcess(b1, 20*miB, 20*miB); got != 20*miB {
+		t.Fatalf("GrowthExcess = %d MiB, want 20", got/miB)
+	}
+	list := s.Choose([]*blocks.Block{b0, b1}, 20*miB)
+	if len(list) != 1 || list[0] != b0 {
+		t.Fatalf("Choose = %v, want stream 0's free block", list)
+	}
+	if err := s.SyncStreams(list); err != nil {
+		t.Fatal(err)
+	}
+	s.Keep(false)
+	if u, _, _, err := s.UnmapBlock(p0, b0); err != nil || u == nil {
+		t.Fatalf("UnmapBlock = %v, %v", u, err)
+	}
+	s.StopKeeping()
+	m, err := s.MapBlock(p1, b1, 20*miB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.DropSpare()
+	if m.Moved != 10 || m.Across != 10 || s.Reserved() != 20*miB || s.sim.Used() != 20*miB {
+		t.Fatalf("moved %d pages (%d across), reserved %d MiB, device %d MiB; want 10 (10), 20, 20",
+			m.Moved, m.Across, s.Reserved()/miB, s.sim.Used()/miB)
+	}
+	if c := s.sim.VMMCounters(); c.Creates != 4 {
+		t.Fatalf("%d handles created, want the first mapping's 4 only", c.Creates)
+	}
+}
+
+// TestFit: among free blocks of the best fit's size and up, Fit moves to
+// the next larger block while its size with the unmapped pages after it
+// is smaller, which leaves a segment's growable end for what nothing else
+// serves.
+func TestFit(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		other uint64 // a whole free block of another range
+		want  string
+	}{
+		{"the fixed block is smaller than the growable one's reach", 12 * miB, "other"},
+		{"the growable block reaches less far", 130 * miB, "growable"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			free := blocks.NewStreamFreeIndex(0)
+			segA := &blocks.Segment{Ptr: 1 << 32, Size: 110 * miB, Expandable: true, PageSize: 2 * miB}
+			grow := &blocks.Block{Ptr: segA.Ptr, Size: 10 * miB, Segment: segA}
+			tail := &blocks.Block{Ptr: segA.Ptr + 10*miB, Size: 100 * miB, Segment: segA, Unmapped: true, Prev: grow}
+			grow.Next, segA.Head = tail, grow
+			segB := &blocks.Segment{Ptr: 2 << 32, Size: tc.other, Expandable: true, PageSize: 2 * miB}
+			other := &blocks.Block{Ptr: segB.Ptr, Size: tc.other, Segment: segB}
+			segB.Head = other
+			free.Insert(grow)
+			free.Insert(other)
+			got := Fit(free, free.LowerBound(0, 8*miB))
+			if name := map[*blocks.Block]string{grow: "growable", other: "other"}[got]; name != tc.want {
+				t.Fatalf("Fit = %v (%s), want the %s block", got, name, tc.want)
+			}
+		})
+	}
+}
+
+// TestCheckFindsCorruption: Check compares pages, runs, handles, blocks
+// and the segment table.
+func TestCheckFindsCorruption(t *testing.T) {
+	s := newSpace(t, 1<<30, true)
+	p := newPool(false)
+	b := s.find(t, p, 30*miB)
+	if _, err := s.MapBlock(p, b, 30*miB); err != nil { // runs of 4, 4, 4 and 3 pages
+		t.Fatal(err)
+	}
+	es := s.segs[0]
+	for _, tc := range []struct {
+		name    string
+		corrupt func()
+		want    string
+	}{
+		{"page unmapped under a mapped block", func() { es.mapped[1] = false }, "page 1"},
+		{"run cut short", func() { es.run[0] = 3 }, "page 3 starts a run of 0 pages"},
+		{"run over its neighbour", func() { es.run[0] = 5 }, "broken at page 4"},
+		{"run past the limit", func() { es.run[0], es.run[4], es.run[8], es.run[12] = 40, 0, 0, 0 }, "run of 40 pages"},
+		{"run without a handle", func() { es.handles[4] = 0 }, "page 4 has no handle"},
+		{"segment list", func() { s.segs = nil }, "0 registered"},
+		{"not in the table", func() { s.table = []*blocks.Segment{{Expandable: true}} }, "not in the segment list"},
+		{"mapped bytes", func() { es.seg.Mapped += 20 * miB }, "15 pages mapped"},
+		{"reserved", func() { s.reserved += 20 * miB }, "reserved"},
+		{"kept runs", func() { s.spare = append(s.spare, spareRun{}) }, "kept outside a mapping"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			saved, savedSegs, savedMapped, savedRes, savedTable := slices.Clone(es.mapped), s.segs, es.seg.Mapped, s.reserved, s.table
+			savedRun, savedHandles, savedSpare := slices.Clone(es.run), slices.Clone(es.handles), s.spare
+			tc.corrupt()
+			err := errors.Join(s.Check(s.table)...)
+			es.mapped, s.segs, es.seg.Mapped, s.reserved, s.table = saved, savedSegs, savedMapped, savedRes, savedTable
+			es.run, es.handles, s.spare = savedRun, savedHandles, savedSpare
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Check = %v, want a report containing %q", err, tc.want)
+			}
+		})
+	}
+	if errs := s.Check(s.table); len(errs) > 0 {
+		t.Fatal(errors.Join(errs...))
+	}
+}
+
+// TestCloseCountsFrees: Close unmaps and releases everything and counts
+// one device free per contiguous mapped stretch.
+func TestCloseCountsFrees(t *testing.T) {
+	s := newSpace(t, 1<<30, true)
+	for stream := range uint64(3) {
+		p := Pool{Free: blocks.NewStreamFreeIndex(stream), Recycler: new(blocks.Recycler)}
+		b, err := s.Reserve(p, stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.Segment.Index = len(s.table)
+		s.table = append(s.table, b.Segment)
+		if stream == 2 {
+			continue // reserved, nothing mapped
+		}
+		if _, err := s.MapBlock(p, b, 30*miB); err != nil {
+			t.Fatal(err)
+		}
+	}
+	frees, errs := s.Close()
+	if frees != 2 || len(errs) > 0 || s.Reserved() != 0 {
+		t.Fatalf("Close = %d frees, %v, reserved %d after; want 2, none, 0", frees, errs, s.Reserved())
+	}
+	s.table = nil
+}
