@@ -144,6 +144,42 @@ func BenchmarkReplay(b *testing.B) {
 	}
 }
 
+// BenchmarkReplayWarm replays every recorded trace once on a Sim-backed
+// allocator, then again per iteration on the same allocator and streams,
+// freeing what the previous pass left live (untimed) before each: the
+// warm replay of allocd bench (workload.ReplayWarm), repeated so that the
+// allocator's share of a real mix can be timed and profiled alone.
+func BenchmarkReplayWarm(b *testing.B) {
+	for _, path := range traceFiles(b) {
+		b.Run(traceName(path), func(b *testing.B) {
+			ops, plan := loadOps(b, path)
+			a := newSimAllocator(b, "", true, plan...)
+			streams := map[uint64]cudart.Stream{}
+			if _, err := workload.Replay(ops, a, workload.ReplayOptions{Streams: streams}); err != nil {
+				b.Fatal(err)
+			}
+			var last workload.ReplayResult
+			before := a.Stats().NumDeviceAlloc
+			for b.Loop() {
+				b.StopTimer()
+				if err := workload.FreeLive(a); err != nil {
+					b.Fatal(err)
+				}
+				b.StartTimer()
+				r, err := workload.Replay(ops, a, workload.ReplayOptions{Streams: streams})
+				if err != nil {
+					b.Fatal(err)
+				}
+				last = r
+			}
+			if n := a.Stats().NumDeviceAlloc - before; n != 0 {
+				b.Errorf("the warm passes made %d device mallocs", n)
+			}
+			b.ReportMetric(last.NsPerOp(), "ns/trace-op")
+		})
+	}
+}
+
 // TestReplayMatchesPyTorch: with the default configuration and the
 // recorded segment addresses, replaying each recorded trace reproduces
 // PyTorch's peak reserved and peak allocated memory (testdata/traces/README.md):
