@@ -222,6 +222,9 @@ func (a *Allocator) dropShard(sh *shard) {
 	}
 	a.capsDirty = true
 	sh.doomed, sh.released = true, true
+	// Off the shard list, refreshGates no longer reaches it: close its
+	// gates here, for a hot path that looked it up before the drop.
+	sh.mallocMax, sh.freeOff = a.gates(sh)
 	sh.mu.Unlock()
 }
 

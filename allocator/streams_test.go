@@ -341,3 +341,37 @@ func TestStreamPoolsKeepSegments(t *testing.T) {
 		})
 	}
 }
+
+// TestReleasedShardGatesClosed: a shard that ReleaseStream drops has its
+// hot-path gates closed, so that a Malloc or Free that looked it up just
+// before the drop goes to world mode instead of using it.
+func TestReleasedShardGatesClosed(t *testing.T) {
+	sim, err := simdev.New(simdev.Config{Capacity: 1 << 30})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := New(sim, DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	s, err := sim.StreamCreate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustFree(t, a, mustMalloc(t, a, 4096, s))
+	sh := a.lookupShard(s)
+	if sh == nil || sh.mallocMax == 0 || sh.freeOff {
+		t.Fatalf("live shard's gates closed or shard missing: %v", sh)
+	}
+	if err := a.ReleaseStream(s); err != nil {
+		t.Fatal(err)
+	}
+	if !sh.released {
+		t.Fatal("an idle stream's shard was not dropped")
+	}
+	if sh.mallocMax != 0 || !sh.freeOff {
+		t.Errorf("dropped shard's gates open: mallocMax %d, freeOff %v", sh.mallocMax, sh.freeOff)
+	}
+	mustCheck(t, a)
+}
