@@ -477,50 +477,77 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 	if size == 0 {
 		return 0, nil
 	}
-	if sh := a.lookupShard(stream); sh != nil {
+	for try := 0; ; try++ {
+		sh := a.lookupShard(stream)
+		if sh == nil {
+			break
+		}
 		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
 			spinLockSlow(&sh.mu)
 		}
-		p := a.fastMalloc(sh, size)
+		p, busy := a.fastMalloc(sh, size)
 		sh.mu.Unlock()
 		if p != 0 {
 			return p, nil
 		}
+		if !busy || try == busyRetries {
+			break
+		}
+		a.awaitWorld()
 	}
 	return a.slowMalloc(size, stream)
+}
+
+// busyRetries is how many times a hot path that had to escalate while
+// another escalation or world-mode call held the allocator waits for it
+// and starts again, before it takes the slow path itself.
+const busyRetries = 2
+
+// awaitWorld returns once the escalation or world-mode call that held the
+// allocator's mutex has ended. A hot path that found the allocator busy
+// waits here, holding no lock, and starts again rather than take the slow
+// path: under load the slow path's world mode stops every shard, so one
+// escalation would otherwise set off another stop in each goroutine that
+// met it. The escalation just ended has usually shared out the caps the
+// retry needs.
+func (a *Allocator) awaitWorld() {
+	spinLock(&a.mu)
+	a.mu.Unlock()
 }
 
 // fastMalloc is Malloc's hot path under the stream's shard lock alone: a
 // hit in the front cache or the free index. A hit that would pass the
 // shard's caps escalates (shard.go). It returns 0 when the call needs world
-// mode, having changed nothing but, perhaps, flushed the front cache.
-func (a *Allocator) fastMalloc(sh *shard, size uint64) cudart.Ptr {
+// mode, having changed nothing but, perhaps, flushed the front cache; busy
+// when that is only because another escalation or world-mode call held
+// the allocator, so that the call may wait for it and try again.
+func (a *Allocator) fastMalloc(sh *shard, size uint64) (ptr cudart.Ptr, busy bool) {
 	if size > sh.mallocMax {
-		return 0
+		return 0, false
 	}
 	rounded := a.roundSize(size)
 	if sh.parked != nil {
 		if ptr := a.takeParked(sh, size, rounded); ptr != 0 {
-			return ptr
+			return ptr, false
 		}
 		a.flushParked(sh)
 	}
 	p := sh.poolFor(rounded)
 	b := a.findFreeBlock(p, uint64(sh.stream), rounded)
 	if b == nil {
-		return 0
+		return 0, false
 	}
 	var d delta
 	a.mallocDeltaOf(&d, p, b, rounded, size)
 	if !a.fitsOrBorrow(sh, p.stat, &d) {
 		if !a.escalate(sh) {
-			return 0
+			return 0, true
 		}
 		defer a.deescalate(sh)
 	}
 	p.free.Delete(b)
 	a.allocFoundBlock(nil, p, b, &d)
-	return cudart.Ptr(b.Ptr)
+	return cudart.Ptr(b.Ptr), false
 }
 
 // slowMalloc is Malloc in world mode.
@@ -699,15 +726,23 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 	if p == 0 {
 		return nil
 	}
-	if sh := a.dirLookup(uint64(p)); sh != nil {
+	for try := 0; ; try++ {
+		sh := a.dirLookup(uint64(p))
+		if sh == nil {
+			break
+		}
 		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
 			spinLockSlow(&sh.mu)
 		}
-		ok := a.fastFree(sh, uint64(p))
+		ok, busy := a.fastFree(sh, uint64(p))
 		sh.mu.Unlock()
 		if ok {
 			return nil
 		}
+		if !busy || try == busyRetries {
+			break
+		}
+		a.awaitWorld()
 	}
 	return a.slowFree(p)
 }
@@ -716,17 +751,19 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 // other stream used, parked in the front cache (or merged and indexed in
 // an expandable segment). A change that would pass the shard's caps
 // escalates (shard.go). It reports false when the call needs world mode,
-// having changed nothing but, perhaps, flushed the front cache.
-func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
+// having changed nothing but, perhaps, flushed the front cache, and busy
+// when that is only because another escalation or world-mode call held
+// the allocator (fastMalloc).
+func (a *Allocator) fastFree(sh *shard, ptr uint64) (ok, busy bool) {
 	if sh.freeOff {
-		return false
+		return false, false
 	}
 	if sh.parked != nil {
 		a.flushParked(sh)
 	}
 	b := sh.active.get(ptr)
 	if b == nil || len(b.StreamUses) > 0 {
-		return false
+		return false, false
 	}
 	pl := &sh.large
 	if b.Segment.Small {
@@ -739,7 +776,7 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 		freeDelta(&d, b)
 		if !a.fitsOrBorrow(sh, pl.stat, &d) {
 			if !a.escalate(sh) {
-				return false
+				return false, true
 			}
 			defer a.deescalate(sh)
 		}
@@ -748,14 +785,14 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) bool {
 			a.release(pl, b)
 			a.park(sh, pl, b, &d)
 			a.repay(sh, pl.stat)
-			return true
+			return true, false
 		}
 	}
 	sh.active.del(ptr)
 	a.release(pl, b)
 	a.freeBlock(nil, pl, b)
 	a.repay(sh, pl.stat)
-	return true
+	return true, false
 }
 
 // release ends b's allocation: it counts it as freed (not yet returned

@@ -866,7 +866,7 @@ func spinLock(mu *sync.Mutex) {
 }
 
 const (
-	lockPolls  = 1 << 10 // TryLocks before yielding: about a microsecond or two
+	lockPolls  = 1 << 13 // TryLocks before yielding: some microseconds, an escalation's length
 	lockYields = 4       // Gosched calls after them before Lock sleeps
 )
 

@@ -6,6 +6,7 @@ import (
 	"sort"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/allocd/allocd/cudart"
 )
@@ -282,4 +283,44 @@ func TestReservoirSparesEscalations(t *testing.T) {
 	for _, q := range append(qs, keep) {
 		mustFree(t, a, q)
 	}
+}
+
+// TestBusyAllocatorRetries: a hot-path Malloc that must escalate while
+// another escalation or world-mode call holds the allocator waits for it
+// and escalates itself, instead of taking the slow path's world mode.
+func TestBusyAllocatorRetries(t *testing.T) {
+	a, _ := newTestAllocator(t, 4*giB, "")
+	s := cudart.DefaultStream
+	mustFree(t, a, mustMalloc(t, a, 8*miB, s)) // a 20 MiB segment, cached; peak 8 MiB
+	before := a.Stats()
+	a.mu.Lock() // as an escalation in another goroutine would
+	done := make(chan cudart.Ptr)
+	go func() {
+		p, err := a.Malloc(16*miB, s) // cached, but above the peak: it must escalate
+		if err != nil {
+			t.Error(err)
+		}
+		done <- p
+	}()
+	select {
+	case <-done:
+		t.Fatal("Malloc finished while the allocator was held")
+	case <-time.After(20 * time.Millisecond):
+	}
+	a.mu.Unlock()
+	p := <-done
+	after := a.Stats()
+	if n := after.NumEscalations - before.NumEscalations; n != 1 {
+		t.Errorf("%d escalations, want 1: the Malloc took the slow path", n)
+	}
+	if after.NumDeviceAlloc != before.NumDeviceAlloc {
+		t.Errorf("%d device mallocs for a cached block", after.NumDeviceAlloc-before.NumDeviceAlloc)
+	}
+	if got := after.AllocatedBytes[PoolAll].Peak; got != int64(16*miB) {
+		t.Errorf("peak allocated %d, want %d", got, 16*miB)
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	mustFree(t, a, p)
 }
