@@ -71,7 +71,8 @@ type directory struct {
 	entries []dirEntry
 	tops    []uint64
 	chunks  []*dirChunk
-	n       int // entries in all
+	n       int         // entries in all
+	fast    *granuleMap // the shard of each 2 MiB granule (dirfast.go)
 }
 
 // newChunk returns the chunk of entries d (not empty; it keeps d).
@@ -114,7 +115,11 @@ func chunksOf(d []dirEntry) []*dirChunk {
 // newDirectory returns the directory of entries d, which are in address
 // order; it keeps d.
 func newDirectory(d []dirEntry) *directory {
-	return (&directory{}).splice(0, 0, len(d), chunksOf(d)...)
+	dir := (&directory{}).splice(0, 0, len(d), chunksOf(d)...)
+	for _, e := range d {
+		dir.fast = dir.fast.withSpan(dir, e.start, e.end, e.sh, true)
+	}
+	return dir
 }
 
 // splice returns a directory with dir's chunks but chunks[i:j] replaced by
@@ -155,6 +160,12 @@ func (dir *directory) chunkOf(start uint64) int {
 // chunked; one chunk of several that grows past dirChunkMax is split in
 // two halves.
 func (dir *directory) add(e dirEntry) *directory {
+	nd := dir.addEntry(e)
+	nd.fast = dir.fast.withSpan(nd, e.start, e.end, e.sh, true)
+	return nd
+}
+
+func (dir *directory) addEntry(e dirEntry) *directory {
 	if len(dir.chunks) == 0 {
 		return dir.splice(0, 0, 1, newChunk([]dirEntry{e}))
 	}
@@ -178,6 +189,14 @@ func (dir *directory) add(e dirEntry) *directory {
 // neighbour (and the two split again in halves when they hold more than
 // dirChunkMax).
 func (dir *directory) remove(start uint64) (*directory, dirEntry, bool) {
+	nd, e, ok := dir.removeEntry(start)
+	if ok {
+		nd.fast = dir.fast.withSpan(nd, e.start, e.end, e.sh, false)
+	}
+	return nd, e, ok
+}
+
+func (dir *directory) removeEntry(start uint64) (*directory, dirEntry, bool) {
 	if len(dir.chunks) == 0 {
 		return dir, dirEntry{}, false
 	}
@@ -263,6 +282,9 @@ func (a *Allocator) dirLookup(p uint64) *shard {
 	dir := a.dir.Load()
 	if dir.one != nil {
 		return dir.one
+	}
+	if sh, ok := dir.fast.lookup(p); ok {
+		return sh
 	}
 	ends, entries := dir.ends, dir.entries
 	if ends == nil { // not one chunk: find p's
@@ -370,5 +392,5 @@ func (dir *directory) check() []error {
 	if dir.one != one {
 		errs = append(errs, fmt.Errorf("directory: says %p owns every segment, the entries say %p", dir.one, one))
 	}
-	return errs
+	return append(errs, dir.checkGranules()...)
 }

@@ -380,6 +380,13 @@ func TestCheckCatchesDirectoryFaults(t *testing.T) {
 			d[dirChunkMax+5].sh = other
 			return newDirectory(d)
 		}, "not in the directory under its shard"},
+		{"granule of another shard", func() *directory {
+			return withGranule(orig, e.start>>granuleShift, other)
+		}, "its segments say"},
+		{"granule of no segment", func() *directory {
+			g := (entries[len(entries)-1].end + 1<<regionShift) >> granuleShift
+			return withGranule(withGranule(orig, g, other), g+1, nil)
+		}, "touched by segments"},
 		{"wrong top", func() *directory {
 			d := *orig
 			d.tops = slices.Clone(d.tops)
@@ -398,4 +405,88 @@ func TestCheckCatchesDirectoryFaults(t *testing.T) {
 		a.unlockWorld()
 	}
 	mustCheck(t, a)
+}
+
+// withGranule returns a copy of dir whose granule map holds sh for granule
+// g (its region added when missing).
+func withGranule(dir *directory, g uint64, sh *shard) *directory {
+	d := *dir
+	m := &granuleMap{keys: slices.Clone(dir.fast.keys), pages: slices.Clone(dir.fast.pages), mask: dir.fast.mask}
+	key := g>>(regionShift-granuleShift) + 1
+	i := regionSlot(key, m.mask)
+	for m.keys[i] != 0 && m.keys[i] != key {
+		i = (i + 1) & m.mask
+	}
+	pg := new(dirPage)
+	if m.keys[i] == key {
+		*pg = *m.pages[i]
+	}
+	m.keys[i], m.pages[i] = key, pg
+	pg[g&(granulesPerRegion-1)] = sh
+	d.fast = m
+	return &d
+}
+
+// TestGranuleMapAnswers: with segments in whole 2 MiB granules (as the
+// device's are) on two streams, every Free's shard comes from the granule
+// map, with no search, and is the segment's; a segment over several GiB
+// fills whole regions with its shard's one page, and its removal drops
+// them; and the map of every step passes the directory's check.
+func TestGranuleMapAnswers(t *testing.T) {
+	s1, s2 := newShard(1), newShard(2)
+	a := &Allocator{}
+	a.dir.Store(&directory{})
+	var d []dirEntry
+	addr := uint64(7) << 40
+	for i := range 40 {
+		size := uint64(2<<20) * uint64(1+i%5)
+		if i == 17 {
+			size = 5<<30 + 6<<20 // past four whole regions
+		}
+		sh := s1
+		if i%3 == 1 {
+			sh = s2
+		}
+		d = append(d, dirEntry{addr, addr + size, sh})
+		addr += size + uint64(i%2)<<21 // a free granule after every other segment
+	}
+	for _, e := range d {
+		a.dir.Store(a.dir.Load().add(e))
+	}
+	checkDirectory(t, a, d, 1, "built")
+	dir := a.dir.Load()
+	for _, e := range d {
+		for _, p := range []uint64{e.start, e.start + 4096, (e.start + e.end) / 2, e.end - 512} {
+			if sh, ok := dir.fast.lookup(p); !ok || sh != e.sh {
+				t.Fatalf("granule map at %#x: %p, %v; want %p, true", p, sh, ok, e.sh)
+			}
+		}
+	}
+	full := 0
+	dir.fast.each(func(_ uint64, pg *dirPage) {
+		if pg == s1.dirFull || pg == s2.dirFull {
+			full++
+		}
+	})
+	if full < 4 {
+		t.Errorf("%d regions on a shard's full page, want 4 or more", full)
+	}
+	regions := dir.fast.regions()
+	big := d[17]
+	nd, _, _ := a.dir.Load().remove(big.start)
+	a.dir.Store(nd)
+	d = slices.Delete(d, 17, 18)
+	checkDirectory(t, a, d, 1, "the big segment removed")
+	if n := a.dir.Load().fast.regions(); n > regions-4 {
+		t.Errorf("%d regions after removing a segment of five GiB, %d before", n, regions)
+	}
+	for len(d) > 0 {
+		nd, _, _ := a.dir.Load().remove(d[len(d)/2].start)
+		a.dir.Store(nd)
+		d = slices.Delete(d, len(d)/2, len(d)/2+1)
+		checkDirectory(t, a, d, 1, fmt.Sprintf("%d left", len(d)))
+	}
+	if n := a.dir.Load().fast.regions(); n != 0 {
+		t.Errorf("%d regions in the map of an empty directory", n)
+	}
 }

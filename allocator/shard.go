@@ -123,6 +123,7 @@ type shard struct {
 	pendingEv int
 	busy      int
 	stamp     int64
+	dirFull   *dirPage // the directory's page of a region all this shard's (dirfast.go)
 	_padding  [64]byte // keep shards on their own cache lines
 }
 
