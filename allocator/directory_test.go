@@ -431,7 +431,8 @@ func withGranule(dir *directory, g uint64, sh *shard) *directory {
 // device's are) on two streams, every Free's shard comes from the granule
 // map, with no search, and is the segment's; a segment over several GiB
 // fills whole regions with its shard's one page, and its removal drops
-// them; and the map of every step passes the directory's check.
+// them; one over mapMaxRegions is left to the search; and the map of
+// every step passes the directory's check.
 func TestGranuleMapAnswers(t *testing.T) {
 	s1, s2 := newShard(1), newShard(2)
 	a := &Allocator{}
@@ -440,8 +441,11 @@ func TestGranuleMapAnswers(t *testing.T) {
 	addr := uint64(7) << 40
 	for i := range 40 {
 		size := uint64(2<<20) * uint64(1+i%5)
-		if i == 17 {
+		switch i {
+		case 17:
 			size = 5<<30 + 6<<20 // past four whole regions
+		case 30:
+			size = 20 << 30 // beyond what the map holds: searched
 		}
 		sh := s1
 		if i%3 == 1 {
@@ -455,10 +459,17 @@ func TestGranuleMapAnswers(t *testing.T) {
 	}
 	checkDirectory(t, a, d, 1, "built")
 	dir := a.dir.Load()
-	for _, e := range d {
+	for i, e := range d {
 		for _, p := range []uint64{e.start, e.start + 4096, (e.start + e.end) / 2, e.end - 512} {
-			if sh, ok := dir.fast.lookup(p); !ok || sh != e.sh {
+			sh, ok := dir.fast.lookup(p)
+			if i == 30 && ok {
+				t.Fatalf("granule map at %#x in a 20 GiB segment: %p, true; want the search", p, sh)
+			}
+			if i != 30 && (!ok || sh != e.sh) {
 				t.Fatalf("granule map at %#x: %p, %v; want %p, true", p, sh, ok, e.sh)
+			}
+			if got := a.dirLookup(p); got != e.sh {
+				t.Fatalf("dirLookup(%#x) = %p, want %p", p, got, e.sh)
 			}
 		}
 	}

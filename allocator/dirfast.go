@@ -13,8 +13,10 @@ package allocator
 // granule is almost always wholly inside one segment. The map keeps, for
 // each granule that some segment touches, the one shard whose segments
 // cover all of it, or dirSearch when the segments touching it leave part
-// of it uncovered or belong to several shards; dirLookup then falls back
-// to the search. Its answers are exactly the search's.
+// of it uncovered or belong to several shards. dirLookup falls back to
+// the search for those, for granules no segment in the map touches (a
+// foreign address) and for segments too large to map (inMap), so its
+// answers are exactly the search's.
 //
 // Granules are grouped in 1 GiB regions of 512, each a page of shard
 // pointers; a small open-addressing table finds a region's page. Like the
@@ -48,22 +50,35 @@ type granuleMap struct {
 
 func regionSlot(r, mask uint64) uint64 { return (r * 0x9E3779B97F4A7C15 >> 32) & mask }
 
-// lookup returns the shard that owns address p and true, nil and true
-// when no segment holds p, or false when the directory must be searched.
+// lookup returns the shard that owns address p and true, or false when
+// the directory must be searched: p is in a granule that no mapped segment
+// touches (a foreign address, or one of a segment too large to map), or
+// in a dirSearch granule.
 func (m *granuleMap) lookup(p uint64) (*shard, bool) {
 	if m == nil || len(m.keys) == 0 {
-		return nil, true
+		return nil, false
 	}
 	key := p>>regionShift + 1
 	for i := regionSlot(key, m.mask); ; i = (i + 1) & m.mask {
 		switch m.keys[i] {
 		case key:
 			sh := m.pages[i][p>>granuleShift&(granulesPerRegion-1)]
-			return sh, sh != dirSearch
+			return sh, sh != nil && sh != dirSearch
 		case 0:
-			return nil, true
+			return nil, false
 		}
 	}
+}
+
+// mapMaxRegions is the most regions a segment may span and be in the
+// map. The expandable backend reserves one address range per stream, of
+// the device's size; mapping those would make every change copy a region
+// table of thousands of slots, so their addresses are searched instead.
+const mapMaxRegions = 16
+
+// inMap reports whether the map holds segment [start, end).
+func inMap(start, end uint64) bool {
+	return (end-1)>>regionShift-start>>regionShift < mapMaxRegions
 }
 
 // page returns region r's page, or nil.
@@ -80,6 +95,14 @@ func (m *granuleMap) page(r uint64) *dirPage {
 			return nil
 		}
 	}
+}
+
+// at returns what m holds for granule g.
+func (m *granuleMap) at(g uint64) *shard {
+	if pg := m.page(g >> (regionShift - granuleShift)); pg != nil {
+		return pg[g&(granulesPerRegion-1)]
+	}
+	return nil
 }
 
 // each calls fn for every region and its page.
@@ -104,6 +127,9 @@ func (m *granuleMap) regions() int {
 // withSpan returns m after segment [start, end) was added to or removed
 // from dir, which is the directory after the change.
 func (m *granuleMap) withSpan(dir *directory, start, end uint64, sh *shard, adding bool) *granuleMap {
+	if !inMap(start, end) {
+		return m
+	}
 	changed := map[uint64]*dirPage{} // regions rewritten, nil for none left
 	pageFor := func(r uint64) *dirPage {
 		if pg, ok := changed[r]; ok && pg != nil {
@@ -202,8 +228,8 @@ func (sh *shard) fullPage() *dirPage {
 }
 
 // granuleOwner returns what the granule map holds for granule g of dir:
-// nil when no segment touches it, the shard whose segments cover it whole,
-// dirSearch otherwise.
+// nil when no mapped segment touches it, the shard whose mapped segments
+// cover it whole, dirSearch otherwise.
 func (dir *directory) granuleOwner(g uint64) *shard {
 	lo, hi := g<<granuleShift, (g+1)<<granuleShift
 	var owner *shard
@@ -219,6 +245,12 @@ func (dir *directory) granuleOwner(g uint64) *shard {
 			e := &c.entries[i]
 			if e.start >= hi {
 				return ownerOf(owner, covered)
+			}
+			if !inMap(e.start, e.end) {
+				if owner != nil {
+					return dirSearch
+				}
+				continue
 			}
 			if owner == nil {
 				owner = e.sh
@@ -239,13 +271,16 @@ func ownerOf(owner *shard, covered uint64) *shard {
 }
 
 // checkGranules reports where dir's granule map differs from its entries:
-// every granule an entry touches holds granuleOwner, and no other granule
-// holds anything.
+// every granule a mapped entry touches holds granuleOwner, and no other
+// granule holds anything.
 func (dir *directory) checkGranules() []error {
 	var errs []error
 	touched := 0
 	lastG := ^uint64(0)
 	for e := range dir.all() {
+		if !inMap(e.start, e.end) {
+			continue
+		}
 		first, last := e.start>>granuleShift, (e.end-1)>>granuleShift
 		for g := first; g <= last; g++ {
 			r := g >> (regionShift - granuleShift)
@@ -264,10 +299,7 @@ func (dir *directory) checkGranules() []error {
 			if !inside(g, g, e.start, e.end) {
 				want = dir.granuleOwner(g)
 			}
-			got, ok := dir.fast.lookup(g << granuleShift)
-			if !ok {
-				got = dirSearch
-			}
+			got := dir.fast.at(g)
 			if got != want && len(errs) < 10 {
 				errs = append(errs, fmt.Errorf("directory: granule %#x holds %p, its segments say %p", g<<granuleShift, got, want))
 			}
