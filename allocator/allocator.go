@@ -477,11 +477,7 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 	if size == 0 {
 		return 0, nil
 	}
-	for try := 0; ; try++ {
-		sh := a.lookupShard(stream)
-		if sh == nil {
-			break
-		}
+	if sh := a.lookupShard(stream); sh != nil {
 		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
 			spinLockSlow(&sh.mu)
 		}
@@ -490,10 +486,32 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 		if p != 0 {
 			return p, nil
 		}
-		if !busy || try == busyRetries {
+		if busy {
+			return a.retryMalloc(size, stream)
+		}
+	}
+	return a.slowMalloc(size, stream)
+}
+
+// retryMalloc is Malloc after its hot path found the allocator busy: it
+// waits for the holder (awaitWorld) and runs the hot path again, up to
+// busyRetries times, before it takes the slow path.
+func (a *Allocator) retryMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, error) {
+	for range busyRetries {
+		a.awaitWorld()
+		sh := a.lookupShard(stream)
+		if sh == nil {
 			break
 		}
-		a.awaitWorld()
+		sh.lock()
+		p, busy := a.fastMalloc(sh, size)
+		sh.mu.Unlock()
+		if p != 0 {
+			return p, nil
+		}
+		if !busy {
+			break
+		}
 	}
 	return a.slowMalloc(size, stream)
 }
@@ -726,11 +744,7 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 	if p == 0 {
 		return nil
 	}
-	for try := 0; ; try++ {
-		sh := a.dirLookup(uint64(p))
-		if sh == nil {
-			break
-		}
+	if sh := a.dirLookup(uint64(p)); sh != nil {
 		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
 			spinLockSlow(&sh.mu)
 		}
@@ -739,10 +753,31 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 		if ok {
 			return nil
 		}
-		if !busy || try == busyRetries {
+		if busy {
+			return a.retryFree(p)
+		}
+	}
+	return a.slowFree(p)
+}
+
+// retryFree is Free after its hot path found the allocator busy, as
+// retryMalloc is Malloc.
+func (a *Allocator) retryFree(p cudart.Ptr) error {
+	for range busyRetries {
+		a.awaitWorld()
+		sh := a.dirLookup(uint64(p))
+		if sh == nil {
 			break
 		}
-		a.awaitWorld()
+		sh.lock()
+		ok, busy := a.fastFree(sh, uint64(p))
+		sh.mu.Unlock()
+		if ok {
+			return nil
+		}
+		if !busy {
+			break
+		}
 	}
 	return a.slowFree(p)
 }
