@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
@@ -76,6 +78,54 @@ func BenchmarkMixed(b *testing.B) { benchmarkMixed(b, Mixed) }
 // streams (MixedWarm). ns/op covers both passes; ns/step and Mops/s are
 // the second, cached pass only.
 func BenchmarkMixedWarm(b *testing.B) { benchmarkMixed(b, MixedWarm) }
+
+// BenchmarkMixedWarmIsolated runs BenchmarkMixedWarm's pattern with one
+// allocator per goroutine, so that the goroutines share nothing: the
+// machine's own scaling, which BenchmarkMixedWarm's shared allocator is
+// held against. Mops/s is the second pass's, over all goroutines.
+func BenchmarkMixedWarmIsolated(b *testing.B) {
+	steps := MixedSteps
+	if testing.Short() {
+		steps = 20_000
+	}
+	for _, threads := range MixedThreads {
+		b.Run(fmt.Sprintf("threads=%d", threads), func(b *testing.B) {
+			var mops float64
+			for b.Loop() {
+				b.StopTimer()
+				as := make([]*allocator.Allocator, threads)
+				streams := make([]cudart.Stream, threads)
+				for t := range as {
+					as[t] = newSimAllocator(b, "", false)
+					s, err := as[t].Device().StreamCreate()
+					if err != nil {
+						b.Fatal(err)
+					}
+					streams[t] = s
+				}
+				b.StartTimer()
+				var elapsed time.Duration
+				for range 2 {
+					errs := make([]error, threads)
+					var wg sync.WaitGroup
+					t0 := time.Now()
+					for t := range threads {
+						wg.Go(func() {
+							errs[t] = mixedRun(as[t], streams[t], uint64(42+t), steps, workload.MixedWindow/threads)
+						})
+					}
+					wg.Wait()
+					elapsed = time.Since(t0)
+					if err := errors.Join(errs...); err != nil {
+						b.Fatal(err)
+					}
+				}
+				mops = float64(threads*steps) / elapsed.Seconds() / 1e6
+			}
+			b.ReportMetric(mops, "Mops/s")
+		})
+	}
+}
 
 // benchmarkMixed runs run (Mixed or MixedWarm) for every goroutine count of
 // MixedThreads on a fresh simulated allocator per iteration, and reports
