@@ -25,7 +25,10 @@ package allocator
 // rewrites, at most two beyond those its segment fills whole, which share
 // one page per shard (shard.dirFull).
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 const (
 	granuleShift      = 21 // 2 MiB
@@ -130,16 +133,24 @@ func (m *granuleMap) withSpan(dir *directory, start, end uint64, sh *shard, addi
 	if !inMap(start, end) {
 		return m
 	}
-	changed := map[uint64]*dirPage{} // regions rewritten, nil for none left
+	// The regions rewritten (a segment touches few), their new pages, nil
+	// for a region left without a segment.
+	type change struct {
+		r  uint64
+		pg *dirPage
+	}
+	var changed []change
 	pageFor := func(r uint64) *dirPage {
-		if pg, ok := changed[r]; ok && pg != nil {
-			return pg
+		for _, c := range changed {
+			if c.r == r && c.pg != nil {
+				return c.pg
+			}
 		}
 		pg := new(dirPage)
 		if old := m.page(r); old != nil {
 			*pg = *old
 		}
-		changed[r] = pg
+		changed = append(changed, change{r, pg})
 		return pg
 	}
 	first, last := start>>granuleShift, (end-1)>>granuleShift
@@ -148,11 +159,11 @@ func (m *granuleMap) withSpan(dir *directory, start, end uint64, sh *shard, addi
 		rFirst := r << (regionShift - granuleShift)
 		rLast := rFirst + granulesPerRegion - 1
 		if g == rFirst && inside(rFirst, rLast, start, end) {
+			var pg *dirPage
 			if adding {
-				changed[r] = sh.fullPage()
-			} else {
-				changed[r] = nil
+				pg = sh.fullPage()
 			}
+			changed = append(changed, change{r, pg})
 			g = rLast + 1
 			continue
 		}
@@ -169,36 +180,54 @@ func (m *granuleMap) withSpan(dir *directory, start, end uint64, sh *shard, addi
 			}
 		}
 	}
-	// The new region table: m's regions with the changed ones replaced,
-	// and those left without a segment dropped.
-	type region struct {
-		r  uint64
-		pg *dirPage
+	// The new region table: a copy of m's with the changed regions'
+	// pages, rebuilt when a region is left empty (an open-addressing table
+	// drops a key by rebuilding) or the table would pass half full.
+	nm := &granuleMap{mask: 7}
+	if m != nil && len(m.keys) > 0 {
+		nm.keys, nm.pages, nm.mask = slices.Clone(m.keys), slices.Clone(m.pages), m.mask
+	} else {
+		nm.keys, nm.pages = make([]uint64, 8), make([]*dirPage, 8)
 	}
-	var all []region
-	m.each(func(r uint64, pg *dirPage) {
-		if _, ok := changed[r]; !ok {
-			all = append(all, region{r, pg})
+	count, rebuild := nm.regions(), false
+	for _, c := range changed {
+		if c.pg != nil && !adding && c.pg.empty() {
+			c.pg = nil
 		}
-	})
-	for r, pg := range changed {
-		if pg != nil && !pg.empty() {
-			all = append(all, region{r, pg})
-		}
-	}
-	n := 8
-	for n < 2*len(all) {
-		n <<= 1
-	}
-	nm := &granuleMap{keys: make([]uint64, n), pages: make([]*dirPage, n), mask: uint64(n - 1)}
-	for _, x := range all {
-		i := regionSlot(x.r+1, nm.mask)
-		for nm.keys[i] != 0 {
+		key := c.r + 1
+		i := regionSlot(key, nm.mask)
+		for nm.keys[i] != 0 && nm.keys[i] != key {
 			i = (i + 1) & nm.mask
 		}
-		nm.keys[i], nm.pages[i] = x.r+1, x.pg
+		switch {
+		case nm.keys[i] == key:
+			nm.pages[i] = c.pg
+			rebuild = rebuild || c.pg == nil
+		case c.pg != nil:
+			nm.keys[i], nm.pages[i] = key, c.pg
+			count++
+			rebuild = rebuild || 2*count > len(nm.keys)
+		}
 	}
-	return nm
+	if !rebuild {
+		return nm
+	}
+	n := 8
+	for n < 2*count {
+		n <<= 1
+	}
+	rm := &granuleMap{keys: make([]uint64, n), pages: make([]*dirPage, n), mask: uint64(n - 1)}
+	nm.each(func(r uint64, pg *dirPage) {
+		if pg == nil {
+			return
+		}
+		i := regionSlot(r+1, rm.mask)
+		for rm.keys[i] != 0 {
+			i = (i + 1) & rm.mask
+		}
+		rm.keys[i], rm.pages[i] = r+1, pg
+	})
+	return rm
 }
 
 // inside reports whether granules first to last lie wholly in [start, end).
