@@ -706,7 +706,10 @@ func (a *Allocator) shareCaps() {
 		h := sh.stats.arrays()
 		for k := range numHot {
 			for p := range numPools {
-				x := slack[k][p] / whole * part
+				x := slack[k][p] // part/whole of it; no division for a whole share
+				if part != whole {
+					x = x / whole * part
+				}
 				sh.caps[k][p] = h[k][p].Current + x
 				sh.share[k][p] = x
 				given[k][p] += x
@@ -718,10 +721,16 @@ func (a *Allocator) shareCaps() {
 	}
 	for k := range numHot {
 		for p := range numPools {
-			a.res.r[k][p].Store(slack[k][p] - given[k][p])
+			// An atomic store is a locked instruction; the reservoir is
+			// often left as it was (0, with one shard in use).
+			if r := &a.res.r[k][p]; r.Load() != slack[k][p]-given[k][p] {
+				r.Store(slack[k][p] - given[k][p])
+			}
 		}
 	}
-	a.res.over.Store(overSlack - overGiven)
+	if a.res.over.Load() != overSlack-overGiven {
+		a.res.over.Store(overSlack - overGiven)
+	}
 }
 
 // folded returns the statistics with every shard's hot counts added in
