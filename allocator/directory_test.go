@@ -413,10 +413,7 @@ func withGranule(dir *directory, g uint64, sh *shard) *directory {
 	d := *dir
 	m := &granuleMap{keys: slices.Clone(dir.fast.keys), pages: slices.Clone(dir.fast.pages), mask: dir.fast.mask}
 	key := g>>(regionShift-granuleShift) + 1
-	i := regionSlot(key, m.mask)
-	for m.keys[i] != 0 && m.keys[i] != key {
-		i = (i + 1) & m.mask
-	}
+	i := m.slot(key)
 	pg := new(dirPage)
 	if m.keys[i] == key {
 		*pg = *m.pages[i]

@@ -58,19 +58,33 @@ func regionSlot(r, mask uint64) uint64 { return (r * 0x9E3779B97F4A7C15 >> 32) &
 // touches (a foreign address, or one of a segment too large to map), or
 // in a dirSearch granule.
 func (m *granuleMap) lookup(p uint64) (*shard, bool) {
-	if m == nil || len(m.keys) == 0 {
+	pg := m.page(p >> regionShift)
+	if pg == nil {
 		return nil, false
 	}
-	key := p>>regionShift + 1
-	for i := regionSlot(key, m.mask); ; i = (i + 1) & m.mask {
-		switch m.keys[i] {
-		case key:
-			sh := m.pages[i][p>>granuleShift&(granulesPerRegion-1)]
-			return sh, sh != nil && sh != dirSearch
-		case 0:
-			return nil, false
-		}
+	sh := pg[p>>granuleShift&(granulesPerRegion-1)]
+	return sh, sh != nil && sh != dirSearch
+}
+
+// page returns region r's page, or nil.
+func (m *granuleMap) page(r uint64) *dirPage {
+	if m == nil || len(m.keys) == 0 {
+		return nil
 	}
+	if i := m.slot(r + 1); m.keys[i] == r+1 {
+		return m.pages[i]
+	}
+	return nil
+}
+
+// slot returns the index of key's slot, or of the empty slot where it
+// would go.
+func (m *granuleMap) slot(key uint64) uint64 {
+	i := regionSlot(key, m.mask)
+	for m.keys[i] != 0 && m.keys[i] != key {
+		i = (i + 1) & m.mask
+	}
+	return i
 }
 
 // mapMaxRegions is the most regions a segment may span and be in the
@@ -82,22 +96,6 @@ const mapMaxRegions = 16
 // inMap reports whether the map holds segment [start, end).
 func inMap(start, end uint64) bool {
 	return (end-1)>>regionShift-start>>regionShift < mapMaxRegions
-}
-
-// page returns region r's page, or nil.
-func (m *granuleMap) page(r uint64) *dirPage {
-	if m == nil || len(m.keys) == 0 {
-		return nil
-	}
-	key := r + 1
-	for i := regionSlot(key, m.mask); ; i = (i + 1) & m.mask {
-		switch m.keys[i] {
-		case key:
-			return m.pages[i]
-		case 0:
-			return nil
-		}
-	}
 }
 
 // at returns what m holds for granule g.
@@ -195,10 +193,7 @@ func (m *granuleMap) withSpan(dir *directory, start, end uint64, sh *shard, addi
 			c.pg = nil
 		}
 		key := c.r + 1
-		i := regionSlot(key, nm.mask)
-		for nm.keys[i] != 0 && nm.keys[i] != key {
-			i = (i + 1) & nm.mask
-		}
+		i := nm.slot(key)
 		switch {
 		case nm.keys[i] == key:
 			nm.pages[i] = c.pg
@@ -221,10 +216,7 @@ func (m *granuleMap) withSpan(dir *directory, start, end uint64, sh *shard, addi
 		if pg == nil {
 			return
 		}
-		i := regionSlot(r+1, rm.mask)
-		for rm.keys[i] != 0 {
-			i = (i + 1) & rm.mask
-		}
+		i := rm.slot(r + 1)
 		rm.keys[i], rm.pages[i] = r+1, pg
 	})
 	return rm
