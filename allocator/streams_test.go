@@ -346,15 +346,7 @@ func TestStreamPoolsKeepSegments(t *testing.T) {
 // hot-path gates closed, so that a Malloc or Free that looked it up just
 // before the drop goes to world mode instead of using it.
 func TestReleasedShardGatesClosed(t *testing.T) {
-	sim, err := simdev.New(simdev.Config{Capacity: 1 << 30})
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := New(sim, DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
+	a, sim := newTestAllocator(t, 1<<30, "")
 	s, err := sim.StreamCreate()
 	if err != nil {
 		t.Fatal(err)

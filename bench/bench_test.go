@@ -79,15 +79,21 @@ func BenchmarkMixed(b *testing.B) { benchmarkMixed(b, Mixed) }
 // the second, cached pass only.
 func BenchmarkMixedWarm(b *testing.B) { benchmarkMixed(b, MixedWarm) }
 
+// mixedBenchSteps is the mixed benchmarks' steps per goroutine: MixedSteps,
+// or 20,000 under -short.
+func mixedBenchSteps() int {
+	if testing.Short() {
+		return 20_000
+	}
+	return MixedSteps
+}
+
 // BenchmarkMixedWarmIsolated runs BenchmarkMixedWarm's pattern with one
 // allocator per goroutine, so that the goroutines share nothing: the
 // machine's own scaling, which BenchmarkMixedWarm's shared allocator is
 // held against. Mops/s is the second pass's, over all goroutines.
 func BenchmarkMixedWarmIsolated(b *testing.B) {
-	steps := MixedSteps
-	if testing.Short() {
-		steps = 20_000
-	}
+	steps := mixedBenchSteps()
 	for _, threads := range MixedThreads {
 		b.Run(fmt.Sprintf("threads=%d", threads), func(b *testing.B) {
 			var mops float64
@@ -131,10 +137,7 @@ func BenchmarkMixedWarmIsolated(b *testing.B) {
 // MixedThreads on a fresh simulated allocator per iteration, and reports
 // the last run's figures.
 func benchmarkMixed(b *testing.B, run func(*allocator.Allocator, int, int) (MixedResult, error)) {
-	steps := MixedSteps
-	if testing.Short() {
-		steps = 20_000
-	}
+	steps := mixedBenchSteps()
 	for _, threads := range MixedThreads {
 		b.Run(fmt.Sprintf("threads=%d", threads), func(b *testing.B) {
 			var last MixedResult
