@@ -165,6 +165,7 @@ func (dir *directory) add(e dirEntry) *directory {
 	return nd
 }
 
+// addEntry is add but for the granule map, which add then updates.
 func (dir *directory) addEntry(e dirEntry) *directory {
 	if len(dir.chunks) == 0 {
 		return dir.splice(0, 0, 1, newChunk([]dirEntry{e}))
@@ -196,6 +197,7 @@ func (dir *directory) remove(start uint64) (*directory, dirEntry, bool) {
 	return nd, e, ok
 }
 
+// removeEntry is remove but for the granule map, which remove then updates.
 func (dir *directory) removeEntry(start uint64) (*directory, dirEntry, bool) {
 	if len(dir.chunks) == 0 {
 		return dir, dirEntry{}, false
