@@ -1182,6 +1182,10 @@ func (a *Allocator) Stats() Stats {
 		}
 	}
 	s.LargestFreeBlock = int64(largest)
+	if a.exp != nil {
+		s.HandleCacheBytes = int64(a.exp.Cached(false) + a.exp.Cached(true))
+		s.VMM = a.exp.Calls()
+	}
 	return s
 }
 
@@ -1284,8 +1288,13 @@ func (n native) check() error {
 	}
 	// segment counts device allocations: expandable ranges do not count.
 	want("segment", st.Segment[PoolAll].Current, int64(t.Segments-t.ExpandableSegments))
-	want("reserved_bytes", st.ReservedBytes[PoolAll].Current, int64(t.SegmentBytes))
-	want("reserved", int64(a.segs.reserved), int64(t.SegmentBytes))
+	// The handle cache of expandable segments is held, so reserved.
+	var cached uint64
+	if a.exp != nil {
+		cached = a.exp.Cached(false) + a.exp.Cached(true)
+	}
+	want("reserved_bytes", st.ReservedBytes[PoolAll].Current, int64(t.SegmentBytes+cached))
+	want("reserved", int64(a.segs.reserved), int64(t.SegmentBytes+cached))
 	want("allocation", st.Allocation[PoolAll].Current, int64(t.AllocatedCount))
 	want("allocated_bytes", st.AllocatedBytes[PoolAll].Current, int64(t.AllocatedBytes))
 	want("active", st.Active[PoolAll].Current, int64(t.AllocatedCount+t.PendingCount))

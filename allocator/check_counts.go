@@ -17,6 +17,10 @@ type poolTotals struct {
 // Freed. st is the folded statistics (world mode).
 func (a *Allocator) checkPoolCounts(st *Stats) []error {
 	var t [numPools]poolTotals
+	if a.exp != nil { // the handle cache is held, so reserved
+		t[PoolLarge].reservedBytes = int64(a.exp.Cached(false))
+		t[PoolSmall].reservedBytes = int64(a.exp.Cached(true))
+	}
 	for _, s := range a.segs.list {
 		pt := &t[PoolLarge]
 		if s.Small {

@@ -138,11 +138,7 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 	if a.exp.Reclaims() {
 		sums, _ := a.hotSums()
 		if excess := a.exp.GrowthExcess(b, rounded, uint64(sums[3][PoolAll])+rounded); excess > 0 {
-			defer a.exp.DropSpare()
-			a.exp.Keep(p.small)
-			err := a.reclaimPages(c, excess)
-			a.exp.StopKeeping()
-			if err != nil {
+			if err := a.reclaimPages(c, excess, p.small); err != nil {
 				return nil, err
 			}
 			// Unmapping moved blocks around: look again.
@@ -204,8 +200,12 @@ func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bo
 		}
 		return false, err
 	}
-	a.segs.reserved += m.Bytes
-	a.stats.ReservedBytes.add(p.stat, int64(m.Bytes))
+	a.segs.reserved += m.New
+	a.stats.ReservedBytes.add(p.stat, int64(m.New))
+	if m.Crossed > 0 { // cached runs the other pool had counted
+		a.stats.ReservedBytes.sub(otherPool(p.stat), int64(m.Crossed))
+		a.stats.ReservedBytes.add(p.stat, int64(m.Crossed))
+	}
 	a.stats.NumDeviceAlloc++
 	a.stats.DeviceMallocLatency.observe(m.Took)
 	a.stats.NumPagesMoved += m.Moved
@@ -217,41 +217,44 @@ func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bo
 }
 
 // unmapBlock is unmap_block: the Space unmaps the whole runs inside the
-// free block b, then the reserved bytes, the statistics, the history and
-// the log count the unmapping. It returns the unmapped block, or nil when
-// b covers no whole run or on an error.
-func (a *Allocator) unmapBlock(c *call, b *blocks.Block) (*blocks.Block, error) {
+// free block b and releases them, or with keep puts them in its handle
+// cache; then the reserved bytes (what was released), the statistics, the
+// history and the log count the unmapping. It returns the unmapped block,
+// or nil when b covers no whole run or on an error.
+func (a *Allocator) unmapBlock(c *call, b *blocks.Block, keep bool) (*blocks.Block, error) {
 	seg := b.Segment
 	p := a.poolOf(b)
-	u, start, n, err := a.exp.UnmapBlock(p.vmPool(), b)
+	u, start, n, released, err := a.exp.UnmapBlock(p.vmPool(), b, keep)
 	if u == nil {
 		return nil, err
 	}
-	a.segs.reserved -= n
-	a.stats.ReservedBytes.sub(p.stat, int64(n))
+	a.segs.reserved -= released
+	a.stats.ReservedBytes.sub(p.stat, int64(released))
 	a.stats.NumDeviceFree++
 	a.record(c, actionSegmentUnmap, start, n, cudart.Stream(seg.Stream))
 	a.log.Debug("expandable segment unmapped", zap.Uint64("segment", seg.Ptr), zap.Uint64("addr", start),
-		zap.Uint64("bytes", n), zap.Uint64("reserved_bytes", a.segs.reserved))
+		zap.Uint64("bytes", n), zap.Bool("cached", keep), zap.Uint64("reserved_bytes", a.segs.reserved))
 	return u, nil
 }
 
-// reclaimPages unmaps, before a mapping, the whole runs of the free
-// blocks of every stream's pools that the Space chooses (vmm.Space.Choose)
-// to free at least want bytes, after waiting for the streams that own
-// them.
-func (a *Allocator) reclaimPages(c *call, want uint64) error {
-	free := a.scratch[:0]
-	for _, small := range [2]bool{false, true} {
-		for _, p := range a.pools(small) {
-			p.free.Ascend(func(b *blocks.Block) bool {
-				free = append(free, b)
-				return true
-			})
-		}
+// reclaimPages unmaps, before a mapping in the small or large pool, the
+// whole runs of free blocks that the Space chooses (vmm.Space.Choose) to
+// free at least want bytes, after waiting for the streams that own them:
+// blocks of that pool kind in every stream's pools when their runs cover
+// want, else blocks of both kinds. Runs that the mapping's pool can map
+// go to the handle cache, for this mapping and the next ones to map
+// again (the small pool's one-page runs serve the large pool too, when
+// pages are of one size); others are released.
+func (a *Allocator) reclaimPages(c *call, want uint64, small bool) error {
+	page := a.exp.PageSize(small)
+	list := a.chooseReclaim(want, []bool{small})
+	var got uint64
+	for _, b := range list {
+		got += a.exp.Unmappable(b)
 	}
-	a.scratch = free[:0]
-	list := a.exp.Choose(free, want)
+	if got < want {
+		list = a.chooseReclaim(want, []bool{false, true})
+	}
 	if len(list) == 0 {
 		return nil
 	}
@@ -260,17 +263,53 @@ func (a *Allocator) reclaimPages(c *call, want uint64) error {
 	}
 	a.stats.NumReclaims++
 	for _, b := range list {
-		if _, err := a.unmapBlock(c, b); err != nil {
+		keep := b.Segment.PageSize == page && (!small || b.Segment.Small)
+		if _, err := a.unmapBlock(c, b, keep); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// releaseExpandable is release_blocks for expandable segments: in each
-// pool (large, then small) unmap the whole runs of every free block, in
-// the free index's order, and release ranges left wholly unmapped.
+// chooseReclaim is vmm.Space.Choose over the free blocks of every
+// stream's pools of the given kinds (small or not).
+func (a *Allocator) chooseReclaim(want uint64, kinds []bool) []*blocks.Block {
+	free := a.scratch[:0]
+	for _, sm := range kinds {
+		for _, p := range a.pools(sm) {
+			p.free.Ascend(func(b *blocks.Block) bool {
+				free = append(free, b)
+				return true
+			})
+		}
+	}
+	a.scratch = free[:0]
+	return a.exp.Choose(free, want)
+}
+
+// releaseCache releases the Space's handle cache in both pools and takes
+// its bytes out of reserved memory.
+func (a *Allocator) releaseCache() {
+	for _, small := range [2]bool{false, true} {
+		if n := a.exp.ReleaseCache(small); n > 0 {
+			stat := PoolLarge
+			if small {
+				stat = PoolSmall
+			}
+			a.segs.reserved -= n
+			a.stats.ReservedBytes.sub(stat, int64(n))
+			a.log.Debug("expandable handle cache released", zap.Bool("small_pool", small), zap.Uint64("bytes", n),
+				zap.Uint64("reserved_bytes", a.segs.reserved))
+		}
+	}
+}
+
+// releaseExpandable is release_blocks for expandable segments: release
+// the handle cache, then in each pool (large, then small) unmap the whole
+// runs of every free block, in the free index's order, release them, and
+// release ranges left wholly unmapped.
 func (a *Allocator) releaseExpandable(c *call) error {
+	a.releaseCache()
 	synced := false
 	for _, small := range [2]bool{false, true} {
 		list := a.scratch[:0]
@@ -293,7 +332,7 @@ func (a *Allocator) releaseExpandable(c *call) error {
 				}
 				synced = true
 			}
-			u, err := a.unmapBlock(c, b)
+			u, err := a.unmapBlock(c, b, false)
 			if err != nil {
 				return err
 			}
@@ -338,4 +377,13 @@ func (a *Allocator) appendExpandableInfo(out []snapshot.Segment, s *blocks.Segme
 		a.addBlock(si, b)
 	}
 	return out
+}
+
+// otherPool is the large pool for the small one and the small for the
+// large.
+func otherPool(p Pool) Pool {
+	if p == PoolSmall {
+		return PoolLarge
+	}
+	return PoolSmall
 }

@@ -487,7 +487,7 @@ func testExpandableDeviceFaults(t *testing.T, sim *simdev.Sim, f *faultyVMM, dev
 	}
 	x := mustMalloc(t, a, 40*miB, 0)
 	mustFree(t, a, x)
-	emptyCacheFailsUnchanged(t, a, f, 2) // the second of the two free pages
+	emptyCacheFailsUnchanged(t, a, f, 1) // the two free pages, in one call
 	if sim.Used() != 60*miB || len(sim.Mappings()) != 3 {
 		t.Errorf("a failed unmap left %d bytes and %d mappings on the device", sim.Used(), len(sim.Mappings()))
 	}
@@ -530,7 +530,7 @@ func TestExpandableRunFaults(t *testing.T) {
 			x := mustMalloc(t, a, 46*miB, 0)
 			mustFree(t, a, x)
 			used, maps = sim.Used(), len(sim.Mappings())
-			emptyCacheFailsUnchanged(t, a, f, 3) // the third of the free block's four runs
+			emptyCacheFailsUnchanged(t, a, f, 1) // the free block's four runs, in one call
 			if sim.Used() != used || len(sim.Mappings()) != maps {
 				t.Errorf("a failed unmap left %d bytes and %d mappings on the device, want %d and %d", sim.Used(), len(sim.Mappings()), used, maps)
 			}
@@ -889,21 +889,27 @@ func TestExpandableReclaimSlack(t *testing.T) {
 	// 378 MiB would pass both the mark (338) and the slack (340): the
 	// only free block, y's 320 MiB merged with the 8 MiB after it, covers
 	// the 38 MiB excess and the 2 MiB headroom (1/128 of the mark). Its
-	// runs are unmapped and the 20 pages s1 needs are taken from them,
-	// longest first: one of y's ten 16-page runs and the four one-page runs
-	// of the 8 MiB block move to s1; the rest are released.
+	// runs (y's five of 32 pages, the 8 MiB block's one of four: runs of
+	// at least 1/16 of allocated) are unmapped into the handle cache; of
+	// the 20 pages s1 needs, the four-page run serves four, and for the
+	// other 16 one of y's runs is mapped whole into s1's range (the
+	// shortest longer run); the rest stay cached, so reserved memory does
+	// not change.
 	q := mustMalloc(t, a, 40*miB, s1)
-	expect(t, a, sim, 50*miB, 4, 1)
+	expect(t, a, sim, 338*miB, 4, 1)
+	if st := a.Stats(); uint64(st.HandleCacheBytes) != 256*miB || st.VMM.Creates != 7 {
+		t.Errorf("handle cache %d MiB, %d handles created; want 256 MiB, 7 (none for the move)", uint64(st.HandleCacheBytes)/miB, st.VMM.Creates)
+	}
 	after := sim.Counters()
 	if d, s := after.DeviceSyncs-before.DeviceSyncs, after.StreamSyncs-before.StreamSyncs; d != 0 || s != 1 {
 		t.Errorf("reclaim synchronised the device %d times and streams %d times, want 0 and 1 (stream 0 only)", d, s)
 	}
 	st := a.Stats()
-	if st.NumReclaims != 1 || st.NumPagesMoved != 20 || st.NumPagesMovedAcrossStreams != 20 {
-		t.Errorf("reclaims %d, pages moved %d (across streams %d), want 1, 20, 20", st.NumReclaims, st.NumPagesMoved, st.NumPagesMovedAcrossStreams)
+	if st.NumReclaims != 1 || st.NumPagesMoved != 36 || st.NumPagesMovedAcrossStreams != 36 {
+		t.Errorf("reclaims %d, pages moved %d (across streams %d), want 1, 36, 36", st.NumReclaims, st.NumPagesMoved, st.NumPagesMovedAcrossStreams)
 	}
 	f := st.Flat()
-	if f["num_reclaims"] != 1 || f["num_pages_moved"] != 20 || f["num_pages_moved_across_streams"] != 20 {
+	if f["num_reclaims"] != 1 || f["num_pages_moved"] != 36 || f["num_pages_moved_across_streams"] != 36 || uint64(f["handle_cache_bytes"]) != 256*miB {
 		t.Errorf("Flat: num_reclaims %d, num_pages_moved %d, num_pages_moved_across_streams %d", f["num_reclaims"], f["num_pages_moved"], f["num_pages_moved_across_streams"])
 	}
 	mustFree(t, a, p)
@@ -941,7 +947,7 @@ func TestExpandableReclaimHeadroom(t *testing.T) {
 }
 
 // TestExpandableMapsARangeAtOnce: a growth of many pages maps them in about
-// four runs, one handle each and at most 32 MiB, with one grant of access
+// four runs, one handle each and at most 64 MiB, with one grant of access
 // (cudart.RangeMapper) for the runs of one length, as PyTorch grants it for
 // a growth.
 func TestExpandableMapsARangeAtOnce(t *testing.T) {
@@ -954,7 +960,7 @@ func TestExpandableMapsARangeAtOnce(t *testing.T) {
 		{46 * miB, 4, 4, 2},    // three of six, one of five
 		{2 * miB, 1, 1, 1},     // one page
 		{6 * miB, 3, 3, 1},     // three runs of one page
-		{400 * miB, 13, 13, 2}, // twelve of 16 pages (the 32 MiB limit), one of eight
+		{400 * miB, 7, 7, 2},   // six of 32 pages (the 64 MiB limit), one of eight
 	} {
 		before := sim.VMMCounters()
 		p := mustMalloc(t, a, tc.size, 0)

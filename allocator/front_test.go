@@ -95,6 +95,7 @@ func compareAllocators(t *testing.T, step int, a, b *Allocator) {
 	t.Helper()
 	sa, sb := a.Stats(), b.Stats()
 	sa.DeviceMallocLatency, sb.DeviceMallocLatency = Histogram{}, Histogram{}
+	sa.VMM, sb.VMM = sa.VMM.Counts(), sb.VMM.Counts()
 	if sa != sb {
 		fa, fb := sa.Flat(), sb.Flat()
 		for k, v := range fa {

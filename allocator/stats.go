@@ -3,6 +3,8 @@ package allocator
 import (
 	"fmt"
 	"time"
+
+	"github.com/allocd/allocd/allocator/internal/vmm"
 )
 
 // Stat is one PyTorch-style statistic: its current value, its peak since the
@@ -156,15 +158,33 @@ type Stats struct {
 	// stream's lock to settle a peak (allocd only; not a PyTorch key): a
 	// measure of the contention between streams that the hot path pays.
 	NumEscalations int64
+	// HandleCacheBytes is the physical memory of expandable segments that
+	// reclaim unmapped and kept, mapped nowhere, for the next growths to
+	// map again instead of creating new memory (allocd only; not a
+	// PyTorch key). It is held from the device, so ReservedBytes counts
+	// it; EmptyCache, the out-of-memory path and a cap release it.
+	HandleCacheBytes int64
+	// VMM counts the driver's virtual memory calls that expandable
+	// segments made, and the time they took (allocd only).
+	VMM VMMCalls
 	// DeviceMallocLatency observes each device malloc (slow path only).
 	DeviceMallocLatency Histogram
 }
+
+// VMMCalls counts the driver's virtual memory calls of expandable
+// segments, and their time: Creates (cuMemCreate), Maps (handles mapped
+// with cuMemMap), Grants (cuMemSetAccess, one per range mapped in one
+// call; MapTime includes them), Unmaps (cuMemUnmap calls, one per
+// contiguous stretch of runs) and Releases (cuMemRelease). Reserving and
+// releasing address ranges, once per stream and pool, are left out.
+type VMMCalls = vmm.Calls
 
 // Flat returns the statistics under PyTorch's flat keys, as
 // torch.cuda.memory_stats() names them: "allocated_bytes.all.current",
 // "segment.large_pool.peak", "num_ooms", …; allocd's own expandable
 // reclaim counters follow the same style: "num_reclaims",
-// "num_pages_moved", "num_pages_moved_across_streams".
+// "num_pages_moved", "num_pages_moved_across_streams",
+// "handle_cache_bytes".
 func (s *Stats) Flat() map[string]int64 {
 	m := make(map[string]int64, 128)
 	for _, st := range s.namedArrays() {
@@ -183,6 +203,7 @@ func (s *Stats) Flat() map[string]int64 {
 	m["num_reclaims"] = s.NumReclaims
 	m["num_pages_moved"] = s.NumPagesMoved
 	m["num_pages_moved_across_streams"] = s.NumPagesMovedAcrossStreams
+	m["handle_cache_bytes"] = s.HandleCacheBytes
 	return m
 }
 

@@ -180,7 +180,7 @@ func (a *Allocator) releaseExpandableStream(sh *shard) error {
 		}
 	}
 	for _, b := range list {
-		if _, err := a.unmapBlock(nil, b); err != nil {
+		if _, err := a.unmapBlock(nil, b, false); err != nil {
 			return err
 		}
 	}

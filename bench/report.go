@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"text/tabwriter"
 
+	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/workload"
 )
 
@@ -31,12 +32,43 @@ type ReplayRow struct {
 	Reclaims                int64 `json:"reclaims,omitempty"`
 	PagesMoved              int64 `json:"pages_moved,omitempty"`
 	PagesMovedAcrossStreams int64 `json:"pages_moved_across_streams,omitempty"`
+	// VMM is the driver's virtual memory calls of expandable segments and
+	// their time; left out without them.
+	VMM *VMMRow `json:"vmm,omitempty"`
 	// PyTorchExpandable is set when expandable segments ran with
 	// allocator.WithPyTorchExpandable (allocd replay --pytorch-expandable).
 	PyTorchExpandable bool `json:"pytorch_expandable,omitempty"`
 	// WarmFigures are set by `allocd bench` (RunSuite); nil, and left out
 	// of the JSON, in `allocd replay`.
 	*WarmFigures
+}
+
+// VMMRow is the driver's virtual memory calls of an expandable replay
+// (allocator.VMMCalls): handles created, mapped (each map with its grant
+// of access, one grant per range mapped in one call), unmapped (one call
+// per contiguous stretch of runs) and released, and the nanoseconds each
+// kind took, with their total.
+type VMMRow struct {
+	Creates   int64 `json:"creates"`
+	Maps      int64 `json:"maps"`
+	Grants    int64 `json:"access_grants"`
+	Unmaps    int64 `json:"unmaps"`
+	Releases  int64 `json:"releases"`
+	CreateNs  int64 `json:"create_ns"`
+	MapNs     int64 `json:"map_ns"`
+	UnmapNs   int64 `json:"unmap_ns"`
+	ReleaseNs int64 `json:"release_ns"`
+	TotalNs   int64 `json:"total_ns"`
+}
+
+// VMMRowOf returns c as a row, nil when no call was made.
+func VMMRowOf(c allocator.VMMCalls) *VMMRow {
+	if c.Counts() == (allocator.VMMCalls{}) {
+		return nil
+	}
+	return &VMMRow{c.Creates, c.Maps, c.Grants, c.Unmaps, c.Releases,
+		c.CreateTime.Nanoseconds(), c.MapTime.Nanoseconds(), c.UnmapTime.Nanoseconds(), c.ReleaseTime.Nanoseconds(),
+		c.Total().Nanoseconds()}
 }
 
 // WarmFigures are what `allocd bench` measures of a trace beside its cold
@@ -83,6 +115,7 @@ func RowOf(r workload.ReplayResult) ReplayRow {
 		Reclaims:                r.Reclaims,
 		PagesMoved:              r.PagesMoved,
 		PagesMovedAcrossStreams: r.PagesMovedAcrossStreams,
+		VMM:                     VMMRowOf(r.VMM),
 	}
 	if r.Ops > 0 {
 		row.DeviceMallocNsPerOp = float64(r.DeviceMallocTime.Nanoseconds()) / float64(r.Ops)

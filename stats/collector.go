@@ -163,6 +163,8 @@ var metrics = []MetricInfo{
 		"", func(s *allocator.Stats) int64 { return s.NumPagesMoved }),
 	plainMetric("expandable_pages_moved_across_streams_total", "counter", "Pages moved by reclaim from one stream's range to another stream's.",
 		"", func(s *allocator.Stats) int64 { return s.NumPagesMovedAcrossStreams }),
+	plainMetric("expandable_handle_cache_bytes", "gauge", "Physical memory that reclaim unmapped and keeps for the next growths to map again; held from the device, so counted in reserved bytes.",
+		"", func(s *allocator.Stats) int64 { return s.HandleCacheBytes }),
 
 	{Name: Namespace + "_device_free_bytes", Type: "gauge", Help: "Free device memory as the device reports it (cudaMemGetInfo), all processes counted.",
 		Labels: deviceLabels, PyTorch: "torch.cuda.mem_get_info()[0]", kind: kindDeviceFree},

@@ -36,6 +36,9 @@ type ReplayResult struct {
 	// NumPagesMoved, NumPagesMovedAcrossStreams); 0 without expandable
 	// segments.
 	Reclaims, PagesMoved, PagesMovedAcrossStreams int64
+	// VMM is the driver's virtual memory calls of expandable segments
+	// and their time (allocator.Stats.VMM); zero without them.
+	VMM allocator.VMMCalls
 	// Elapsed is the time spent in the replay loop.
 	Elapsed time.Duration
 	// DeviceMallocTime is the part of Elapsed spent in device mallocs
@@ -128,6 +131,7 @@ func Replay(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayRe
 	res.Reclaims = st.NumReclaims
 	res.PagesMoved = st.NumPagesMoved
 	res.PagesMovedAcrossStreams = st.NumPagesMovedAcrossStreams
+	res.VMM = st.VMM
 	return res, err
 }
 
@@ -414,5 +418,6 @@ func ReplayWarm(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (Repl
 	res.Reclaims -= before.NumReclaims
 	res.PagesMoved -= before.NumPagesMoved
 	res.PagesMovedAcrossStreams -= before.NumPagesMovedAcrossStreams
+	res.VMM = res.VMM.Sub(before.VMM)
 	return res, nil
 }

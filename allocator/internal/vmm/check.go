@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/cudart"
 )
 
 // Check compares the Space with its blocks and with table, the caller's
@@ -20,8 +21,17 @@ func (s *Space) Check(table []*blocks.Segment) []error {
 			n++
 		}
 	}
-	if len(s.spare) > 0 {
-		errs = append(errs, fmt.Errorf("%d unmapped page handles kept outside a mapping", len(s.spare)))
+	cached := make(map[cudart.Handle]bool, len(s.cache))
+	var cachedBytes uint64
+	for _, r := range s.cache {
+		if r.h == 0 || r.pages == 0 || cached[r.h] {
+			errs = append(errs, fmt.Errorf("handle cache: run %#x of %d pages is empty or twice in the cache", uint64(r.h), r.pages))
+		}
+		cached[r.h] = true
+		cachedBytes += r.bytes()
+	}
+	if cachedBytes != s.cachedBytes {
+		errs = append(errs, fmt.Errorf("handle cache: %d bytes in its runs, %d counted", cachedBytes, s.cachedBytes))
 	}
 	if n != len(s.segs) {
 		errs = append(errs, fmt.Errorf("%d expandable segments in the segment list, %d registered", n, len(s.segs)))
@@ -48,6 +58,11 @@ func (s *Space) Check(table []*blocks.Segment) []error {
 			}
 		}
 		errs = append(errs, es.checkRuns(s.maxRunPages(seg))...)
+		for _, h := range es.handles {
+			if h != 0 && cached[h] {
+				errs = append(errs, fmt.Errorf("expandable segment %#x: handle %#x is mapped and in the handle cache", seg.Ptr, uint64(h)))
+			}
+		}
 		if pages*seg.PageSize != seg.Mapped {
 			errs = append(errs, fmt.Errorf("expandable segment %#x: %d pages mapped, %d bytes in mapped blocks", seg.Ptr, pages, seg.Mapped))
 		}
@@ -62,8 +77,8 @@ func (s *Space) Check(table []*blocks.Segment) []error {
 			}
 		}
 	}
-	if mappedBytes != s.reserved {
-		errs = append(errs, fmt.Errorf("expandable segments: %d bytes mapped in their segments, %d reserved", mappedBytes, s.reserved))
+	if mappedBytes+s.cachedBytes != s.reserved {
+		errs = append(errs, fmt.Errorf("expandable segments: %d bytes mapped in their segments and %d cached, %d reserved", mappedBytes, s.cachedBytes, s.reserved))
 	}
 	return errs
 }

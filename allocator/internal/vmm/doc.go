@@ -63,9 +63,9 @@
 //     reclaim. Neither mark is ever reset.
 //   - The candidates are the free blocks of every stream's pools, so a
 //     stream that must grow takes the pages another stream freed:
-//     unmapped from that stream's range, mapped into its own (the same
-//     physical pages, reported in MapBlock's Mapping); live blocks never
-//     move. A block that another stream may still use (RecordStream) is
+//     unmapped from that stream's range into the handle cache, mapped
+//     into its own (the same physical pages, reported in MapBlock's
+//     Mapping); live blocks never move. A block that another stream may still use (RecordStream) is
 //     not in any free index until its events complete, so its pages are
 //     never handed over before then.
 //   - Before unmapping, a reclaim waits for the streams that own the
@@ -81,40 +81,62 @@
 //
 // # Runs
 //
-// On a GPU each handle costs a cuMemCreate and a cuMemMap of tens of
-// microseconds whatever its size, so one handle per 2 MiB page made growth
-// about ten times as costly as PyTorch's 20 MiB pages. Physical memory
-// therefore comes in runs: one handle backs a run of consecutive pages,
-// created, mapped, unmapped and moved whole. A growth of n pages maps them
-// in runs of ⌈n/4⌉ pages (runsPerGrowth), none longer than 32 MiB
-// (maxRunBytes), after reusing the longest runs that reclaim kept and that
-// fit; runs of one length are mapped with one grant of access. So a growth
-// of up to 128 MiB makes at most four handles (a larger one, one per 32
-// MiB), while the runs of a block stay at most a quarter of it: when the
-// block is freed and its hole partly reused, the runs that the new block
-// only partly covers are what stays mapped, a bounded share of the hole.
-// Unmapping (reclaim, the allocator's EmptyCache) takes the whole runs
-// inside a free block. The small pool and PyTorch's mode map one page per
-// handle, as PyTorch does.
+// On a GPU each handle costs a cuMemCreate, a cuMemMap, a cuMemUnmap and
+// a cuMemRelease of 6 to 18 microseconds each whatever its size from 2 to
+// 64 MiB (TestGPUVirtualMemoryCost), so one handle per 2 MiB page made
+// growth about ten times as costly as PyTorch's 20 MiB pages. Physical
+// memory therefore comes in runs: one handle backs a run of consecutive
+// pages, created, mapped, unmapped and moved whole. A growth of n pages
+// maps them in runs of ⌈n/4⌉ pages (runsPerGrowth), but none shorter than
+// 1/16 of the largest allocated figure seen at a mapping (minRunDiv) and
+// none longer than 64 MiB (maxRunBytes), after mapping the runs the handle
+// cache (below) holds; runs of one length are mapped with one grant of
+// access. So a growth of up to 256 MiB makes at most four handles, a
+// workload that grows a little at a time makes runs that lengthen with
+// its footprint, and the part of a run that a partly reused free block
+// strands (runs move only whole) is bounded by a quarter of the block or
+// a sixteenth of the footprint. Unmapping (reclaim, the allocator's
+// EmptyCache) takes the whole runs inside a free block, in one cuMemUnmap
+// per contiguous stretch. The small pool and PyTorch's mode map one page
+// per handle, as PyTorch does.
 //
-// A failed Create releases the handles made for the request and MapBlock
-// returns the device's out-of-memory error; the allocator then takes its
-// usual path (release cached memory, retry once, then an OOMError).
-// UnmapBlock is PyTorch's unmap_block: the span of the whole runs inside a
-// free block becomes unmapped and merges with unmapped neighbours; the
-// rest of the block at either end stays mapped as free blocks. A range
-// that is wholly unmapped can be released (ReleaseRange). Unlike cudaFree,
-// unmapping does not wait for work still using the memory: the caller
-// synchronises first (SyncStreams, or the whole device). Close unmaps and
-// releases everything.
+// # The handle cache
+//
+// The runs that reclaim unmaps are not released: they go to the handle
+// cache, and a mapping of the same pool and page size maps them before it
+// creates new ones (the longest that what is missing covers, else the
+// shortest longer one that fits in the unmapped block: mapping past the
+// request costs no reserved memory, the run being held already). Moving
+// memory then costs an unmap and a map, not also a release and a create.
+// The cache is held from the device, so Reserved counts it, and
+// GrowthExcess counts only the pages it cannot serve; reclaim therefore
+// never lets reserved memory pass what it did when it released. The cache
+// is released by ReleaseCache (the allocator's EmptyCache, its
+// out-of-memory path and a cap) and by Close.
+//
+// A failed Create releases the handles made for the request and returns
+// cached runs to the cache, and MapBlock returns the device's
+// out-of-memory error; the allocator then takes its usual path (release
+// cached memory, retry once, then an OOMError). UnmapBlock is PyTorch's
+// unmap_block: the span of the whole runs inside a free block becomes
+// unmapped and merges with unmapped neighbours; the rest of the block at
+// either end stays mapped as free blocks. A range that is wholly unmapped
+// can be released (ReleaseRange). Unlike cudaFree, unmapping does not wait
+// for work still using the memory: the caller synchronises first
+// (SyncStreams, or the whole device). Close unmaps and releases
+// everything.
+//
+// A Space counts and times every create, map, grant of access, unmap and
+// release it makes (Calls).
 //
 // # What a Space reports
 //
-// A Space keeps its segments' Mapped bytes and their sum (Reserved), and
-// returns every change for the caller's statistics: the bytes of each
-// mapping (one per MapBlock, however many pages it maps: PyTorch's
-// num_device_alloc) with its time and the pages reclaim moved into it
-// (Mapping), the bytes of each unmapping, and the device frees of Close.
+// A Space keeps its segments' Mapped bytes, the handle cache's bytes and
+// their sum (Reserved), and returns every change for the caller's
+// statistics: the bytes of each mapping (one per MapBlock, however many
+// pages it maps: PyTorch's num_device_alloc), those of them it created,
+// its time and the pages that came from the cache (Mapping), the bytes of
+// each unmapping and those it released, and the device frees of Close.
 // The caller enters the segments Reserve returns in its own segment table
 // and takes out those ReleaseRange releases; it holds no pointer of the
 // caller's but the pools' free indexes and recyclers it is handed.

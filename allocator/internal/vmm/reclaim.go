@@ -17,20 +17,14 @@ type reclaimCand struct {
 	bytes uint64
 }
 
-// spareRun is a run's handle that reclaim unmapped, its length in pages
-// and the stream whose range it left.
-type spareRun struct {
-	h      cudart.Handle
-	pages  uint64
-	stream uint64
-}
-
 // GrowthExcess is how far serving size bytes from the candidate c would
 // raise reserved memory above what reclaim allows, 0 when not at all:
 // above the high-water mark and more than 1/32 above allocated, the
 // largest allocated figure seen at a mapping (the request included; the
-// caller passes the figure now). It also remembers c and the blocks after
-// it that the request would use, which Choose then leaves alone.
+// caller passes the figure now). What the handle cache holds that c's
+// segment can map is already reserved, so only the rest of the pages to map counts. It
+// also remembers c and the blocks after it that the request would use,
+// which Choose then leaves alone.
 func (s *Space) GrowthExcess(c *blocks.Block, size, allocated uint64) uint64 {
 	s.allocMark = max(s.allocMark, allocated)
 	chain := s.chain[:0]
@@ -51,6 +45,9 @@ func (s *Space) GrowthExcess(c *blocks.Block, size, allocated uint64) uint64 {
 		rem -= min(rem, x.Size)
 	}
 	s.chain = chain
+	if need > 0 {
+		need -= min(need, s.cachedFor(c.Segment))
+	}
 	limit := max(s.mark, s.allocMark+s.reclaimSlack())
 	if s.reserved+need <= limit {
 		return 0
@@ -125,24 +122,6 @@ func (s *Space) Choose(free []*blocks.Block, want uint64) []*blocks.Block {
 // headroom is used up.
 func (s *Space) reclaimHeadroom() uint64 {
 	return s.mark / reclaimHeadroomDiv / s.cfg.SmallPage * s.cfg.SmallPage
-}
-
-// Keep makes UnmapBlock keep the runs it unmaps from pages of the pool's
-// page size, for the next MapBlock of that pool to map again, until
-// StopKeeping; DropSpare releases what is left.
-func (s *Space) Keep(small bool) {
-	s.keep, s.keepSize = true, s.PageSize(small)
-}
-
-// StopKeeping makes UnmapBlock release the runs it unmaps again.
-func (s *Space) StopKeeping() { s.keep = false }
-
-// DropSpare releases the runs kept since Keep that no mapping used.
-func (s *Space) DropSpare() {
-	for _, sp := range s.spare {
-		s.releaseHandle(sp.h)
-	}
-	s.spare = s.spare[:0]
 }
 
 // SyncStreams waits for the work queued on each stream that owns the

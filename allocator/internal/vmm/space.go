@@ -23,10 +23,13 @@ type Pool struct {
 }
 
 // Mapping is what one MapBlock mapped, for the caller's statistics: one
-// device allocation of Bytes that took Took, Moved of its pages from runs
-// that reclaim unmapped (Across of them from another stream's range).
+// device allocation of Bytes that took Took, of which New were created
+// (the rest came from the handle cache, already reserved; Crossed of them
+// were counted in the other pool), and Moved of its pages from runs that
+// reclaim unmapped (Across of them from another stream's range).
 type Mapping struct {
-	Bytes         uint64
+	Bytes, New    uint64
+	Crossed       uint64
 	Took          time.Duration
 	Moved, Across int64
 }
@@ -44,35 +47,35 @@ type Config struct {
 }
 
 // Space is the expandable segments of one device: their ranges, pages,
-// runs and handles, and the bytes mapped.
+// runs and handles, the handle cache, and the bytes held.
 type Space struct {
 	dev cudart.Device
 	vm  cudart.VirtualMemory
 	cfg Config
 	log *zap.Logger
-	// reserved is the bytes mapped in every range.
-	reserved uint64
+	// reserved is the bytes held from the device: mapped in every range,
+	// and cachedBytes in the handle cache.
+	reserved    uint64
+	cachedBytes uint64
+	// cache holds the runs reclaim unmapped, for mappings to map again
+	// before they create new ones (see "The handle cache").
+	cache []cachedRun
 	// segs are the live expandable segments in address order.
 	segs []*expSegment
 	// orphans are handles whose Release failed after their pages were
 	// unmapped; Close retries them.
 	orphans []cudart.Handle
+	calls   Calls
 	scratch []*blocks.Block
 	cands   []reclaimCand
 	chain   []*blocks.Block
 	handles []cudart.Handle // mapPages' runs, reused
 	lens    []uint64        // their lengths in pages
+	taken   []cachedRun     // mapPages' runs from the cache, reused
 	// mark is the largest reserved figure so far; allocMark the largest
 	// allocated figure seen at a mapping, the request included.
 	mark      uint64
 	allocMark uint64
-	// spare holds the runs that reclaim unmapped for the mapping under
-	// way (keep set, pages of keepSize bytes): mapPages maps them again
-	// instead of creating new ones, and DropSpare releases what is left,
-	// so spare is empty between calls.
-	spare    []spareRun
-	keep     bool
-	keepSize uint64
 }
 
 // New returns an empty Space over dev and its virtual memory vm, which
@@ -86,7 +89,8 @@ func New(dev cudart.Device, vm cudart.VirtualMemory, cfg Config, log *zap.Logger
 // Reclaims says whether reclaim before growth is on.
 func (s *Space) Reclaims() bool { return s.cfg.Reclaim }
 
-// Reserved is the bytes mapped in every range.
+// Reserved is the bytes held from the device: mapped in every range, and
+// in the handle cache.
 func (s *Space) Reserved() uint64 { return s.reserved }
 
 // expSegment is one reserved range and the physical memory behind its
@@ -143,9 +147,11 @@ func (s *Space) PageSize(small bool) uint64 {
 // runPages is the length, in pages, of the new runs that map n pages of
 // seg (see "Runs"): one page in the small pool and without reclaim
 // (PyTorch's pages); in the large pool with reclaim, a quarter of n
-// rounded up, at most maxRunBytes.
+// rounded up, but at least 1/minRunDiv of the largest allocated figure
+// seen at a mapping, and at most maxRunBytes.
 func (s *Space) runPages(seg *blocks.Segment, n uint64) uint64 {
-	return max(1, min((n+runsPerGrowth-1)/runsPerGrowth, s.maxRunPages(seg)))
+	least := max(1, s.allocMark/minRunDiv/seg.PageSize)
+	return max(1, min(max((n+runsPerGrowth-1)/runsPerGrowth, least), s.maxRunPages(seg)))
 }
 
 // maxRunPages is the longest run of seg, in pages.
@@ -156,12 +162,16 @@ func (s *Space) maxRunPages(seg *blocks.Segment) uint64 {
 	return max(1, maxRunBytes/seg.PageSize)
 }
 
-// The run policy's two limits (docs/fragmentation.md has the
+// The run policy's three limits (docs/fragmentation.md has the
 // measurements that chose them): a growth maps its new pages in about
-// runsPerGrowth runs, none longer than maxRunBytes.
+// runsPerGrowth runs, none longer than maxRunBytes, none shorter than
+// 1/minRunDiv of the largest allocated figure (so a run that a block
+// only partly covers strands at most that much, while a workload that
+// grows a little at a time makes fewer, longer runs as it grows).
 const (
 	runsPerGrowth = 4
-	maxRunBytes   = 32 << 20
+	maxRunBytes   = 64 << 20
+	minRunDiv     = 16
 )
 
 // of returns the expSegment of seg.
@@ -253,19 +263,21 @@ func (s *Space) Reserve(p Pool, stream uint64) (*blocks.Block, error) {
 }
 
 // MapBlock is map_block: it maps the whole pages covering the first size
-// bytes of the unmapped block b of pool p, splits off the rest (still
-// unmapped), merges b with free neighbours, indexes it and returns what it
-// mapped. When the device is out of memory it returns the device's error
-// as it is (errors.Is cudart.ErrOutOfMemory); on any error nothing
-// changes.
+// bytes of the unmapped block b of pool p (more when a cached run that
+// fits in b is longer than what is missing: see takeCached), splits off
+// the rest (still unmapped), merges b with free neighbours, indexes it and
+// returns what it mapped. When the device is out of memory it returns the
+// device's error as it is (errors.Is cudart.ErrOutOfMemory); on any error
+// nothing changes.
 func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) {
 	seg := b.Segment
 	es := s.of(seg)
 	page := seg.PageSize
 	begin := (b.Ptr - seg.Ptr) / page
 	end := (b.Ptr - seg.Ptr + size + page - 1) / page
+	limit := (b.Ptr - seg.Ptr + b.Size) / page
 	t0 := time.Now()
-	moved, across, err := s.mapPages(es, begin, end)
+	end, moved, across, created, crossed, err := s.mapPages(es, begin, end, limit)
 	if err != nil {
 		return Mapping{}, err
 	}
@@ -279,69 +291,78 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 	blocks.Merge(b, p.Free, p.Recycler)
 	p.Free.Insert(b)
 	seg.Mapped += n
-	s.reserved += n
+	s.reserved += created
 	s.mark = max(s.mark, s.reserved)
-	return Mapping{Bytes: n, Took: elapsed, Moved: moved, Across: across}, nil
+	return Mapping{Bytes: n, New: created, Crossed: crossed, Took: elapsed, Moved: moved, Across: across}, nil
 }
 
-// mapPages maps pages [begin, end) of es in runs: first runs that reclaim
-// kept (s.spare) that fit, then new runs of at most runPages pages, each
-// one handle (Create, then Map); runs of one length are mapped in one call
-// when the device is a cudart.RangeMapper, else run by run. It returns
-// how many pages came from kept runs, and how many of those from another
-// stream's range. On a failure it undoes what it did and returns the
-// error: the device's own when it is out of memory, else wrapped.
-func (s *Space) mapPages(es *expSegment, begin, end uint64) (moved, across int64, err error) {
-	vm, page := s.vm, es.seg.PageSize
+// mapPages maps pages [begin, end) of es, and at most up to page limit,
+// in runs: first runs from the handle cache (takeCached), then new runs
+// of at most runPages pages, each one handle (Create, then Map); runs of
+// one length are mapped in one call when the device is a
+// cudart.RangeMapper, else run by run. It returns the end of what it
+// mapped (past end when a cached run was longer than what was missing),
+// how many pages came from the cache and how many of those from another
+// stream's range, the bytes it created, and the bytes of cached runs that
+// the other pool had counted. On a failure it undoes what
+// it did (cached runs go back to the cache) and returns the error: the
+// device's own when it is out of memory, else wrapped.
+func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd uint64, moved, across int64, created, crossed uint64, err error) {
+	page, small := es.seg.PageSize, es.seg.Small
 	hs, lens := s.handles[:0], s.lens[:0]
-	mapped := 0 // runs mapped so far, in order
+	fromCache := 0 // hs[:fromCache] came from the cache, as taken
+	taken := s.taken[:0]
+	mapped := 0    // runs mapped so far, in order
 	undo := func() {
 		at := es.addr(begin)
 		for k := range mapped {
-			if err := vm.Unmap(cudart.Ptr(at), lens[k]*page); err != nil {
+			if err := s.unmap(cudart.Ptr(at), lens[k]*page); err != nil {
 				s.log.Error("undoing a mapping failed", zap.Uint64("addr", at), zap.Error(err))
 			}
 			at += lens[k] * page
 		}
-		for _, h := range hs {
-			s.releaseHandle(h)
-		}
-	}
-	fail := func(err error, what string) (int64, int64, error) {
-		undo()
-		if errors.Is(err, cudart.ErrOutOfMemory) {
-			return 0, 0, err
-		}
-		return 0, 0, fmt.Errorf("allocator: %s for expandable segment %#x: %w", what, es.seg.Ptr, err)
-	}
-	rem := end - begin
-	for page == s.keepSize && rem > 0 {
-		best := -1 // the longest kept run that fits
-		for i, sp := range s.spare {
-			if sp.pages <= rem && (best < 0 || sp.pages > s.spare[best].pages) {
-				best = i
+		for k, h := range hs {
+			if k < fromCache {
+				s.putCached(taken[k])
+			} else {
+				s.releaseHandle(h)
 			}
 		}
-		if best < 0 {
+	}
+	fail := func(err error, what string) (uint64, int64, int64, uint64, uint64, error) {
+		undo()
+		if errors.Is(err, cudart.ErrOutOfMemory) {
+			return 0, 0, 0, 0, 0, err
+		}
+		return 0, 0, 0, 0, 0, fmt.Errorf("allocator: %s for expandable segment %#x: %w", what, es.seg.Ptr, err)
+	}
+	rem, room := end-begin, limit-begin
+	for s.cfg.Reclaim && rem > 0 {
+		r, ok := s.takeCached(es.seg, rem, room)
+		if !ok {
 			break
 		}
-		sp := s.spare[best]
-		s.spare = slices.Delete(s.spare, best, best+1)
-		hs, lens = append(hs, sp.h), append(lens, sp.pages)
-		rem -= sp.pages
-		moved += int64(sp.pages)
-		if sp.stream != es.seg.Stream {
-			across += int64(sp.pages)
+		hs, lens, taken = append(hs, r.h), append(lens, r.pages), append(taken, r)
+		fromCache++
+		if r.small != small {
+			crossed += r.bytes()
+		}
+		rem -= min(rem, r.pages)
+		room -= r.pages
+		moved += int64(r.pages)
+		if r.stream != es.seg.Stream {
+			across += int64(r.pages)
 		}
 	}
 	for maxRun := s.runPages(es.seg, rem); rem > 0; {
 		n := min(rem, maxRun)
-		h, err := vm.Create(n * page)
+		h, err := s.create(n * page)
 		if err != nil {
 			return fail(err, fmt.Sprintf("creating a %d-byte run", n*page))
 		}
 		hs, lens = append(hs, h), append(lens, n)
 		rem -= n
+		created += n * page
 	}
 	at := es.addr(begin)
 	for k := 0; k < len(hs); {
@@ -349,7 +370,7 @@ func (s *Space) mapPages(es *expSegment, begin, end uint64) (moved, across int64
 		for j < len(hs) && lens[j] == lens[k] {
 			j++
 		}
-		done, err := mapHandles(vm, at, lens[k]*page, hs[k:j])
+		done, err := s.mapHandles(at, lens[k]*page, hs[k:j])
 		mapped += done
 		if err != nil {
 			return fail(err, fmt.Sprintf("mapping %d runs of %d bytes at %#x", j-k, lens[k]*page, at))
@@ -357,7 +378,8 @@ func (s *Space) mapPages(es *expSegment, begin, end uint64) (moved, across int64
 		at += uint64(j-k) * lens[k] * page
 		k = j
 	}
-	for uint64(len(es.mapped)) < end {
+	mappedEnd = (at - es.seg.Ptr) / page
+	for uint64(len(es.mapped)) < mappedEnd {
 		es.mapped = append(es.mapped, false)
 		es.run = append(es.run, 0)
 		es.handles = append(es.handles, 0)
@@ -370,66 +392,42 @@ func (s *Space) mapPages(es *expSegment, begin, end uint64) (moved, across int64
 			i++
 		}
 	}
-	s.handles, s.lens = hs[:0], lens[:0]
-	return moved, across, nil
-}
-
-// mapHandles maps hs[i], each a run of size bytes, at addr + i*size: in
-// one call, which grants access to them all as PyTorch does, when vm is a
-// cudart.RangeMapper, else one by one. It returns how many runs stay
-// mapped (the first ones; none after a failed range mapping, which undoes
-// itself).
-func mapHandles(vm cudart.VirtualMemory, addr, size uint64, hs []cudart.Handle) (int, error) {
-	if rm, ok := vm.(cudart.RangeMapper); ok {
-		if err := rm.MapRange(cudart.Ptr(addr), size, hs); err != nil {
-			return 0, err
-		}
-		return len(hs), nil
-	}
-	for k, h := range hs {
-		if err := vm.Map(cudart.Ptr(addr+uint64(k)*size), size, h); err != nil {
-			return k, err
-		}
-	}
-	return len(hs), nil
+	s.handles, s.lens, s.taken = hs[:0], lens[:0], taken[:0]
+	return mappedEnd, moved, across, created, crossed, nil
 }
 
 // releaseHandle releases a handle whose page is unmapped; one the device
 // refuses is kept for Close to retry.
 func (s *Space) releaseHandle(h cudart.Handle) {
-	if err := s.vm.Release(h); err != nil {
+	if err := s.release(h); err != nil {
 		s.orphans = append(s.orphans, h)
 		s.log.Error("releasing a physical page failed; retrying at Close", zap.Uint64("handle", uint64(h)), zap.Error(err))
 	}
 }
 
 // unmapPages unmaps the runs that make up pages [begin, end) of es
-// (whole runs: see wholeRuns) and releases their handles, or keeps them
-// for the mapping under way. If an unmap fails, the runs already unmapped
-// are mapped again and the error is returned.
-func (s *Space) unmapPages(es *expSegment, begin, end uint64) error {
-	vm, page := s.vm, es.seg.PageSize
+// (whole runs: see wholeRuns), in one call, and releases their handles,
+// or with keep puts them in the handle cache. It returns the bytes it
+// released. If the unmap fails, nothing changes and the error is
+// returned.
+func (s *Space) unmapPages(es *expSegment, begin, end uint64, keep bool) (uint64, error) {
+	page := es.seg.PageSize
 	for i := begin; i < end; i += uint64(es.run[i]) {
 		if es.run[i] == 0 || i+uint64(es.run[i]) > end {
-			return fmt.Errorf("allocator: expandable segment %#x: pages [%d, %d) are not whole runs (page %d)", es.seg.Ptr, begin, end, i)
+			return 0, fmt.Errorf("allocator: expandable segment %#x: pages [%d, %d) are not whole runs (page %d)", es.seg.Ptr, begin, end, i)
 		}
 	}
-	for i := begin; i < end; i += uint64(es.run[i]) {
-		if err := vm.Unmap(cudart.Ptr(es.addr(i)), uint64(es.run[i])*page); err != nil {
-			for j := begin; j < i; j += uint64(es.run[j]) {
-				if rerr := vm.Map(cudart.Ptr(es.addr(j)), uint64(es.run[j])*page, es.handles[j]); rerr != nil {
-					s.log.Error("mapping a run again after a failed unmap failed", zap.Uint64("addr", es.addr(j)), zap.Error(rerr))
-				}
-			}
-			return fmt.Errorf("allocator: unmapping the %d-byte run at %#x: %w", uint64(es.run[i])*page, es.addr(i), err)
-		}
+	if err := s.unmap(cudart.Ptr(es.addr(begin)), (end-begin)*page); err != nil {
+		return 0, fmt.Errorf("allocator: unmapping the %d bytes of runs at %#x: %w", (end-begin)*page, es.addr(begin), err)
 	}
+	var released uint64
 	for i := begin; i < end; {
 		n := uint64(es.run[i])
-		if s.keep && page == s.keepSize {
-			s.spare = append(s.spare, spareRun{h: es.handles[i], pages: n, stream: es.seg.Stream})
+		if keep {
+			s.putCached(cachedRun{h: es.handles[i], pages: n, page: page, small: es.seg.Small, stream: es.seg.Stream})
 		} else {
 			s.releaseHandle(es.handles[i])
+			released += n * page
 		}
 		es.handles[i], es.run[i] = 0, 0
 		for range n {
@@ -437,29 +435,32 @@ func (s *Space) unmapPages(es *expSegment, begin, end uint64) error {
 			i++
 		}
 	}
-	return nil
+	s.reserved -= released
+	return released, nil
 }
 
 // UnmapBlock is unmap_block: it unmaps the whole runs inside the free
-// block b of pool p. Their span becomes an unmapped block, merged with its
-// unmapped neighbours and returned with its address and size before the
-// merge; the rest of b at either end (partial pages, and pages of runs
-// that reach beyond b) stays mapped as free blocks; each call that
-// unmaps is one device free. It returns nil when b covers no whole run or
-// on an error; the caller has synchronised the work that may use b.
-func (s *Space) UnmapBlock(p Pool, b *blocks.Block) (*blocks.Block, uint64, uint64, error) {
+// block b of pool p, and releases them or, with keep (reclaim), puts them
+// in the handle cache. Their span becomes an unmapped block, merged with
+// its unmapped neighbours and returned with its address and size before
+// the merge, and the bytes released; the rest of b at either end (partial
+// pages, and pages of runs that reach beyond b) stays mapped as free
+// blocks; each call that unmaps is one device free. It returns nil when b
+// covers no whole run or on an error; the caller has synchronised the
+// work that may use b.
+func (s *Space) UnmapBlock(p Pool, b *blocks.Block, keep bool) (u *blocks.Block, start, n, released uint64, err error) {
 	seg := b.Segment
 	es := s.of(seg)
 	begin, end := es.runsInside(b)
 	if begin >= end {
-		return nil, 0, 0, nil
+		return nil, 0, 0, 0, nil
 	}
 	page := seg.PageSize
-	if err := s.unmapPages(es, begin, end); err != nil {
-		return nil, 0, 0, err
+	if released, err = s.unmapPages(es, begin, end, keep); err != nil {
+		return nil, 0, 0, 0, err
 	}
 	p.Free.Delete(b)
-	start, n := es.addr(begin), (end-begin)*page
+	start, n = es.addr(begin), (end-begin)*page
 	if before := start - b.Ptr; before > 0 {
 		mid := blocks.Split(b, before, p.Recycler)
 		p.Free.Insert(b)
@@ -471,8 +472,7 @@ func (s *Space) UnmapBlock(p Pool, b *blocks.Block) (*blocks.Block, uint64, uint
 	b.Unmapped = true
 	blocks.MergeUnmapped(b, p.Recycler)
 	seg.Mapped -= n
-	s.reserved -= n
-	return b, start, n, nil
+	return b, start, n, released, nil
 }
 
 // runsInside returns the pages [begin, end) of the whole runs inside the
@@ -550,9 +550,9 @@ func (s *Space) Close() (frees int64, errs []error) {
 					i++
 					continue
 				}
-				if err := vm.Unmap(cudart.Ptr(es.addr(i)), n*page); err != nil {
+				if err := s.unmap(cudart.Ptr(es.addr(i)), n*page); err != nil {
 					errs = append(errs, fmt.Errorf("allocator: unmapping the %d-byte run at %#x: %w", n*page, es.addr(i), err))
-				} else if err := vm.Release(es.handles[i]); err != nil {
+				} else if err := s.release(es.handles[i]); err != nil {
 					errs = append(errs, fmt.Errorf("allocator: releasing the run at %#x: %w", es.addr(i), err))
 				}
 				for range n {
@@ -566,11 +566,14 @@ func (s *Space) Close() (frees int64, errs []error) {
 			errs = append(errs, fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", es.seg.Ptr, err))
 		}
 	}
+	for _, r := range s.cache {
+		s.orphans = append(s.orphans, r.h)
+	}
 	for _, h := range s.orphans {
-		if err := vm.Release(h); err != nil {
+		if err := s.release(h); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: releasing physical page handle %#x: %w", uint64(h), err))
 		}
 	}
-	s.segs, s.orphans, s.reserved = nil, nil, 0
+	s.segs, s.orphans, s.cache, s.reserved, s.cachedBytes = nil, nil, nil, 0, 0
 	return frees, errs
 }

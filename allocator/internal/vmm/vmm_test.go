@@ -82,26 +82,31 @@ func (s *space) runs() []uint32 {
 }
 
 // TestMapBlockRuns: MapBlock maps whole pages in runs (a quarter of the
-// growth, at most 32 MiB; one page per handle in the small pool and
-// without reclaim) and returns what it mapped; UnmapBlock and
-// ReleaseRange give it all back.
+// growth, at least 1/16 of the largest allocated figure, at most 64 MiB;
+// one page per handle in the small pool and without reclaim) and returns
+// what it mapped; UnmapBlock and ReleaseRange give it all back.
 func TestMapBlockRuns(t *testing.T) {
 	for _, tc := range []struct {
-		name     string
-		small    bool
-		reclaim  bool
-		size     uint64
-		wantRuns []uint32
+		name      string
+		small     bool
+		reclaim   bool
+		allocMark uint64
+		size      uint64
+		wantRuns  []uint32
 	}{
-		{"30 MiB in 2 MiB pages", false, true, 30 * miB, []uint32{4, 4, 4, 3}},
-		{"8 MiB in 2 MiB pages", false, true, 8 * miB, []uint32{1, 1, 1, 1}},
-		{"a partial page rounds up", false, true, 5*miB + 1, []uint32{1, 1, 1}},
-		{"200 MiB: runs of 32 MiB", false, true, 200 * miB, []uint32{16, 16, 16, 16, 16, 16, 4}},
-		{"PyTorch's 20 MiB pages", false, false, 30 * miB, []uint32{1, 1}},
-		{"small pool", true, true, 6 * miB, []uint32{1, 1, 1}},
+		{"30 MiB in 2 MiB pages", false, true, 0, 30 * miB, []uint32{4, 4, 4, 3}},
+		{"8 MiB in 2 MiB pages", false, true, 0, 8 * miB, []uint32{1, 1, 1, 1}},
+		{"a partial page rounds up", false, true, 0, 5*miB + 1, []uint32{1, 1, 1}},
+		{"600 MiB: runs of 64 MiB", false, true, 0, 600 * miB, []uint32{32, 32, 32, 32, 32, 32, 32, 32, 32, 12}},
+		{"1/16 of 128 MiB allocated: runs of 8 MiB", false, true, 128 * miB, 30 * miB, []uint32{4, 4, 4, 3}},
+		{"1/16 of 256 MiB allocated: runs of 16 MiB", false, true, 256 * miB, 30 * miB, []uint32{8, 7}},
+		{"1/16 of 2 GiB allocated, capped at 64 MiB", false, true, 2 << 30, 30 * miB, []uint32{15}},
+		{"PyTorch's 20 MiB pages", false, false, 0, 30 * miB, []uint32{1, 1}},
+		{"small pool", true, true, 1 << 30, 6 * miB, []uint32{1, 1, 1}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := newSpace(t, 1<<30, tc.reclaim)
+			s.allocMark = tc.allocMark
 			p := newPool(tc.small)
 			b := s.find(t, p, tc.size)
 			m, err := s.MapBlock(p, b, tc.size)
@@ -127,9 +132,9 @@ func TestMapBlockRuns(t *testing.T) {
 			if got := s.Unmappable(b); got != want {
 				t.Fatalf("Unmappable = %d, want %d", got, want)
 			}
-			u, start, un, err := s.UnmapBlock(p, b)
-			if err != nil || u == nil || start != b.Segment.Ptr || un != want || u.Prev != nil || u.Next != nil {
-				t.Fatalf("UnmapBlock = %v, %#x, %d, %v; want the whole range unmapped, %d bytes", u, start, un, err, want)
+			u, start, un, released, err := s.UnmapBlock(p, b, false)
+			if err != nil || u == nil || start != b.Segment.Ptr || un != want || released != want || u.Prev != nil || u.Next != nil {
+				t.Fatalf("UnmapBlock = %v, %#x, %d, %d released, %v; want the whole range unmapped and released, %d bytes", u, start, un, released, err, want)
 			}
 			if s.Reserved() != 0 || s.sim.Used() != 0 {
 				t.Fatalf("after unmapping: reserved %d, device %d", s.Reserved(), s.sim.Used())
@@ -191,10 +196,11 @@ func TestMapBlockFailures(t *testing.T) {
 	}
 }
 
-// TestReclaimMovesRuns: with runs kept (Keep), the runs UnmapBlock takes
-// from one stream's range are mapped again into another's, reported as
-// moved pages; GrowthExcess reports the growth past the high-water mark
-// and Choose leaves out the blocks of the request.
+// TestReclaimMovesRuns: the runs UnmapBlock keeps (the handle cache) from
+// one stream's range are mapped again into another's, reported as moved
+// pages, with no handle created and reserved memory unchanged;
+// GrowthExcess reports the growth past the high-water mark, less what the
+// cache holds, and Choose leaves out the blocks of the request.
 func TestReclaimMovesRuns(t *testing.T) {
 	s := newSpace(t, 1<<30, true)
 	p0 := newPool(false)
@@ -221,22 +227,29 @@ func TestReclaimMovesRuns(t *testing.T) {
 	if err := s.SyncStreams(list); err != nil {
 		t.Fatal(err)
 	}
-	s.Keep(false)
-	if u, _, _, err := s.UnmapBlock(p0, b0); err != nil || u == nil {
-		t.Fatalf("UnmapBlock = %v, %v", u, err)
+	if u, _, _, released, err := s.UnmapBlock(p0, b0, true); err != nil || u == nil || released != 0 {
+		t.Fatalf("UnmapBlock = %v, %d released, %v; want it unmapped into the cache", u, released, err)
 	}
-	s.StopKeeping()
+	if s.Reserved() != 40*miB || s.Cached(false) != 40*miB || s.Cached(true) != 0 {
+		t.Fatalf("after unmapping into the cache: reserved %d MiB, cached %d MiB", s.Reserved()/miB, s.Cached(false)/miB)
+	}
+	if got := s.GrowthExcess(b1, 20*miB, 20*miB); got != 0 {
+		t.Fatalf("GrowthExcess with the cache holding the pages = %d MiB, want 0", got/miB)
+	}
 	m, err := s.MapBlock(p1, b1, 20*miB)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.DropSpare()
-	if m.Moved != 10 || m.Across != 10 || s.Reserved() != 20*miB || s.sim.Used() != 20*miB {
-		t.Fatalf("moved %d pages (%d across), reserved %d MiB, device %d MiB; want 10 (10), 20, 20",
-			m.Moved, m.Across, s.Reserved()/miB, s.sim.Used()/miB)
+	// The cache holds four 10 MiB runs (5 pages each): two are mapped.
+	if m.Moved != 10 || m.Across != 10 || m.New != 0 || m.Bytes != 20*miB || s.Reserved() != 40*miB || s.Cached(false) != 20*miB {
+		t.Fatalf("moved %d pages (%d across), %d MiB new of %d, reserved %d MiB, cached %d MiB; want 10 (10), 0 of 20, 40, 20",
+			m.Moved, m.Across, m.New/miB, m.Bytes/miB, s.Reserved()/miB, s.Cached(false)/miB)
 	}
-	if c := s.sim.VMMCounters(); c.Creates != 4 {
-		t.Fatalf("%d handles created, want the first mapping's 4 only", c.Creates)
+	if c := s.sim.VMMCounters(); c.Creates != 4 || s.Calls().Creates != 4 || s.Calls().Maps != 6 || s.Calls().Unmaps != 1 {
+		t.Fatalf("%d handles created (%+v), want the first mapping's 4 only, 6 maps and 1 unmap", c.Creates, s.Calls())
+	}
+	if n := s.ReleaseCache(false); n != 20*miB || s.Reserved() != 20*miB || s.sim.Used() != 20*miB {
+		t.Fatalf("ReleaseCache = %d MiB, reserved %d MiB, device %d MiB after; want 20, 20, 20", n/miB, s.Reserved()/miB, s.sim.Used()/miB)
 	}
 }
 
@@ -296,15 +309,16 @@ func TestCheckFindsCorruption(t *testing.T) {
 		{"not in the table", func() { s.table = []*blocks.Segment{{Expandable: true}} }, "not in the segment list"},
 		{"mapped bytes", func() { es.seg.Mapped += 20 * miB }, "15 pages mapped"},
 		{"reserved", func() { s.reserved += 20 * miB }, "reserved"},
-		{"kept runs", func() { s.spare = append(s.spare, spareRun{}) }, "kept outside a mapping"},
+		{"cached run also mapped", func() { s.putCached(cachedRun{h: es.handles[0], pages: 4, page: 2 * miB}); s.reserved += 8 * miB }, "mapped and in the handle cache"},
+		{"cached bytes", func() { s.cachedBytes += 2 * miB }, "2097152 counted"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			saved, savedSegs, savedMapped, savedRes, savedTable := slices.Clone(es.mapped), s.segs, es.seg.Mapped, s.reserved, s.table
-			savedRun, savedHandles, savedSpare := slices.Clone(es.run), slices.Clone(es.handles), s.spare
+			savedRun, savedHandles, savedCache, savedCached := slices.Clone(es.run), slices.Clone(es.handles), slices.Clone(s.cache), s.cachedBytes
 			tc.corrupt()
 			err := errors.Join(s.Check(s.table)...)
 			es.mapped, s.segs, es.seg.Mapped, s.reserved, s.table = saved, savedSegs, savedMapped, savedRes, savedTable
-			es.run, es.handles, s.spare = savedRun, savedHandles, savedSpare
+			es.run, es.handles, s.cache, s.cachedBytes = savedRun, savedHandles, savedCache, savedCached
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("Check = %v, want a report containing %q", err, tc.want)
 			}

@@ -1,0 +1,205 @@
+package vmm
+
+import (
+	"time"
+
+	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/cudart"
+)
+
+// Calls counts the driver's virtual memory calls a Space made and the time
+// each kind took. Maps counts handles mapped (cuMemMap) and Grants the
+// grants of access that went with them (cuMemSetAccess: one per range
+// mapped in one call, so MapTime covers both); Unmaps counts cuMemUnmap
+// calls, one per contiguous stretch of runs. Reserving and releasing
+// address ranges, once per stream and pool, are not counted.
+type Calls struct {
+	Creates, Maps, Grants, Unmaps, Releases     int64
+	CreateTime, MapTime, UnmapTime, ReleaseTime time.Duration
+}
+
+// Total is the time of every call counted.
+func (c Calls) Total() time.Duration {
+	return c.CreateTime + c.MapTime + c.UnmapTime + c.ReleaseTime
+}
+
+// Counts returns c without its times.
+func (c Calls) Counts() Calls {
+	return Calls{Creates: c.Creates, Maps: c.Maps, Grants: c.Grants, Unmaps: c.Unmaps, Releases: c.Releases}
+}
+
+// Sub returns c minus an earlier reading o: the calls made in between.
+func (c Calls) Sub(o Calls) Calls {
+	return Calls{
+		Creates: c.Creates - o.Creates, Maps: c.Maps - o.Maps, Grants: c.Grants - o.Grants,
+		Unmaps: c.Unmaps - o.Unmaps, Releases: c.Releases - o.Releases,
+		CreateTime: c.CreateTime - o.CreateTime, MapTime: c.MapTime - o.MapTime,
+		UnmapTime: c.UnmapTime - o.UnmapTime, ReleaseTime: c.ReleaseTime - o.ReleaseTime,
+	}
+}
+
+// Calls returns the calls counted since New.
+func (s *Space) Calls() Calls { return s.calls }
+
+// cachedRun is a run that reclaim unmapped and kept: its handle, its
+// length in pages of page bytes, the pool it was counted in (small) and
+// the stream whose range it left. Its memory is still held from the
+// device, so it counts as reserved (see "The handle cache" in the package
+// doc).
+type cachedRun struct {
+	h           cudart.Handle
+	pages, page uint64
+	small       bool
+	stream      uint64
+}
+
+func (r cachedRun) bytes() uint64 { return r.pages * r.page }
+
+// Cached returns the bytes of the handle cache in the small or the large
+// pool: physical memory held but mapped nowhere, counted in Reserved.
+func (s *Space) Cached(small bool) uint64 {
+	var n uint64
+	for _, r := range s.cache {
+		if r.small == small {
+			n += r.bytes()
+		}
+	}
+	return n
+}
+
+// usable says whether a mapping into seg can map the cached run r: its
+// pages are seg's and it is no longer than seg's runs may be, whichever
+// pool it left (the small pool's one-page runs serve the large pool too).
+func (s *Space) usable(r cachedRun, seg *blocks.Segment) bool {
+	return r.page == seg.PageSize && r.pages <= s.maxRunPages(seg)
+}
+
+// cachedFor returns the cached bytes a mapping into seg can use.
+func (s *Space) cachedFor(seg *blocks.Segment) uint64 {
+	var n uint64
+	for _, r := range s.cache {
+		if s.usable(r, seg) {
+			n += r.bytes()
+		}
+	}
+	return n
+}
+
+// takeCached removes from the cache and returns the usable run that a
+// mapping into seg of rem more pages should map next, with at most room
+// pages available: the longest that rem covers,
+// else the shortest longer one that fits in room (mapping past the
+// request costs no reserved memory, the run being held already, and
+// saves creating a run). ok is false when no cached run fits.
+//
+// Taking the shortest run that covers rem first would map fewer runs,
+// but it leaves more pages mapped past requests and fewer in the cache:
+// on a decoder's trace (gpt2m_generate) it raised peak reserved memory
+// above PyTorch's.
+func (s *Space) takeCached(seg *blocks.Segment, rem, room uint64) (r cachedRun, ok bool) {
+	best, over := -1, -1
+	for i, c := range s.cache {
+		if !s.usable(c, seg) || c.pages > room {
+			continue
+		}
+		if c.pages <= rem {
+			if best < 0 || c.pages > s.cache[best].pages {
+				best = i
+			}
+		} else if over < 0 || c.pages < s.cache[over].pages {
+			over = i
+		}
+	}
+	if best < 0 {
+		best = over
+	}
+	if best < 0 {
+		return cachedRun{}, false
+	}
+	r = s.cache[best]
+	s.cache[best] = s.cache[len(s.cache)-1]
+	s.cache = s.cache[:len(s.cache)-1]
+	s.cachedBytes -= r.bytes()
+	return r, true
+}
+
+// putCached returns r to the cache.
+func (s *Space) putCached(r cachedRun) {
+	s.cache = append(s.cache, r)
+	s.cachedBytes += r.bytes()
+}
+
+// ReleaseCache releases the cached runs of the small or the large pool
+// (EmptyCache, out of memory, a cap) and returns their bytes, by which
+// Reserved fell.
+func (s *Space) ReleaseCache(small bool) uint64 {
+	var n uint64
+	kept := s.cache[:0]
+	for _, r := range s.cache {
+		if r.small != small {
+			kept = append(kept, r)
+			continue
+		}
+		s.releaseHandle(r.h)
+		n += r.bytes()
+	}
+	clear(s.cache[len(kept):])
+	s.cache = kept
+	s.cachedBytes -= n
+	s.reserved -= n
+	return n
+}
+
+// The Space's device calls, counted and timed (all off the hot path).
+
+func (s *Space) create(size uint64) (cudart.Handle, error) {
+	t0 := time.Now()
+	h, err := s.vm.Create(size)
+	s.calls.CreateTime += time.Since(t0)
+	if err == nil {
+		s.calls.Creates++
+	}
+	return h, err
+}
+
+func (s *Space) release(h cudart.Handle) error {
+	t0 := time.Now()
+	err := s.vm.Release(h)
+	s.calls.ReleaseTime += time.Since(t0)
+	s.calls.Releases++
+	return err
+}
+
+func (s *Space) unmap(p cudart.Ptr, size uint64) error {
+	t0 := time.Now()
+	err := s.vm.Unmap(p, size)
+	s.calls.UnmapTime += time.Since(t0)
+	s.calls.Unmaps++
+	return err
+}
+
+// mapHandles maps hs[i], each a run of size bytes, at addr + i*size: in
+// one call, which grants access to them all as PyTorch does, when the
+// device is a cudart.RangeMapper, else one by one. It returns how many
+// runs stay mapped (the first ones; none after a failed range mapping,
+// which undoes itself).
+func (s *Space) mapHandles(addr, size uint64, hs []cudart.Handle) (int, error) {
+	t0 := time.Now()
+	defer func() { s.calls.MapTime += time.Since(t0) }()
+	if rm, ok := s.vm.(cudart.RangeMapper); ok {
+		if err := rm.MapRange(cudart.Ptr(addr), size, hs); err != nil {
+			return 0, err
+		}
+		s.calls.Maps += int64(len(hs))
+		s.calls.Grants++
+		return len(hs), nil
+	}
+	for k, h := range hs {
+		if err := s.vm.Map(cudart.Ptr(addr+uint64(k)*size), size, h); err != nil {
+			return k, err
+		}
+		s.calls.Maps++
+		s.calls.Grants++
+	}
+	return len(hs), nil
+}
