@@ -12,10 +12,13 @@
 #      costs), TestGPUPatternExpandable (every block's bytes checked on three
 #      streams with RecordStream) and TestGPUReplayMatchesSim (every trace's
 #      peaks on the GPU equal the simulated device's)     -> gputest.log
-#   2. allocd bench --device cuda --conf expandable_segments:True, replays only
-#                                                          -> allocd.json
+#   2. allocd bench --device cuda --conf expandable_segments:True, replays only,
+#      every trace in TRACEDIR, with the driver's VMM calls    -> allocd.json
 #   3. PyTorch's anchor replays with expandable_segments:True -> anchor.json
-#   4. a side-by-side table: ns/op and peak reserved        -> compare.txt
+#   4. a side-by-side table: ns/op, peak reserved, and VMM calls and time;
+#      PyTorch's VMM time is estimated from its handles (one per 20 MiB of
+#      its peak reserved: it never unmaps in a replay) and stage 1's
+#      measured cost of creating and mapping a 20 MiB page  -> compare.txt
 # Stages stop starting past $BUDGET_S seconds (default 560). No network is used.
 set -uo pipefail
 . "$(dirname "$0")/device_lib.sh"
@@ -28,7 +31,7 @@ say "GPU tests -> $OUT/gputest.log"
 echo "gputest rc=$?" | tee -a "$OUT/gputest.log"
 grep -E '^(--- |ok|FAIL|PASS)|corrupt|peak' "$OUT/gputest.log" | head -40
 
-shared=$(ls "$TRACES"/{gpt2_train,gpt2_train_varlen,gpt2m_generate,multistream_prefetch,resnet50_train}.pickle.gz 2>/dev/null)
+shared=$(ls "$TRACES"/*.pickle.gz)
 say "allocd bench, expandable replays -> $OUT/allocd.json"
 timeout "$(($(left) / 3))" "$BIN/allocd" bench --device cuda --no-pair --no-mixed --conf expandable_segments:True --json \
 	$shared >"$OUT/allocd.json" 2>"$OUT/allocd.err"
@@ -42,19 +45,31 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True BENCH_MODE=replay EXT_BUILD=/tm
 echo "anchor rc=$?"
 rm -rf "$tr"
 
-python3 - "$OUT/allocd.json" "$OUT/anchor.json" <<'PY' | tee "$OUT/compare.txt"
-import json, sys
+python3 - "$OUT/allocd.json" "$OUT/anchor.json" "$OUT/gputest.log" <<'PY' | tee "$OUT/compare.txt"
+import json, re, sys
 try:
     a = json.load(open(sys.argv[1]))
     t = json.load(open(sys.argv[2])).get("replay", {})
 except Exception as e:
     sys.exit(f"no comparison: {e}")
-print(f"{'trace':>22} | {'allocd ns/op':>12} {'torch ns/op':>11} {'speedup':>7} | {'allocd MiB':>10} {'torch MiB':>9} | {'maps':>5}")
+# One 20 MiB handle created and mapped in a range, from TestGPUVirtualMemoryCost.
+per = None
+for line in open(sys.argv[3], errors="replace"):
+    m = re.search(r"gpu-vmm: page 20 MiB: create ([0-9.]+) µs, map\+access [0-9.]+ µs, map in a range ([0-9.]+) µs", line)
+    if m:
+        per = float(m.group(1)) + float(m.group(2))
+print(f"PyTorch's VMM time: its handles (peak reserved / 20 MiB) x {per} us (create + map of a 20 MiB page, stage 1)")
+print(f"{'trace':>22} | {'allocd ns/op':>12} {'torch ns/op':>11} {'speedup':>7} | {'allocd MiB':>10} {'torch MiB':>9} |"
+      f" {'creates':>7} {'maps':>5} {'unmaps':>6} {'releases':>8} {'VMM ms':>7} | {'torch handles':>13} {'est. ms':>7}")
 for r in a.get("replay", []):
     name = r["trace"].removesuffix(".pickle.gz")
     q = t.get(name, {}).get("torch", {})
-    tn, tm = q.get("ns_per_op", 0), (q.get("peak_reserved") or 0) / 2**20
+    tn, tr = q.get("ns_per_op", 0), (q.get("peak_reserved") or 0)
+    v = r.get("vmm") or {}
+    th = tr / 2**20 / 20
     print(f"{name:>22} | {r['ns_per_op']:>12.0f} {tn:>11.0f} {tn / r['ns_per_op'] if tn else 0:>7.2f} |"
-          f" {r['peak_reserved_bytes'] / 2**20:>10.0f} {tm:>9.0f} | {r['device_mallocs']:>5}")
+          f" {r['peak_reserved_bytes'] / 2**20:>10.0f} {tr / 2**20:>9.0f} |"
+          f" {v.get('creates', 0):>7} {v.get('maps', 0):>5} {v.get('unmaps', 0):>6} {v.get('releases', 0):>8} {v.get('total_ns', 0) / 1e6:>7.1f} |"
+          f" {th:>13.0f} {th * per / 1e3 if per else 0:>7.1f}")
 PY
 say "done"
