@@ -956,11 +956,11 @@ func TestExpandableMapsARangeAtOnce(t *testing.T) {
 		size                  uint64
 		creates, maps, access int64
 	}{
-		{40 * miB, 4, 4, 1},    // four runs of five pages
-		{46 * miB, 4, 4, 2},    // three of six, one of five
-		{2 * miB, 1, 1, 1},     // one page
-		{6 * miB, 3, 3, 1},     // three runs of one page
-		{400 * miB, 7, 7, 2},   // six of 32 pages (the 64 MiB limit), one of eight
+		{40 * miB, 4, 4, 1},  // four runs of five pages
+		{46 * miB, 4, 4, 2},  // three of six, one of five
+		{2 * miB, 1, 1, 1},   // one page
+		{6 * miB, 3, 3, 1},   // three runs of one page
+		{400 * miB, 7, 7, 2}, // six of 32 pages (the 64 MiB limit), one of eight
 	} {
 		before := sim.VMMCounters()
 		p := mustMalloc(t, a, tc.size, 0)

@@ -312,7 +312,7 @@ func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd ui
 	hs, lens := s.handles[:0], s.lens[:0]
 	fromCache := 0 // hs[:fromCache] came from the cache, as taken
 	taken := s.taken[:0]
-	mapped := 0    // runs mapped so far, in order
+	mapped := 0 // runs mapped so far, in order
 	undo := func() {
 		at := es.addr(begin)
 		for k := range mapped {
