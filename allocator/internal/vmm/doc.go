@@ -81,9 +81,10 @@
 //
 // # Runs
 //
-// On a GPU each handle costs a cuMemCreate, a cuMemMap, a cuMemUnmap and
-// a cuMemRelease of 6 to 18 microseconds each whatever its size from 2 to
-// 64 MiB (TestGPUVirtualMemoryCost), so one handle per 2 MiB page made
+// On a GPU each handle costs a cuMemCreate, a cuMemMap and a cuMemUnmap
+// of 6 to 35 microseconds each, the same whatever its size from 2 to
+// 64 MiB, and a cuMemRelease that grows with it (TestGPUVirtualMemoryCost
+// on an H200), so one handle per 2 MiB page made
 // growth about ten times as costly as PyTorch's 20 MiB pages. Physical
 // memory therefore comes in runs: one handle backs a run of consecutive
 // pages, created, mapped, unmapped and moved whole. A growth of n pages

@@ -310,9 +310,8 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd uint64, moved, across int64, created, crossed uint64, err error) {
 	page, small := es.seg.PageSize, es.seg.Small
 	hs, lens := s.handles[:0], s.lens[:0]
-	fromCache := 0 // hs[:fromCache] came from the cache, as taken
-	taken := s.taken[:0]
-	mapped := 0 // runs mapped so far, in order
+	taken := s.taken[:0] // hs[:len(taken)] came from the cache
+	mapped := 0          // runs mapped so far, in order
 	undo := func() {
 		at := es.addr(begin)
 		for k := range mapped {
@@ -322,7 +321,7 @@ func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd ui
 			at += lens[k] * page
 		}
 		for k, h := range hs {
-			if k < fromCache {
+			if k < len(taken) {
 				s.putCached(taken[k])
 			} else {
 				s.releaseHandle(h)
@@ -343,7 +342,6 @@ func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd ui
 			break
 		}
 		hs, lens, taken = append(hs, r.h), append(lens, r.pages), append(taken, r)
-		fromCache++
 		if r.small != small {
 			crossed += r.bytes()
 		}
