@@ -99,6 +99,12 @@ package cudart
 #cgo nocallback allocd_vmm_unmap
 #cgo noescape allocd_vmm_map_range
 #cgo nocallback allocd_vmm_map_range
+#cgo noescape allocd_vmm_create_shareable
+#cgo nocallback allocd_vmm_create_shareable
+#cgo noescape allocd_vmm_export
+#cgo nocallback allocd_vmm_export
+#cgo noescape allocd_vmm_import
+#cgo nocallback allocd_vmm_import
 #include <stdlib.h>
 #include "shim.h"
 */
@@ -272,6 +278,7 @@ func shimOpen(dev int) (rawInfo, *CUDAError) {
 		vmm:         ci.vmm != 0,
 		pools:       ci.pools != 0,
 		granularity: uint64(ci.granularity),
+		share:       ci.share != 0,
 	}
 	for i := range r.uuid {
 		r.uuid[i] = byte(ci.uuid[i])
@@ -409,6 +416,24 @@ func shimVMMMapRange(dev int, p Ptr, page uint64, hs []Handle) *CUDAError {
 
 func shimVMMUnmap(dev int, p Ptr, size uint64) *CUDAError {
 	return convStatus(C.allocd_vmm_unmap(C.int(dev), C.ulonglong(p), C.size_t(size)))
+}
+
+func shimVMMCreateShareable(dev int, size uint64) (Handle, *CUDAError) {
+	var h C.ulonglong
+	e := convStatus(C.allocd_vmm_create_shareable(C.int(dev), C.size_t(size), &h))
+	return Handle(h), e
+}
+
+func shimVMMExport(dev int, h Handle) (int, *CUDAError) {
+	var fd C.int
+	e := convStatus(C.allocd_vmm_export(C.int(dev), C.ulonglong(h), &fd))
+	return int(fd), e
+}
+
+func shimVMMImport(dev int, fd int) (Handle, *CUDAError) {
+	var h C.ulonglong
+	e := convStatus(C.allocd_vmm_import(C.int(dev), C.int(fd), &h))
+	return Handle(h), e
 }
 
 // ABIAssumptions returns the struct sizes and offsets, enum values and

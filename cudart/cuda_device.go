@@ -14,11 +14,12 @@ import (
 // because Open fails first when cgo is off).
 
 var (
-	_ Device         = (*CUDA)(nil)
-	_ AsyncAllocator = (*CUDA)(nil)
-	_ VirtualMemory  = (*CUDA)(nil)
-	_ StreamChecker  = (*CUDA)(nil)
-	_ PoolReporter   = (*CUDA)(nil)
+	_ Device          = (*CUDA)(nil)
+	_ AsyncAllocator  = (*CUDA)(nil)
+	_ VirtualMemory   = (*CUDA)(nil)
+	_ ShareableMemory = (*CUDA)(nil)
+	_ StreamChecker   = (*CUDA)(nil)
+	_ PoolReporter    = (*CUDA)(nil)
 )
 
 // Test hooks for the shim's device guard, set by cuda.go in cgo builds and
@@ -104,6 +105,7 @@ type rawInfo struct {
 	total        uint64
 	vmm, pools   bool
 	granularity  uint64
+	share        bool // POSIX file descriptor handles, and libcuda's calls for them
 }
 
 // deviceState is shared by every *CUDA of one device ordinal: the device's
@@ -133,8 +135,8 @@ func stateFor(index int) *deviceState {
 }
 
 // CUDA is a real GPU reached through the CUDA runtime and driver, made by
-// Open. It implements Device, AsyncAllocator, PoolReporter, VirtualMemory
-// and StreamChecker, and is safe for concurrent use from any goroutines: every
+// Open. It implements Device, AsyncAllocator, PoolReporter, VirtualMemory,
+// ShareableMemory and StreamChecker, and is safe for concurrent use from any goroutines: every
 // method makes its device current on the calling thread itself.
 //
 // A sticky error (an illegal address, a launch failure, ... : see
@@ -146,6 +148,7 @@ type CUDA struct {
 	info        Info
 	granularity uint64
 	vmm, pools  bool
+	share       bool // ShareableMemory works: vmm, and POSIX file descriptor handles
 	closed      atomic.Bool
 }
 
@@ -201,6 +204,7 @@ func Open(index int) (*CUDA, error) {
 		vmm:         raw.vmm && raw.granularity > 0,
 		pools:       raw.pools,
 	}
+	c.share = c.vmm && raw.share
 	return c, nil
 }
 
@@ -825,4 +829,99 @@ func (c *CUDA) Unmap(p Ptr, size uint64) error {
 		return c.fail(fmt.Sprintf("unmap %#x+%d", uint64(p), size), e)
 	}
 	return nil
+}
+
+// shareCheck is vmmSize for the sharing calls (checkSize false: no size to
+// check): it also refuses, with ErrNotSupported, a device or driver that
+// cannot share memory as POSIX file descriptors.
+func (c *CUDA) shareCheck(op string, size uint64, checkSize bool) error {
+	if err := c.usable(op); err != nil {
+		return err
+	}
+	if !c.share {
+		return c.notSupported(op + ": sharing physical memory as POSIX file descriptors " +
+			"(virtual memory management, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, " +
+			"cuMemExportToShareableHandle and cuMemImportFromShareableHandle)")
+	}
+	if checkSize {
+		return c.vmmSize(op, size)
+	}
+	return nil
+}
+
+// shareFail is fail for the sharing calls: CUDA_ERROR_NOT_SUPPORTED also
+// wraps ErrNotSupported.
+func (c *CUDA) shareFail(what string, e *CUDAError) error {
+	if e.Code == 801 { // cudaErrorNotSupported, CUDA_ERROR_NOT_SUPPORTED
+		return fmt.Errorf("cudart: device %d: %s: %w: %w", c.state.index, what, ErrNotSupported, e)
+	}
+	return c.fail(what, e)
+}
+
+// CreateShareable allocates size bytes of pinned physical memory that
+// Export can share (cuMemCreate with requestedHandleTypes
+// CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). Its errors are Create's; a
+// device or driver that cannot share memory as POSIX file descriptors
+// (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, read at
+// Open, or a libcuda without cuMemExportToShareableHandle and
+// cuMemImportFromShareableHandle) gives ErrNotSupported. Release frees it.
+func (c *CUDA) CreateShareable(size uint64) (Handle, error) {
+	if err := c.shareCheck("create shareable", size, true); err != nil {
+		return 0, err
+	}
+	h, e := shimVMMCreateShareable(c.state.index, size)
+	if e != nil {
+		return 0, c.shareFail(fmt.Sprintf("create %d bytes of shareable physical memory", size), e)
+	}
+	return h, nil
+}
+
+// Export returns a new POSIX file descriptor for h
+// (cuMemExportToShareableHandle), which CreateShareable made or Import
+// returned. The descriptor is close-on-exec; the caller owns it and closes
+// it, and h stays valid. A handle the driver cannot export (one from
+// Create: CUDA_ERROR_INVALID_VALUE, so ErrInvalidValue) gives the driver's
+// error; a device that cannot share gives ErrNotSupported. On error the
+// descriptor is -1.
+func (c *CUDA) Export(h Handle) (int, error) {
+	if err := c.shareCheck("export", 0, false); err != nil {
+		return -1, err
+	}
+	fd, e := shimVMMExport(c.state.index, h)
+	if e != nil {
+		return -1, c.shareFail(fmt.Sprintf("export handle %#x", uint64(h)), e)
+	}
+	return fd, nil
+}
+
+// Import returns a handle to the physical memory behind fd, a descriptor
+// from Export in this process or another (cuMemImportFromShareableHandle),
+// which Map and Release take as any other handle. fd is not consumed: the
+// caller still closes it. size must be a positive multiple of Granularity
+// and fd a descriptor from Export, else ErrInvalidValue. The driver does
+// not tell an imported handle's size, so size is not checked against the
+// memory here: Map of more than the memory holds fails there (with
+// CUDA_ERROR_NOT_SUPPORTED on an H200), and Map of less maps the memory's
+// first size bytes. A device that cannot share gives ErrNotSupported.
+// Release drops this process's reference; importing in the process that
+// exported gives a handle of its own, which Release drops as well.
+func (c *CUDA) Import(fd int, size uint64) (Handle, error) {
+	if err := c.shareCheck("import", size, true); err != nil {
+		return 0, err
+	}
+	if fd < 0 {
+		return 0, c.invalid("import of descriptor %d", fd)
+	}
+	h, e := shimVMMImport(c.state.index, fd)
+	if e != nil {
+		what := fmt.Sprintf("import %d bytes from descriptor %d", size, fd)
+		if e.Code == 999 && !e.Sticky {
+			// CUDA_ERROR_UNKNOWN is the driver's answer to a descriptor
+			// that is not open or not one of its exports (driver 580,
+			// H200); the device stays usable.
+			return 0, fmt.Errorf("cudart: device %d: %s: not a descriptor from Export: %w: %w", c.state.index, what, ErrInvalidValue, e)
+		}
+		return 0, c.shareFail(what, e)
+	}
+	return h, nil
 }

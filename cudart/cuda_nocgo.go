@@ -61,3 +61,6 @@ func shimVMMRelease(int, Handle) *CUDAError                     { return nocgo()
 func shimVMMMap(int, Ptr, uint64, Handle) *CUDAError            { return nocgo() }
 func shimVMMUnmap(int, Ptr, uint64) *CUDAError                  { return nocgo() }
 func shimVMMMapRange(int, Ptr, uint64, []Handle) *CUDAError     { return nocgo() }
+func shimVMMCreateShareable(int, uint64) (Handle, *CUDAError)   { return 0, nocgo() }
+func shimVMMExport(int, Handle) (int, *CUDAError)               { return -1, nocgo() }
+func shimVMMImport(int, int) (Handle, *CUDAError)               { return 0, nocgo() }

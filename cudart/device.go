@@ -139,6 +139,33 @@ type RangeMapper interface {
 	MapRange(p Ptr, page uint64, hs []Handle) error
 }
 
+// ShareableMemory is a VirtualMemory whose physical allocations can pass
+// between processes as POSIX file descriptors (the driver's
+// CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). The node broker creates its
+// chunks with CreateShareable and sends Export's descriptor over a Unix
+// socket; the client Imports it and maps the handle as it maps one it
+// created. The physical memory lives while any process holds a handle to
+// it or a mapping of it, so a client's mappings stay valid after the
+// exporting process releases its own handle, and a dead client's mappings
+// go with its process.
+type ShareableMemory interface {
+	VirtualMemory
+	// CreateShareable allocates size bytes of physical memory (a multiple
+	// of the granularity) that Export can share. Release frees it as it
+	// frees Create's handles.
+	CreateShareable(size uint64) (Handle, error)
+	// Export returns a new file descriptor for h, which CreateShareable
+	// made. The caller owns the descriptor and closes it; h stays valid.
+	Export(h Handle) (fd int, err error)
+	// Import returns a handle to the size bytes of physical memory behind
+	// fd, a descriptor from Export in this process or another. fd is not
+	// consumed: the caller still closes it. size must be the memory's
+	// size: the simulated device checks it (ErrInvalidValue), a GPU
+	// driver cannot, and there a wrong size fails at Map or maps only the
+	// memory's first bytes. Release drops this process's reference.
+	Import(fd int, size uint64) (Handle, error)
+}
+
 // Sentinel errors. Backends wrap them; test with errors.Is.
 var (
 	// ErrOutOfMemory: the device could not satisfy an allocation.

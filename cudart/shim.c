@@ -8,6 +8,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <link.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -79,11 +80,14 @@ _Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes");
 #define CUDA_SUCCESS 0
 #define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
 #define CU_MEM_HANDLE_TYPE_NONE 0x0
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 0x1
 #define CU_MEM_LOCATION_TYPE_DEVICE 0x1
 #define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 0x3
 #define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
 #define CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED 102
 #define CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED 115
+#define CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED 103
+#define CUDA_ERROR_NOT_SUPPORTED 801
 
 // ---- Function tables ---------------------------------------------------
 
@@ -140,6 +144,9 @@ static struct {
 	CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
 	CUresult (*MemUnmap)(CUdeviceptr, size_t);
 	CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+	// optional: sharing physical memory between processes
+	CUresult (*MemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
+	CUresult (*MemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
 	CUresult (*GetErrorName)(CUresult, const char **);
 	CUresult (*GetErrorString)(CUresult, const char **);
 } drv;
@@ -248,6 +255,10 @@ int allocd_bind(void *cudart, void *cuda, char *missing, size_t missinglen) {
 		add_missing(missing, missinglen, "cuDeviceGetUuid_v2 (or cuDeviceGetUuid)");
 		bad = 1;
 	}
+	// Sharing memory between processes is optional: without these the
+	// shareable calls report CUDA_ERROR_NOT_SUPPORTED.
+	*(void **)(&drv.MemExportToShareableHandle) = dlsym(cuda, "cuMemExportToShareableHandle");
+	*(void **)(&drv.MemImportFromShareableHandle) = dlsym(cuda, "cuMemImportFromShareableHandle");
 	return bad ? -1 : 0;
 }
 
@@ -438,7 +449,7 @@ void allocd_error_name(int driver, int code, const char **name, const char **tex
 static void device_prop(CUmemAllocationProp *prop, CUdevice d) {
 	memset(prop, 0, sizeof *prop);
 	prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
-	prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+	prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE; // allocd_vmm_create_shareable asks for a type
 	prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
 	prop->location.id = d;
 }
@@ -476,6 +487,12 @@ allocd_status allocd_open(int dev, allocd_info *info) {
 		DRV(drv.MemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
 		    "cuMemGetAllocationGranularity");
 		info->granularity = g;
+		// Not fatal: a driver that cannot say cannot share.
+		int fd_ok = 0;
+		if (drv.MemExportToShareableHandle != NULL && drv.MemImportFromShareableHandle != NULL &&
+		    drv.DeviceGetAttribute(&fd_ok, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d) == CUDA_SUCCESS) {
+			info->share = fd_ok != 0;
+		}
 	}
 	return ok_status();
 }
@@ -749,14 +766,68 @@ allocd_status allocd_vmm_address_free(int dev, unsigned long long ptr, size_t si
 	return ok_status();
 }
 
-allocd_status allocd_vmm_create(int dev, size_t size, unsigned long long *handle) {
+// drv_missing is the status of a call to an optional driver entry point
+// that libcuda lacks: CUDA_ERROR_NOT_SUPPORTED, from the driver.
+static allocd_status drv_missing(const char *op) {
+	allocd_status s = synthetic(CUDA_ERROR_NOT_SUPPORTED, op, "operation not supported (libcuda lacks this entry point)");
+	s.driver = 1;
+	return s;
+}
+
+// vmm_create is cuMemCreate of size bytes on dev, exportable as the
+// handle types asked for (CU_MEM_HANDLE_TYPE_NONE: not exportable).
+static allocd_status vmm_create(int dev, size_t size, int handle_types, unsigned long long *handle) {
 	CUdevice d = 0;
 	CUmemAllocationProp prop;
 	CUmemGenericAllocationHandle h = 0;
 	DRIVER_DEVICE(dev);
 	DRV(drv.DeviceGet(&d, dev), "cuDeviceGet");
 	device_prop(&prop, d);
+	prop.requestedHandleTypes = handle_types;
 	DRV(drv.MemCreate(&h, size, &prop, 0), "cuMemCreate");
+	*handle = h;
+	return ok_status();
+}
+
+allocd_status allocd_vmm_create(int dev, size_t size, unsigned long long *handle) {
+	return vmm_create(dev, size, CU_MEM_HANDLE_TYPE_NONE, handle);
+}
+
+allocd_status allocd_vmm_create_shareable(int dev, size_t size, unsigned long long *handle) {
+	return vmm_create(dev, size, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, handle);
+}
+
+// allocd_vmm_export returns a new descriptor for handle, made close-on-exec
+// here (the driver does not promise it), so that it reaches another process
+// only when the caller passes it on. A fork between the export and the
+// fcntl can still inherit it.
+allocd_status allocd_vmm_export(int dev, unsigned long long handle, int *fd) {
+	int out = -1;
+	*fd = -1;
+	if (drv.MemExportToShareableHandle == NULL) {
+		return drv_missing("cuMemExportToShareableHandle");
+	}
+	DRIVER_DEVICE(dev);
+	DRV(drv.MemExportToShareableHandle(&out, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+	    "cuMemExportToShareableHandle");
+	int flags = fcntl(out, F_GETFD);
+	if (flags >= 0) {
+		(void)fcntl(out, F_SETFD, flags | FD_CLOEXEC);
+	}
+	*fd = out;
+	return ok_status();
+}
+
+// allocd_vmm_import returns a handle to the memory behind fd. The driver
+// takes its own reference: fd stays the caller's to close.
+allocd_status allocd_vmm_import(int dev, int fd, unsigned long long *handle) {
+	CUmemGenericAllocationHandle h = 0;
+	if (drv.MemImportFromShareableHandle == NULL) {
+		return drv_missing("cuMemImportFromShareableHandle");
+	}
+	DRIVER_DEVICE(dev);
+	DRV(drv.MemImportFromShareableHandle(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+	    "cuMemImportFromShareableHandle");
 	*handle = h;
 	return ok_status();
 }

@@ -46,6 +46,8 @@ typedef struct {
 	int vmm;                        // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
 	int pools;                      // CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED
 	unsigned long long granularity; // minimum VMM granularity, 0 without VMM
+	int share;                      // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, and
+	                                // libcuda has cuMemExportToShareableHandle and cuMemImportFromShareableHandle
 } allocd_info;
 
 // Loading (called once per process, under a Go sync.Once).
@@ -99,6 +101,15 @@ allocd_status allocd_vmm_release(int dev, unsigned long long handle);
 allocd_status allocd_vmm_map(int dev, unsigned long long ptr, size_t size, unsigned long long handle);
 allocd_status allocd_vmm_map_range(int dev, unsigned long long ptr, size_t page, const unsigned long long *handles, int n);
 allocd_status allocd_vmm_unmap(int dev, unsigned long long ptr, size_t size);
+
+// Physical memory shared between processes as POSIX file descriptors
+// (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). The export and import calls
+// are optional symbols: without them these return CUDA_ERROR_NOT_SUPPORTED.
+// allocd_vmm_export's descriptor is close-on-exec and the caller's;
+// allocd_vmm_import does not consume fd.
+allocd_status allocd_vmm_create_shareable(int dev, size_t size, unsigned long long *handle);
+allocd_status allocd_vmm_export(int dev, unsigned long long handle, int *fd);
+allocd_status allocd_vmm_import(int dev, int fd, unsigned long long *handle);
 
 // ABI assumptions: the sizes, offsets and enum values shim.c was written
 // against, as name=value pairs (same names as abicheck/abicheck.c prints).

@@ -1,17 +1,19 @@
 // Package simdev is a simulated GPU: a cudart.Device in pure Go that models
 // capacity, address assignment (each device in its own range, Range;
 // optionally the addresses a recorded program got, Config.Addresses),
-// streams, events, virtual memory (cudart.VirtualMemory), stream-ordered
-// allocation (cudart.AsyncAllocator) and page-locked host memory with
-// queued copies (cudart.HostDevice). CI, the tests and `allocd replay` use
-// it on machines without a GPU; devspec opens it for the `sim` device
-// specification. Tests make chosen calls fail through a Sim's Faults. It
-// imports cudart and never the reverse, and uses no cgo.
+// streams, events, virtual memory (cudart.VirtualMemory; with
+// Config.Shared, memory shared between processes, cudart.ShareableMemory),
+// stream-ordered allocation (cudart.AsyncAllocator) and page-locked host
+// memory with queued copies (cudart.HostDevice). CI, the tests and
+// `allocd replay` use it on machines without a GPU; devspec opens it for
+// the `sim` device specification. Tests make chosen calls fail through a
+// Sim's Faults. It imports cudart and never the reverse, and uses no cgo.
 package simdev
 
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -38,6 +40,19 @@ type Config struct {
 	// 100 GiB replay then costs kilobytes, and those calls fail with an
 	// error wrapping ErrNotBacked rather than drop or invent data.
 	Backed bool
+	// Shared makes the Sim's physical memory shareable between processes,
+	// as cudart.ShareableMemory describes: every handle, Create's and
+	// CreateShareable's alike, is a memfd (memfd_create, then ftruncate to
+	// the handle's size exactly) that the Sim maps MAP_SHARED as the
+	// handle's memory, so that a process that Imports a descriptor from
+	// Export maps the same bytes. Shared implies Backed's behaviour for
+	// mapped ranges: MemsetAsync, MemcpyHtoD and MemcpyDtoH reach memory
+	// mapped from these handles (Malloc's memory stays unbacked unless
+	// Backed is set too). Each live handle holds a descriptor and a host
+	// mapping until Release or Close; its pages are taken from the host as
+	// they are first written. Linux only: elsewhere New fails with an error
+	// wrapping cudart.ErrNotSupported.
+	Shared bool
 	// MallocLatency and FreeLatency are spent (spinning) in every Malloc and
 	// Free, to model cudaMalloc's cost in benchmarks.
 	MallocLatency, FreeLatency time.Duration
@@ -211,10 +226,14 @@ var _ cudart.Device = (*Sim)(nil)
 // New returns a simulated device with the given configuration.
 // A zero Capacity, an Index outside [0, MaxIndex] and a planned address
 // that CheckPlannedAddress refuses (a *PlanError) are errors wrapping
-// cudart.ErrInvalidValue.
+// cudart.ErrInvalidValue; Shared where memfds are not available (any
+// system but Linux) is an error wrapping cudart.ErrNotSupported.
 func New(cfg Config) (*Sim, error) {
 	if cfg.Capacity == 0 {
 		return nil, fmt.Errorf("cudart: sim capacity must be positive: %w", cudart.ErrInvalidValue)
+	}
+	if cfg.Shared && !shareSupported {
+		return nil, fmt.Errorf("cudart: sim with Config.Shared: shareable memory needs memfds, which only Linux has: %w", cudart.ErrNotSupported)
 	}
 	lo, hi, err := Range(cfg.Index)
 	if err != nil {
@@ -668,13 +687,14 @@ func (s *Sim) region(op string, p cudart.Ptr, n uint64) ([]byte, error) {
 var ErrNotBacked = errors.New("simulated device has no backing memory")
 
 // backed returns the regions of [p, p+n) for op, or an error: the address
-// range is checked first, then that the Sim holds bytes at all.
+// range is checked first, then that the Sim holds bytes for all of it
+// (Backed, or mappings of a Shared Sim's handles).
 func (s *Sim) backed(op string, p cudart.Ptr, n uint64) ([][]byte, error) {
 	bs, err := s.regions(op, p, n)
 	if err != nil {
 		return nil, err
 	}
-	if !s.cfg.Backed {
+	if !s.cfg.Backed && slices.ContainsFunc(bs, func(b []byte) bool { return b == nil }) {
 		return nil, fmt.Errorf("cudart: sim %s of %d bytes at %#x: %w (create it with Config.Backed)", op, n, uint64(p), ErrNotBacked)
 	}
 	return bs, nil
@@ -741,7 +761,10 @@ func (s *Sim) Counters() Counters {
 	return c
 }
 
-// Close implements cudart.Device. Later calls return cudart.ErrClosed.
+// Close implements cudart.Device. Later calls return cudart.ErrClosed. A
+// Shared Sim unmaps and closes the memfds of the handles it still holds,
+// mapped or not (other processes keep what they imported); an error doing
+// so is returned, and the Sim is closed all the same.
 func (s *Sim) Close() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -749,7 +772,7 @@ func (s *Sim) Close() error {
 		return fmt.Errorf("cudart: sim close: %w", cudart.ErrClosed)
 	}
 	s.closed = true
-	return nil
+	return s.releaseSharedLocked()
 }
 
 var _ cudart.StreamChecker = (*Sim)(nil)

@@ -27,7 +27,8 @@ import (
 //
 // With Config.Backed, a handle gets host memory and MemsetAsync,
 // MemcpyHtoD and MemcpyDtoH reach mapped ranges, across mappings that lie
-// side by side.
+// side by side. With Config.Shared the handle's memory is a memfd mapped
+// MAP_SHARED instead, which another process can import (share.go).
 
 // simGranularity is the Sim's mapping granularity, as on current GPUs.
 const simGranularity uint64 = 2 << 20
@@ -41,17 +42,25 @@ type VMMCounters struct {
 	// AccessCalls counts grants of access (cuMemSetAccess): one per Map,
 	// one per MapRange whatever its number of pages.
 	AccessCalls int64
+	// Exports and Imports count the descriptors Export handed out and the
+	// handles Import made (cudart.ShareableMemory). Creates counts
+	// CreateShareable's handles with Create's.
+	Exports, Imports int64
 	// Live values at the time of the call.
 	LiveReservations, LiveHandles, LiveMappings int64
 	// ReservedBytes is the address space reserved; MappedBytes the bytes
-	// mapped into it; HandleBytes the physical memory made by Create.
+	// mapped into it; HandleBytes the physical memory of the live handles
+	// (Create's, CreateShareable's and Import's).
 	ReservedBytes, MappedBytes, HandleBytes uint64
 }
 
 type simHandle struct {
-	size   uint64
-	mem    []byte     // with Backed
-	mapped cudart.Ptr // where it is mapped, 0 when not
+	size      uint64
+	mem       []byte     // with Backed or Shared (then the memfd's mapping)
+	mapped    cudart.Ptr // where it is mapped, 0 when not
+	fd        int        // the memfd behind mem with Shared, -1 without
+	shareable bool       // made by CreateShareable or Import: Export accepts it
+	imported  bool       // made by Import: not counted against Capacity
 }
 
 type simMapping struct {
@@ -162,13 +171,23 @@ func (s *Sim) ReleaseRange(p cudart.Ptr, size uint64) error {
 
 // Create implements cudart.VirtualMemory. The memory counts against Capacity; past
 // it, or when Faults.FailMalloc says so (a Create counts as a malloc call), it
-// fails with an error wrapping cudart.ErrOutOfMemory.
+// fails with an error wrapping cudart.ErrOutOfMemory. With Config.Shared the
+// handle is a memfd (share.go), which Export still refuses, as the driver
+// refuses to export memory not created shareable.
 func (s *Sim) Create(size uint64) (cudart.Handle, error) {
+	return s.create("create", size, false)
+}
+
+// create is Create and, with shareable, CreateShareable.
+func (s *Sim) create(op string, size uint64, shareable bool) (cudart.Handle, error) {
 	spin(s.cfg.MallocLatency)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return 0, fmt.Errorf("cudart: sim create: %w", cudart.ErrClosed)
+		return 0, fmt.Errorf("cudart: sim %s: %w", op, cudart.ErrClosed)
+	}
+	if shareable && !s.cfg.Shared {
+		return 0, errNotShared(op)
 	}
 	if ok, err := s.faults.mallocFault(); ok {
 		s.vmm.counters.FailedCreates++
@@ -177,19 +196,27 @@ func (s *Sim) Create(size uint64) (cudart.Handle, error) {
 		}
 		return 0, err
 	}
-	if err := s.vmmCheck("create", size); err != nil {
+	if err := s.vmmCheck(op, size); err != nil {
 		return 0, err
 	}
 	if size > s.cfg.Capacity-s.used {
 		s.vmm.counters.FailedCreates++
 		return 0, createOOM()
 	}
-	h := s.vmm.nextHandle
-	s.vmm.nextHandle++
-	sh := &simHandle{size: size}
-	if s.cfg.Backed {
+	sh := &simHandle{size: size, fd: -1, shareable: shareable}
+	switch {
+	case s.cfg.Shared:
+		fd, mem, err := memfdMap(size)
+		if err != nil {
+			s.vmm.counters.FailedCreates++
+			return 0, fmt.Errorf("cudart: sim %s of %d bytes: %w", op, size, err)
+		}
+		sh.fd, sh.mem = fd, mem
+	case s.cfg.Backed:
 		sh.mem = make([]byte, size)
 	}
+	h := s.vmm.nextHandle
+	s.vmm.nextHandle++
 	s.vmm.handles[h] = sh
 	s.used += size
 	s.vmm.counters.Creates++
@@ -201,6 +228,9 @@ func createOOM() error {
 }
 
 // Release implements cudart.VirtualMemory. A handle still mapped is refused.
+// A handle of a Shared Sim has its memory unmapped from the process and its
+// descriptor closed; memory imported elsewhere stays there until those
+// processes release it too.
 func (s *Sim) Release(h cudart.Handle) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -215,8 +245,15 @@ func (s *Sim) Release(h cudart.Handle) error {
 	if sh.mapped != 0 {
 		return fmt.Errorf("cudart: sim release of handle %#x, still mapped at %#x: %w", uint64(h), uint64(sh.mapped), cudart.ErrInvalidValue)
 	}
+	if sh.fd >= 0 {
+		if err := unmapClose(sh.fd, sh.mem); err != nil {
+			return fmt.Errorf("cudart: sim release of handle %#x: %w", uint64(h), err)
+		}
+	}
 	delete(s.vmm.handles, h)
-	s.used -= sh.size
+	if !sh.imported {
+		s.used -= sh.size
+	}
 	s.vmm.counters.Releases++
 	return nil
 }
