@@ -1,0 +1,410 @@
+package broker_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/broker"
+	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
+)
+
+// The end-to-end tests run a broker in the test process and allocators
+// in child processes: the test binary itself, started with
+// ALLOCD_E2E_CLIENT set, which reads commands on stdin and answers each
+// with one line.
+
+const envE2EClient = "ALLOCD_E2E_CLIENT"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(envE2EClient) != "" {
+		os.Exit(runE2EClient(os.Stdin, os.Stdout))
+	}
+	os.Exit(m.Run())
+}
+
+// runE2EClient opens an allocator as a deployed program does (Open reads
+// ALLOCD_BROKER, ALLOCD_TENANT, ALLOCD_DEVICE) and serves commands:
+//
+//	malloc SIZE   allocate a block on the default stream
+//	fill BYTE     write BYTE over every held block
+//	scan          answer the distinct byte values of every held block
+//	free          free every held block
+//	empty         EmptyCache: every chunk goes back to the broker
+//	check         run the allocator's invariant checker
+//	quit          Close and exit
+func runE2EClient(in io.Reader, out io.Writer) int {
+	a, err := allocator.Open(0)
+	if err != nil {
+		fmt.Fprintf(out, "err %v\n", err)
+		return 1
+	}
+	dev := a.Device()
+	type blk struct {
+		p cudart.Ptr
+		n uint64
+	}
+	var held []blk
+	sc := bufio.NewScanner(in)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		var reply string
+		switch f[0] {
+		case "malloc":
+			n, _ := strconv.ParseUint(f[1], 10, 64)
+			p, err := a.Malloc(n, cudart.DefaultStream)
+			if err != nil {
+				reply = "err " + strings.ReplaceAll(err.Error(), "\n", " ")
+				break
+			}
+			held = append(held, blk{p, n})
+			reply = "ok"
+		case "fill":
+			v, _ := strconv.ParseUint(f[1], 0, 8)
+			reply = "ok"
+			for _, b := range held {
+				if err := dev.MemcpyHtoD(b.p, bytes.Repeat([]byte{byte(v)}, int(b.n))); err != nil {
+					reply = "err " + err.Error()
+				}
+			}
+		case "scan":
+			seen := map[byte]bool{}
+			for _, b := range held {
+				buf := make([]byte, b.n)
+				if err := dev.MemcpyDtoH(buf, b.p); err != nil {
+					reply = "err " + err.Error()
+				}
+				for _, c := range buf {
+					seen[c] = true
+				}
+			}
+			var vals []string
+			for v := range seen {
+				vals = append(vals, fmt.Sprintf("%#02x", v))
+			}
+			slices.Sort(vals)
+			if reply == "" {
+				reply = "ok " + strings.Join(vals, ",")
+			}
+		case "free":
+			reply = "ok"
+			for _, b := range held {
+				if err := a.Free(b.p); err != nil {
+					reply = "err " + err.Error()
+				}
+			}
+			held = nil
+		case "empty":
+			reply = "ok"
+			if err := a.EmptyCache(); err != nil {
+				reply = "err " + err.Error()
+			}
+		case "check":
+			reply = "ok"
+			if err := a.Check(); err != nil {
+				reply = "err " + strings.ReplaceAll(err.Error(), "\n", " ")
+			}
+		case "quit":
+			if err := a.Close(); err != nil {
+				fmt.Fprintf(out, "err %v\n", err)
+				return 1
+			}
+			fmt.Fprintln(out, "ok")
+			return 0
+		default:
+			reply = "err unknown command " + f[0]
+		}
+		fmt.Fprintln(out, reply)
+	}
+	return 0
+}
+
+// e2eBroker serves a broker over one shared simulated device.
+type e2eBroker struct {
+	b    *broker.Broker
+	sock string
+	sim  *simdev.Sim
+}
+
+func startE2EBroker(t *testing.T, capacity uint64, tenantsYAML string) *e2eBroker {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "ab")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	sim, err := simdev.New(simdev.Config{Capacity: capacity, Shared: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tenants, err := broker.ParseTenants([]byte(tenantsYAML))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := broker.New(broker.Config{Devices: []cudart.Device{sim}, Tenants: tenants})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &e2eBroker{b: b, sock: filepath.Join(dir, "b.sock"), sim: sim}
+	l, err := broker.Listen(e.sock, 0o600, -1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go b.Serve(l)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if hs := b.Stop(ctx); len(hs) > 0 {
+			t.Errorf("clients left at the end: %+v", hs)
+		}
+		if err := b.Check(); err != nil {
+			t.Errorf("broker Check: %v", err)
+		}
+		if err := b.Close(); err != nil {
+			t.Error(err)
+		}
+		sim.Close()
+	})
+	return e
+}
+
+// proc is a client process.
+type proc struct {
+	t    *testing.T
+	name string
+	cmd  *exec.Cmd
+	in   io.WriteCloser
+	out  *bufio.Scanner
+}
+
+func (e *e2eBroker) startClient(t *testing.T, name, tenant string) *proc {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), envE2EClient+"=1", "ALLOCD_DEVICE=sim", "ALLOCD_SIM_CAPACITY=1GiB",
+		"ALLOCD_BROKER=unix://"+e.sock, "ALLOCD_TENANT="+tenant, "ALLOCD_CONF=")
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &proc{t: t, name: name, cmd: cmd, in: in, out: bufio.NewScanner(out)}
+	t.Cleanup(func() {
+		in.Close()
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	return p
+}
+
+// do sends one command and returns the answer after "ok ", failing the
+// test on an error answer.
+func (p *proc) do(line string) string {
+	p.t.Helper()
+	ans, err := p.try(line)
+	if err != nil {
+		p.t.Fatalf("%s: %s: %v", p.name, line, err)
+	}
+	return ans
+}
+
+func (p *proc) try(line string) (string, error) {
+	if _, err := fmt.Fprintln(p.in, line); err != nil {
+		return "", err
+	}
+	if !p.out.Scan() {
+		return "", fmt.Errorf("no answer (process ended: %v)", p.out.Err())
+	}
+	ans := p.out.Text()
+	if rest, ok := strings.CutPrefix(ans, "ok"); ok {
+		return strings.TrimSpace(rest), nil
+	}
+	return "", errors.New(ans)
+}
+
+func (p *proc) quit() {
+	p.t.Helper()
+	p.do("quit")
+	if err := p.cmd.Wait(); err != nil {
+		p.t.Fatalf("%s: %v", p.name, err)
+	}
+}
+
+func tenantStats(b *broker.Broker, tenant string) broker.TenantStats {
+	for _, ts := range b.Stats().Tenants {
+		if ts.Tenant == tenant && ts.Device == 0 {
+			return ts
+		}
+	}
+	return broker.TenantStats{}
+}
+
+// TestE2EFourProcessesExchangeMemory: two tenants, four processes.
+// Memory one process gave back reaches the next of its tenant as it was
+// (the same physical memory, the Sim's memfd) and the other tenant's
+// processes as zeros; quotas hold exactly.
+func TestE2EFourProcessesExchangeMemory(t *testing.T) {
+	e := startE2EBroker(t, 128<<20, "tenants:\n  - name: red\n    quota: 24MiB\n  - name: blue\n    quota: 24MiB\n")
+	red1, blue1 := e.startClient(t, "red1", "red"), e.startClient(t, "blue1", "blue")
+	red2, blue2 := e.startClient(t, "red2", "red"), e.startClient(t, "blue2", "blue")
+	sizes := []string{"2097152", "6291456", "1048576", "4194304"} // 2, 6, 1, 4 MiB
+	check := func() {
+		t.Helper()
+		if err := e.b.Check(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	round := func(p *proc, mark string) []string {
+		t.Helper()
+		for _, s := range sizes {
+			p.do("malloc " + s)
+		}
+		seen := strings.Split(p.do("scan"), ",")
+		p.do("fill " + mark)
+		p.do("check")
+		p.do("free")
+		p.do("empty")
+		check()
+		return seen
+	}
+	round(red1, "0x11")
+	st := e.b.Stats().Devices[0]
+	if st.HeldBytes != 0 || st.CachedBytes == 0 {
+		t.Fatalf("after red1: %+v", st)
+	}
+	creates := st.Creates
+	// red2 makes the same requests and gets red1's chunks back as they
+	// were: the same physical memory, from another process.
+	if seen := round(red2, "0x12"); !slices.Contains(seen, "0x11") {
+		t.Fatalf("red2 did not get red1's chunks as they were: saw %v", seen)
+	}
+	// blue1 gets the same chunks, zeroed: nothing of red's.
+	if seen := round(blue1, "0x22"); !slices.Equal(seen, []string{"0x00"}) {
+		t.Fatalf("blue1 read %v in memory red held before; want only zeros", seen)
+	}
+	st = e.b.Stats().Devices[0]
+	if st.Creates != creates || st.Scrubs == 0 {
+		t.Fatalf("red2 and blue1 made %d chunks and %d scrubs; the cache should have served both, zeroing for blue", st.Creates-creates, st.Scrubs)
+	}
+	if seen := round(blue2, "0x21"); !slices.Contains(seen, "0x22") || slices.Contains(seen, "0x12") {
+		t.Fatalf("blue2 saw %v: want blue1's bytes and none of red's", seen)
+	}
+	// red1 takes blue's memory and more: it reads zeros, never blue's
+	// bytes.
+	red1.do("malloc 25165824") // 96 MiB: the whole quota, more than red's cached chunks
+	if seen := red1.do("scan"); strings.Contains(seen, "0x2") {
+		t.Fatalf("red1 read blue's bytes: %s", seen)
+	}
+	// Quotas hold exactly: red holds 24 MiB, its quota; another red
+	// process gets nothing more, and its error names the quota.
+	if ts := tenantStats(e.b, "red"); ts.Granted != 24<<20 {
+		t.Fatalf("red holds %d bytes, want 24 MiB", ts.Granted)
+	}
+	_, err := red2.try("malloc 2097152")
+	if err == nil || !strings.Contains(err.Error(), "quota 24.00 MiB") || !strings.Contains(err.Error(), `tenant "red"`) {
+		t.Fatalf("malloc over red's quota: %v", err)
+	}
+	blue1.do("malloc 25165824") // blue's whole quota, beside red's
+	red1.do("free")
+	red1.do("empty")
+	red2.do("malloc 2097152")
+	check()
+	for _, p := range []*proc{red1, blue1, red2, blue2} {
+		p.do("free")
+		p.do("check")
+		p.quit()
+	}
+	waitBroker(t, e.b, time.Second, func(s broker.Stats) bool { return s.Devices[0].HeldBytes == 0 })
+	check()
+}
+
+func waitBroker(t *testing.T, b *broker.Broker, d time.Duration, cond func(broker.Stats) bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for !cond(b.Stats()) {
+		if time.Since(start) > d {
+			t.Fatalf("broker state not reached within %v: %+v", d, b.Stats())
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+// TestE2EKillReturnsMemory: kill -9 of a client holding memory returns
+// all of it to the cache within a second, and the other tenant can use
+// it at once.
+func TestE2EKillReturnsMemory(t *testing.T) {
+	e := startE2EBroker(t, 32<<20, "tenants:\n  - name: victim\n  - name: other\n")
+	victim := e.startClient(t, "victim", "victim")
+	victim.do("malloc 16777216")
+	victim.do("malloc 8388608")
+	victim.do("fill 0x33")
+	other := e.startClient(t, "other", "other")
+	if _, err := other.try("malloc 16777216"); err == nil {
+		t.Fatal("the device had room for the other tenant beside the victim")
+	}
+	held := tenantStats(e.b, "victim").Granted
+	if held < 24<<20 {
+		t.Fatalf("victim holds %d bytes", held)
+	}
+	if err := victim.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	took := waitBroker(t, e.b, time.Second, func(s broker.Stats) bool { return s.Devices[0].HeldBytes == 0 })
+	t.Logf("kill -9: %d bytes back in the cache after %v", held, took)
+	ts := tenantStats(e.b, "victim")
+	if ts.ReclaimedBytes != held || e.b.Stats().ClientsReclaimed["victim"] != 1 {
+		t.Fatalf("victim's figures after the kill: %+v", ts)
+	}
+	other.do("malloc 16777216")
+	if seen := other.do("scan"); strings.Contains(seen, "0x33") {
+		t.Fatalf("the other tenant read the killed victim's bytes: %s", seen)
+	}
+	other.do("free")
+	other.quit()
+	_ = victim.cmd.Wait()
+}
+
+// TestE2EBrokerGone: when the broker goes away, allocations already
+// made stay valid and new growth fails with a clear error.
+func TestE2EBrokerGone(t *testing.T) {
+	e := startE2EBroker(t, 128<<20, "tenants:\n  - name: a\n")
+	p := e.startClient(t, "a", "a")
+	p.do("malloc 8388608")
+	p.do("fill 0x44")
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	e.b.Stop(ctx)
+	if err := e.b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if seen := p.do("scan"); seen != "0x44" {
+		t.Fatalf("after the broker went: held memory reads %q", seen)
+	}
+	_, err := p.try("malloc 67108864")
+	if err == nil || !strings.Contains(err.Error(), "ALLOCD_BROKER_FALLBACK=local") {
+		t.Fatalf("growth without the broker: %v", err)
+	}
+	p.do("free")
+	p.quit()
+}
