@@ -89,6 +89,7 @@ import (
 
 	"github.com/allocd/allocd/allocator/internal/vmm"
 	"github.com/allocd/allocd/blocks"
+	"github.com/allocd/allocd/broker"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/internal/eventpool"
 )
@@ -198,10 +199,13 @@ type Option func(*options)
 type options struct {
 	log               *zap.Logger
 	history           HistoryOptions
-	cfg               *Config // WithConfig: used by Open instead of ALLOCD_CONF
-	pytorchExpandable bool    // WithPyTorchExpandable
-	maxStreams        int     // WithMaxStreams
-	expLargePage      uint64  // pageOf20MiB (tests)
+	cfg               *Config        // WithConfig: used by Open instead of ALLOCD_CONF
+	pytorchExpandable bool           // WithPyTorchExpandable
+	maxStreams        int            // WithMaxStreams
+	expLargePage      uint64         // pageOf20MiB (tests)
+	broker            *broker.Client // WithBroker
+	brokerFallback    bool           // WithBroker
+	ownsBroker        bool           // Open dialled the broker: Close closes it
 }
 
 // WithLogger sets the logger for segment growth and release, OOMs and
@@ -291,6 +295,7 @@ type Allocator struct {
 	exp        *vmm.Space      // expandable_segments:True's memory (expandable.go); nil otherwise
 	history    *history        // nil unless recording history
 	ownsDevice bool            // opened by Open: Close closes the device
+	broker     *broker.Client  // WithBroker, closed by Close when Open dialled it
 }
 
 // call is the state of one Malloc or Free on its way down the slow path:
@@ -324,11 +329,21 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	if err := o.history.validate(); err != nil {
 		return nil, err
 	}
+	if o.broker != nil {
+		// The broker's chunks are physical handles: they need expandable
+		// segments to be mapped.
+		cfg.ExpandableSegments = true
+	}
 	var vm cudart.VirtualMemory
 	if cfg.ExpandableSegments {
 		var err error
 		if vm, err = checkExpandable(dev, cfg); err != nil {
 			return nil, err
+		}
+		if o.broker != nil {
+			if vm, err = newBrokerMemory(dev, vm, o.broker, o.brokerFallback, o.log); err != nil {
+				return nil, err
+			}
 		}
 	}
 	_, total, err := dev.MemGetInfo()
@@ -362,6 +377,9 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		a.src = expSource{space: a.exp, table: &a.segs, stats: &a.stats}
 	}
 	a.allowed = total
+	if o.ownsBroker {
+		a.broker = o.broker
+	}
 	if cfg.Backend == BackendAsync {
 		if a.async, err = newAsyncAllocator(a, dev); err != nil {
 			return nil, err
@@ -1140,6 +1158,11 @@ func (a *Allocator) Close() error {
 	a.dir.Store(&directory{})
 	a.segs.reserved, a.pending = 0, 0
 	a.closed = true
+	if a.broker != nil {
+		if err := a.broker.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("allocator: closing the broker connection: %w", err))
+		}
+	}
 	if a.ownsDevice {
 		if err := a.dev.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: closing device %d: %w", a.info.Index, err))

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"os"
 
+	"go.uber.org/zap"
+
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/simdev"
@@ -69,7 +71,7 @@ func openConfig(opts []Option) (Config, error) {
 
 // openIndex opens device index of env: CUDA device index, or simulated
 // device index of sim:N.
-func openIndex(env devspec.Env, index int) (cudart.Device, error) {
+func openIndex(env devspec.Env, index int, shared bool) (cudart.Device, error) {
 	if !env.Spec.Sim {
 		dev, err := cudart.Open(index)
 		if err != nil {
@@ -80,7 +82,7 @@ func openIndex(env devspec.Env, index int) (cudart.Device, error) {
 	if index < 0 || index >= env.Spec.Count {
 		return nil, fmt.Errorf("allocator: simulated device %d: %w (%s gives devices 0 to %d)", index, ErrNoSuchDevice, EnvDevice, env.Spec.Count-1)
 	}
-	o := devspec.Opener{Sim: simdev.Config{Capacity: env.SimCapacity}}
+	o := devspec.Opener{Sim: simdev.Config{Capacity: env.SimCapacity, Shared: shared}}
 	dev, err := o.OpenIndex(env.Spec, index)
 	if err != nil {
 		return nil, fmt.Errorf("allocator: simulated device %d: %w", index, err)
@@ -107,16 +109,42 @@ func Open(device int, opts ...Option) (*Allocator, error) {
 	if err != nil {
 		return nil, err
 	}
-	dev, err := openIndex(env, device)
+	opts, shared, closeBroker, err := openBroker(opts)
 	if err != nil {
 		return nil, err
 	}
+	dev, err := openIndex(env, device, shared)
+	if err != nil {
+		return nil, errors.Join(err, closeBroker())
+	}
 	a, err := New(dev, cfg, opts...)
 	if err != nil {
-		return nil, errors.Join(err, dev.Close())
+		return nil, errors.Join(err, dev.Close(), closeBroker())
 	}
 	a.ownsDevice = true
 	return a, nil
+}
+
+// openBroker connects to the broker EnvBroker names, unless opts
+// already give one, and adds it to opts, owned by the allocator. shared
+// says a broker is in use (a simulated device must then share its
+// memory); closeBroker closes the connection it made, for an allocator
+// that could not be made.
+func openBroker(opts []Option) (_ []Option, shared bool, closeBroker func() error, err error) {
+	none := func() error { return nil }
+	o := options{log: zap.NewNop()}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.broker != nil {
+		return opts, true, none, nil
+	}
+	c, fallback, err := BrokerFromEnv(o.log)
+	if err != nil || c == nil {
+		return opts, false, none, err
+	}
+	opts = append(opts[:len(opts):len(opts)], WithBroker(c, fallback), func(o *options) { o.ownsBroker = true })
+	return opts, true, c.Close, nil
 }
 
 // OpenDevices is Open for every device: every CUDA device the driver
@@ -150,7 +178,7 @@ func OpenDevices(opts ...Option) (*Devices, error) {
 		return errors.Join(errs...)
 	}
 	for i := range n {
-		dev, err := openIndex(env, i)
+		dev, err := openIndex(env, i, false)
 		if err != nil {
 			return nil, errors.Join(err, closeAll())
 		}

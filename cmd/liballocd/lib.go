@@ -23,6 +23,10 @@
 //	ALLOCD_SIM_CAPACITY    simulated device memory, bytes or with KiB/MiB/GiB/TiB (default 141GiB)
 //	ALLOCD_SIM_MANUAL_EVENTS=1  simulated stream events stay pending until a
 //	                       synchronising call (empty_cache, the OOM path) waits for them
+//	ALLOCD_BROKER          the node broker's address (unix:///run/allocd/allocd.sock):
+//	                       physical memory comes from it (allocator.WithBroker)
+//	ALLOCD_TENANT          the tenant to connect to the broker as
+//	ALLOCD_BROKER_FALLBACK none (default) or local: what growth does once the broker is gone
 //
 // ALLOCD_DEVICE and ALLOCD_SIM_CAPACITY are read by devspec.ParseEnv, and
 // ALLOCD_CONF by allocator.ParseConfig, as allocator.Open and the allocd
@@ -168,7 +172,17 @@ func newLib(set settings) (*lib, error) {
 		return nil, err
 	}
 	l := &lib{set: set, sim: sim, log: log}
-	l.devs, err = allocator.NewLazyDevices(maxDevices, l.openDevice, cfg, allocator.WithLogger(log.Named("allocator")))
+	opts := []allocator.Option{allocator.WithLogger(log.Named("allocator"))}
+	// One connection to the broker serves every device of the process.
+	bc, fallback, err := allocator.BrokerFromEnv(log.Named("broker"))
+	if err != nil {
+		return nil, fmt.Errorf("allocd: %w", err)
+	}
+	if bc != nil {
+		opts = append(opts, allocator.WithBroker(bc, fallback))
+		l.sim.shared = true
+	}
+	l.devs, err = allocator.NewLazyDevices(maxDevices, l.openDevice, cfg, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("allocd: %w", err)
 	}
@@ -203,6 +217,7 @@ type simSpec struct {
 	count    int
 	capacity uint64
 	manual   bool
+	shared   bool // a broker is in use: the memory must cross processes
 }
 
 // parseSim reads ALLOCD_DEVICE and ALLOCD_SIM_CAPACITY as every allocd
@@ -235,7 +250,7 @@ func (l *lib) openDevice(index int) (cudart.Device, error) {
 		return nil, fmt.Errorf("allocd: device %d: ALLOCD_DEVICE gives %d simulated devices: %w",
 			index, l.sim.count, allocator.ErrNoSuchDevice)
 	}
-	o := devspec.Opener{Sim: simdev.Config{Capacity: l.sim.capacity, ManualEvents: l.sim.manual}}
+	o := devspec.Opener{Sim: simdev.Config{Capacity: l.sim.capacity, ManualEvents: l.sim.manual, Shared: l.sim.shared}}
 	dev, err := o.OpenIndex(devspec.Spec{Sim: l.sim.on, Count: max(l.sim.count, 1)}, index)
 	if err != nil {
 		return nil, err
