@@ -58,6 +58,7 @@ type serveFlags struct {
 	maxConns        int           // --max-conns
 	writeTimeout    time.Duration // --write-timeout
 	idleTimeout     time.Duration // --idle-timeout
+	broker          brokerFlags
 }
 
 func newServeCmd() *cobra.Command {
@@ -110,6 +111,12 @@ console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
 			if ctx == nil {
 				ctx = context.Background()
 			}
+			if f.broker.on {
+				hups := make(chan os.Signal, 1)
+				signal.Notify(hups, syscall.SIGHUP)
+				defer signal.Stop(hups)
+				return runBroker(ctx, f, cmd.ErrOrStderr(), sigs, hups)
+			}
 			return runServe(ctx, f, cmd.ErrOrStderr(), sigs)
 		},
 	}
@@ -131,6 +138,12 @@ console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
 	fl.IntVar(&f.maxConns, "max-conns", server.DefaultMaxConns, fmt.Sprintf("HTTP connections open at once, from 1 to %d; more wait in the listen backlog", maxServeConns))
 	fl.DurationVar(&f.writeTimeout, "write-timeout", server.DefaultWriteTimeout, "how long an HTTP response may take to write before its connection is cut (1s to 1h)")
 	fl.DurationVar(&f.idleTimeout, "idle-timeout", server.DefaultIdleTimeout, "how long an idle keep-alive HTTP connection stays open (1s to 1h)")
+	fl.BoolVar(&f.broker.on, "broker", false, "run the node broker: lend the devices' memory to client processes (ALLOCD_BROKER) within their tenants' quotas")
+	fl.StringVar(&f.broker.socket, "broker-socket", defaultBrokerSocket, "with --broker: the Unix socket clients connect to")
+	fl.StringVar(&f.broker.socketMode, "broker-socket-mode", "0660", "with --broker: the socket's permission bits (octal)")
+	fl.StringVar(&f.broker.socketGroup, "broker-socket-group", "", "with --broker: the socket's group (name or gid; default: the process's)")
+	fl.StringVar(&f.broker.tenants, "broker-tenants", "", "with --broker: the tenants file (YAML: names, quotas, uids), reloaded on SIGHUP; without it every tenant is accepted without a quota")
+	fl.DurationVar(&f.broker.stopTimeout, "broker-stop-timeout", 30*time.Second, "with --broker: on SIGTERM, how long to wait for clients to disconnect")
 	return cmd
 }
 

@@ -1,0 +1,169 @@
+package main
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/allocd/allocd/broker"
+)
+
+func brokerTestFlags(t *testing.T) (serveFlags, string) {
+	dir, err := os.MkdirTemp("", "ab")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	f := serveFlags{
+		device: "sim", simCapacity: "256MiB", listen: "127.0.0.1:0", logLevel: "info", rate: 0,
+		readyFile:       filepath.Join(dir, "ready"),
+		shutdownTimeout: 5 * time.Second, maxConns: 16, writeTimeout: 5 * time.Second, idleTimeout: 5 * time.Second,
+		broker: brokerFlags{on: true, socket: filepath.Join(dir, "b.sock"), socketMode: "0600", tenants: filepath.Join(dir, "tenants.yaml"), stopTimeout: 5 * time.Second},
+	}
+	return f, dir
+}
+
+func brokerScrape(t *testing.T, addr string) string {
+	t.Helper()
+	resp, err := http.Get(addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+// TestServeBroker runs `allocd serve --broker` on a simulated device: a
+// client is granted memory within its quota, SIGHUP reloads the tenants
+// file (a bad one is refused and counted), and SIGTERM stops granting
+// and exits once the client has gone.
+func TestServeBroker(t *testing.T) {
+	f, _ := brokerTestFlags(t)
+	if err := os.WriteFile(f.broker.tenants, []byte("tenants:\n  - name: a\n    quota: 4MiB\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sigs, hups := make(chan os.Signal, 2), make(chan os.Signal, 1)
+	var logs serveLogBuffer
+	exited := make(chan struct{})
+	var runErr error
+	go func() {
+		defer close(exited)
+		runErr = runBroker(context.Background(), f, &logs, sigs, hups)
+	}()
+	addr := serveReadyAddr(t, f.readyFile, exited, &logs)
+	fi, err := os.Stat(f.broker.socket)
+	if err != nil || fi.Mode().Perm() != 0o600 || fi.Mode()&os.ModeSocket == 0 {
+		t.Fatalf("socket: %v %v", fi, err)
+	}
+	c, err := broker.Dial(context.Background(), "unix://"+f.broker.socket, "a", 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, err := c.Grant(0, 4<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(ch.FD)
+	if _, err := c.Grant(0, 2<<20); err == nil || !strings.Contains(err.Error(), "quota 4.00 MiB") {
+		t.Fatalf("grant over the quota: %v", err)
+	}
+	m := brokerScrape(t, addr)
+	for _, want := range []string{
+		`allocd_broker_granted_bytes{UUID="SIM-00000000-0000-0000-0000-000000000000",gpu="0",tenant="a"} 4.194304e+06`,
+		`allocd_broker_quota_bytes{UUID="SIM-00000000-0000-0000-0000-000000000000",gpu="0",tenant="a"} 4.194304e+06`,
+		`allocd_broker_refusals_total{UUID="SIM-00000000-0000-0000-0000-000000000000",gpu="0",reason="quota",tenant="a"} 1`,
+		`allocd_broker_clients{tenant="a"} 1`,
+		`allocd_build_info`,
+	} {
+		if !strings.Contains(m, want) {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+
+	// A bad file is refused and the policy stays; a good one is taken.
+	os.WriteFile(f.broker.tenants, []byte("tenants:\n  - name: a\n    qouta: 1GiB\n"), 0o600)
+	hups <- syscall.SIGHUP
+	serveWaitFor(t, 2*time.Second, "a failed reload", func() bool {
+		return strings.Contains(brokerScrape(t, addr), `allocd_broker_config_reloads_total{result="failure"} 1`)
+	})
+	if !strings.Contains(brokerScrape(t, addr), "allocd_broker_config_last_reload_successful 0") {
+		t.Error("a failed reload left last_reload_successful at 1")
+	}
+	os.WriteFile(f.broker.tenants, []byte("tenants:\n  - name: a\n    quota: 6MiB\n"), 0o600)
+	hups <- syscall.SIGHUP
+	serveWaitFor(t, 2*time.Second, "a reload", func() bool {
+		return strings.Contains(brokerScrape(t, addr), `allocd_broker_config_reloads_total{result="success"} 1`)
+	})
+	ch2, err := c.Grant(0, 2<<20)
+	if err != nil {
+		t.Fatalf("grant under the reloaded quota: %v", err)
+	}
+	unix.Close(ch2.FD)
+
+	// SIGTERM: /readyz turns 503, grants are refused, and the daemon
+	// exits once the client is gone.
+	sigs <- syscall.SIGTERM
+	serveWaitFor(t, 2*time.Second, "stopping", func() bool {
+		_, err := c.Grant(0, 2<<20)
+		return err != nil && strings.Contains(err.Error(), "stopping")
+	})
+	select {
+	case <-exited:
+		t.Fatal("the broker exited with a client connected")
+	case <-time.After(100 * time.Millisecond):
+	}
+	c.Close()
+	select {
+	case <-exited:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the broker did not exit after its last client left")
+	}
+	if runErr != nil {
+		t.Fatal(runErr)
+	}
+	if _, err := os.Stat(f.broker.socket); !os.IsNotExist(err) {
+		t.Errorf("the socket is still there after exit: %v", err)
+	}
+	for _, msg := range []string{"allocd broker serving", "SIGHUP: tenants file not reloaded; the previous policy stays", "SIGHUP: tenants file reloaded", "allocd broker stopped"} {
+		if serveFindLog(logs.String(), msg) == nil {
+			t.Errorf("no log line %q", msg)
+		}
+	}
+}
+
+func TestServeBrokerFlagErrors(t *testing.T) {
+	for _, tc := range []struct {
+		edit func(*serveFlags)
+		want string
+	}{
+		{func(f *serveFlags) { f.broker.socket = "rel.sock" }, "absolute path"},
+		{func(f *serveFlags) { f.broker.socketMode = "rw" }, "octal"},
+		{func(f *serveFlags) { f.broker.socketMode = "01777" }, "octal"},
+		{func(f *serveFlags) { f.broker.socketGroup = "no-such-group-allocd" }, "no such group"},
+		{func(f *serveFlags) { f.replay = "x.pickle" }, "no --replay"},
+		{func(f *serveFlags) { f.history = 10 }, "--history"},
+		{func(f *serveFlags) { f.broker.stopTimeout = -time.Second }, "--broker-stop-timeout"},
+	} {
+		f, _ := brokerTestFlags(t)
+		tc.edit(&f)
+		if _, _, err := checkBrokerFlags(f); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: %v, want %q", f.broker, err, tc.want)
+		}
+	}
+	// A tenants file with an error stops the start.
+	f, _ := brokerTestFlags(t)
+	os.WriteFile(f.broker.tenants, []byte("tenants: []\n"), 0o600)
+	err := runBroker(context.Background(), f, io.Discard, nil, nil)
+	if err == nil || !strings.Contains(err.Error(), "no tenants") {
+		t.Fatalf("bad tenants file: %v", err)
+	}
+}
