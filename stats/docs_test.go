@@ -12,6 +12,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/allocd/allocd/internal/scrapefile"
 )
 
 // TestMetricsDocumented checks that docs/metrics.md describes every metric
@@ -36,10 +38,14 @@ func TestDashboardUsesExportedMetrics(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	type panel struct {
+		Title   string
+		Targets []struct{ Expr string }
+	}
 	var dash struct {
 		Panels []struct {
-			Title   string
-			Targets []struct{ Expr string }
+			panel
+			Panels []panel // a collapsed row's
 		}
 		Templating struct {
 			List []struct{ Name string }
@@ -55,9 +61,30 @@ func TestDashboardUsesExportedMetrics(t *testing.T) {
 			known[m.Name+"_bucket"] = true
 		}
 	}
+	// The broker's metrics, as a real scrape records them (the broker's
+	// TestDeployBrokerScrape keeps the file so).
+	rec, err := os.ReadFile("../deploy/testdata/broker.prom")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fams, err := scrapefile.Families(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range fams {
+		known[f] = true
+		for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+			known[f+suffix] = true
+		}
+	}
+	var panels []panel
+	for _, p := range dash.Panels {
+		panels = append(panels, p.panel)
+		panels = append(panels, p.Panels...)
+	}
 	name := regexp.MustCompile(`allocd_[a-z_]+`)
 	n := 0
-	for _, p := range dash.Panels {
+	for _, p := range panels {
 		for _, tg := range p.Targets {
 			for _, used := range name.FindAllString(tg.Expr, -1) {
 				n++
