@@ -481,7 +481,7 @@ func (b *Broker) reclaim(c *client) {
 			ch.dev.putCached(ch)
 		}
 		b.reclaims[c.tenant]++
-		b.log.Warn("client went away holding memory: reclaimed", zap.Uint64("client", c.id), zap.String("tenant", c.tenant),
+		b.log.Info("client went away holding memory: reclaimed", zap.Uint64("client", c.id), zap.String("tenant", c.tenant),
 			zap.Int32("pid", c.pid), zap.Any("bytes_by_gpu", perGPU))
 	}
 	delete(b.clients, c.id)

@@ -2,7 +2,6 @@ package broker_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -11,126 +10,28 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/broker"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/internal/allocscript"
 	"github.com/allocd/allocd/simdev"
 )
 
 // The end-to-end tests run a broker in the test process and allocators
 // in child processes: the test binary itself, started with
-// ALLOCD_E2E_CLIENT set, which reads commands on stdin and answers each
-// with one line.
+// ALLOCD_E2E_CLIENT set, serving package allocscript's commands.
 
 const envE2EClient = "ALLOCD_E2E_CLIENT"
 
 func TestMain(m *testing.M) {
 	if os.Getenv(envE2EClient) != "" {
-		os.Exit(runE2EClient(os.Stdin, os.Stdout))
+		os.Exit(allocscript.Run(os.Stdin, os.Stdout))
 	}
 	os.Exit(m.Run())
-}
-
-// runE2EClient opens an allocator as a deployed program does (Open reads
-// ALLOCD_BROKER, ALLOCD_TENANT, ALLOCD_DEVICE) and serves commands:
-//
-//	malloc SIZE   allocate a block on the default stream
-//	fill BYTE     write BYTE over every held block
-//	scan          answer the distinct byte values of every held block
-//	free          free every held block
-//	empty         EmptyCache: every chunk goes back to the broker
-//	check         run the allocator's invariant checker
-//	quit          Close and exit
-func runE2EClient(in io.Reader, out io.Writer) int {
-	a, err := allocator.Open(0)
-	if err != nil {
-		fmt.Fprintf(out, "err %v\n", err)
-		return 1
-	}
-	dev := a.Device()
-	type blk struct {
-		p cudart.Ptr
-		n uint64
-	}
-	var held []blk
-	sc := bufio.NewScanner(in)
-	for sc.Scan() {
-		f := strings.Fields(sc.Text())
-		var reply string
-		switch f[0] {
-		case "malloc":
-			n, _ := strconv.ParseUint(f[1], 10, 64)
-			p, err := a.Malloc(n, cudart.DefaultStream)
-			if err != nil {
-				reply = "err " + strings.ReplaceAll(err.Error(), "\n", " ")
-				break
-			}
-			held = append(held, blk{p, n})
-			reply = "ok"
-		case "fill":
-			v, _ := strconv.ParseUint(f[1], 0, 8)
-			reply = "ok"
-			for _, b := range held {
-				if err := dev.MemcpyHtoD(b.p, bytes.Repeat([]byte{byte(v)}, int(b.n))); err != nil {
-					reply = "err " + err.Error()
-				}
-			}
-		case "scan":
-			seen := map[byte]bool{}
-			for _, b := range held {
-				buf := make([]byte, b.n)
-				if err := dev.MemcpyDtoH(buf, b.p); err != nil {
-					reply = "err " + err.Error()
-				}
-				for _, c := range buf {
-					seen[c] = true
-				}
-			}
-			var vals []string
-			for v := range seen {
-				vals = append(vals, fmt.Sprintf("%#02x", v))
-			}
-			slices.Sort(vals)
-			if reply == "" {
-				reply = "ok " + strings.Join(vals, ",")
-			}
-		case "free":
-			reply = "ok"
-			for _, b := range held {
-				if err := a.Free(b.p); err != nil {
-					reply = "err " + err.Error()
-				}
-			}
-			held = nil
-		case "empty":
-			reply = "ok"
-			if err := a.EmptyCache(); err != nil {
-				reply = "err " + err.Error()
-			}
-		case "check":
-			reply = "ok"
-			if err := a.Check(); err != nil {
-				reply = "err " + strings.ReplaceAll(err.Error(), "\n", " ")
-			}
-		case "quit":
-			if err := a.Close(); err != nil {
-				fmt.Fprintf(out, "err %v\n", err)
-				return 1
-			}
-			fmt.Fprintln(out, "ok")
-			return 0
-		default:
-			reply = "err unknown command " + f[0]
-		}
-		fmt.Fprintln(out, reply)
-	}
-	return 0
 }
 
 // e2eBroker serves a broker over one shared simulated device.

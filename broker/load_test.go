@@ -4,6 +4,7 @@ import (
 	"os"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -72,14 +73,16 @@ func TestLoad(t *testing.T) {
 		wg.Wait()
 		return time.Since(start)
 	}
-	// settle returns the heap in use and the descriptors open, less
-	// the broker's chunks (each a memfd on the simulated device).
-	settle := func() (heap uint64, fds int) {
+	// settle returns the heap in use, the process's anonymous resident
+	// memory (RssAnon: not the chunks, which are memfd pages) and the
+	// descriptors open, less the broker's chunks' (two each: the
+	// simulated device's memfd and the broker's exported copy).
+	settle := func() (heap, anon uint64, fds int) {
 		runtime.GC()
 		var ms runtime.MemStats
 		runtime.ReadMemStats(&ms)
 		ents, _ := os.ReadDir("/proc/self/fd")
-		return ms.HeapInuse, len(ents) - h.b.Stats().Devices[0].Chunks
+		return ms.HeapInuse, rssAnon(t), len(ents) - 2*h.b.Stats().Devices[0].Chunks
 	}
 	countAndReturn := func() {
 		t.Helper()
@@ -112,21 +115,43 @@ func TestLoad(t *testing.T) {
 	}
 	first := run(cycles / 2)
 	countAndReturn()
-	heap1, fds1 := settle()
+	heap1, anon1, fds1 := settle()
 	second := run(cycles - cycles/2)
 	countAndReturn()
-	heap2, fds2 := settle()
+	heap2, anon2, fds2 := settle()
 	if fds2 != fds1 {
 		t.Errorf("descriptors besides the chunks': %d after the first half, %d after the second", fds1, fds2)
 	}
 	if heap2 > heap1+4<<20 {
 		t.Errorf("heap grew from %d to %d bytes over the second half", heap1, heap2)
 	}
+	if anon2 > anon1+16<<20 {
+		t.Errorf("anonymous resident memory grew from %d to %d bytes over the second half", anon1, anon2)
+	}
 	st := h.b.Stats()
 	ops := 2 * clients * cycles
-	t.Logf("%d clients x %d grant/return cycles: %v + %v (%.1f µs per request, all clients); %d chunks made; heap %d → %d bytes; %d descriptors",
-		clients, cycles, first, second, float64((first+second).Microseconds())/float64(ops), st.Devices[0].Creates, heap1, heap2, fds2)
+	t.Logf("%d clients x %d grant/return cycles: %v + %v (%.1f µs per request, all clients); %d chunks made, %d scrubs; heap %d → %d bytes; RssAnon %d → %d KiB; %d descriptors besides the chunks'",
+		clients, cycles, first, second, float64((first+second).Microseconds())/float64(ops), st.Devices[0].Creates, st.Devices[0].Scrubs, heap1, heap2, anon1>>10, anon2>>10, fds2)
 	if st.Devices[0].HeldBytes != 0 {
 		t.Fatalf("%d bytes held at the end", st.Devices[0].HeldBytes)
 	}
+}
+
+// rssAnon reads RssAnon from /proc/self/status, in bytes.
+func rssAnon(t *testing.T) uint64 {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "RssAnon:"); ok {
+			kib, err := strconv.ParseUint(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return kib << 10
+		}
+	}
+	t.Fatal("no RssAnon in /proc/self/status")
+	return 0
 }
