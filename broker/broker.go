@@ -274,8 +274,8 @@ func (b *Broker) grant(c *client, g Grant) (*chunk, int, Refused, bool) {
 				b.log.Error("creating a chunk", zap.Int("gpu", d.index), zap.Uint64("size", g.Size), zap.Error(err))
 			}
 			return nil, -1, b.refuse(g.Req, c.tenant, d, r, 0, cnt.held, g.Size,
-				"GPU %d (%s) has no memory for %s more: the broker holds %s granted to clients and released its %s cache: %v",
-				d.index, d.info.UUID, fmtBytes(g.Size), fmtBytes(d.heldBytes), fmtBytes(d.cachedBytes), err), false
+				"GPU %d (%s) has no memory for %s more, with the broker's cache released: the broker's clients hold %s of it (tenant %q %s): %v",
+				d.index, d.info.UUID, fmtBytes(g.Size), fmtBytes(d.heldBytes), c.tenant, fmtBytes(cnt.held), err), false
 		}
 	}
 	scrubbed := false

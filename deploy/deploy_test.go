@@ -323,8 +323,13 @@ func TestBrokerDaemonSet(t *testing.T) {
 		t.Error("the broker has no memory limit")
 	}
 	checkRestricted(t, "broker", spec.SecurityContext, c.SecurityContext, true)
-	if spec.HostNetwork || spec.HostPID || spec.HostIPC {
-		t.Error("the broker shares a host namespace")
+	// The host's pid namespace only: SO_PEERCRED gives the broker its
+	// clients' pids as its own namespace sees them, and it waits on them.
+	if spec.HostNetwork || spec.HostIPC {
+		t.Error("the broker shares the host's network or IPC namespace")
+	}
+	if !spec.HostPID {
+		t.Error("the broker is not in the host's pid namespace: it cannot see the pids of clients in other pods")
 	}
 
 	if socketGroup(t, m) < 0 {
