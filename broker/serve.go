@@ -50,13 +50,14 @@ func Listen(path string, mode os.FileMode, gid int) (*net.UnixListener, error) {
 	return l, nil
 }
 
-// Serve accepts clients on l until l is closed (by Close) and serves
-// each on its own goroutine. It returns nil once the broker is stopping.
+// Serve accepts clients on l until Stop or Close closes it, and serves
+// each on its own goroutine. It returns nil once the broker is stopping
+// (closing l itself if the broker stopped before it began).
 func (b *Broker) Serve(l *net.UnixListener) error {
 	b.mu.Lock()
 	if b.stopping {
 		b.mu.Unlock()
-		return nil
+		return l.Close()
 	}
 	b.listeners = append(b.listeners, l)
 	b.mu.Unlock()

@@ -160,18 +160,52 @@ func ParseTenants(data []byte) (*Tenants, error) {
 
 // LoadTenants reads and parses a tenants file; errors name the file.
 func LoadTenants(path string) (*Tenants, error) {
+	t, _, err := loadTenants(path)
+	return t, err
+}
+
+func loadTenants(path string) (*Tenants, []byte, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("broker: tenants file: %w", err)
+		return nil, nil, fmt.Errorf("broker: tenants file: %w", err)
 	}
 	defer f.Close()
 	data, err := io.ReadAll(io.LimitReader(f, maxTenantsFile+1))
 	if err != nil {
-		return nil, fmt.Errorf("broker: tenants file %s: %w", path, err)
+		return nil, nil, fmt.Errorf("broker: tenants file %s: %w", path, err)
 	}
 	t, err := ParseTenants(data)
 	if err != nil {
-		return nil, fmt.Errorf("broker: tenants file %s: %w", path, err)
+		return nil, data, fmt.Errorf("broker: tenants file %s: %w", path, err)
 	}
-	return t, nil
+	return t, data, nil
+}
+
+// TenantsFile is a tenants file and what was last read from it, for
+// reloads on a signal and for polling: a Kubernetes ConfigMap volume
+// changes its files without telling the process.
+type TenantsFile struct {
+	path string
+	last []byte
+	read bool
+}
+
+// NewTenantsFile returns a TenantsFile for path, not read yet.
+func NewTenantsFile(path string) *TenantsFile { return &TenantsFile{path: path} }
+
+// Load reads and parses the file. changed reports whether its content
+// differs from the last Load's, good or bad (the first Load's always
+// does), so a poll acts, and counts a failure, once per change. On error
+// t is nil.
+func (f *TenantsFile) Load() (t *Tenants, changed bool, err error) {
+	t, data, err := loadTenants(f.path)
+	if data == nil && err != nil {
+		// Unreadable: a change only if the last read was not the same.
+		changed = !f.read || f.last != nil
+		f.last, f.read = nil, true
+		return nil, changed, err
+	}
+	changed = !f.read || !bytes.Equal(data, f.last)
+	f.last, f.read = data, true
+	return t, changed, err
 }

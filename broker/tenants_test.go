@@ -87,3 +87,35 @@ func TestLoadTenantsNamesFile(t *testing.T) {
 		t.Fatalf("error %v does not name the file", err)
 	}
 }
+
+func TestTenantsFileChanges(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "tenants.yaml")
+	os.WriteFile(path, []byte("tenants:\n  - name: a\n"), 0o600)
+	tf := NewTenantsFile(path)
+	steps := []struct {
+		write       string // "" leaves the file; "-" removes it
+		changed, ok bool
+	}{
+		{"", true, true},  // the first load
+		{"", false, true}, // unchanged
+		{"tenants:\n  - name: b\n", true, true},
+		{"tenants:\n  - name: b\n    qouta: 1\n", true, false},
+		{"", false, false}, // the same bad content: no new failure
+		{"-", true, false},
+		{"", false, false},
+		{"tenants:\n  - name: c\n", true, true},
+	}
+	for i, st := range steps {
+		switch st.write {
+		case "":
+		case "-":
+			os.Remove(path)
+		default:
+			os.WriteFile(path, []byte(st.write), 0o600)
+		}
+		ts, changed, err := tf.Load()
+		if changed != st.changed || (err == nil) != st.ok || (ts != nil) != st.ok {
+			t.Errorf("step %d: changed %v, err %v, tenants %v; want changed %v, ok %v", i, changed, err, ts != nil, st.changed, st.ok)
+		}
+	}
+}

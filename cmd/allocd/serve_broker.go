@@ -33,6 +33,7 @@ type brokerFlags struct {
 	socketMode  string        // --broker-socket-mode
 	socketGroup string        // --broker-socket-group
 	tenants     string        // --broker-tenants
+	tenantsPoll time.Duration // --broker-tenants-poll
 	stopTimeout time.Duration // --broker-stop-timeout
 }
 
@@ -50,6 +51,8 @@ func checkBrokerFlags(f serveFlags) (mode os.FileMode, gid int, err error) {
 		return 0, 0, fmt.Errorf("--broker-socket %q: want an absolute path", b.socket)
 	case b.stopTimeout < 0 || b.stopTimeout > maxServeWait:
 		return 0, 0, fmt.Errorf("--broker-stop-timeout %v: expected a duration from 0 to %v", b.stopTimeout, maxServeWait)
+	case b.tenantsPoll != 0 && (b.tenantsPoll < 100*time.Millisecond || b.tenantsPoll > maxServeWait):
+		return 0, 0, fmt.Errorf("--broker-tenants-poll %v: expected 0 (reload on SIGHUP only) or a duration from 100ms to %v", b.tenantsPoll, maxServeWait)
 	}
 	m, err := strconv.ParseUint(b.socketMode, 8, 32)
 	if err != nil || m > 0o777 {
@@ -77,7 +80,8 @@ func filepathIsAbs(p string) bool { return len(p) > 0 && p[0] == '/' }
 
 // runBroker runs `allocd serve --broker` until a signal: the broker on
 // its socket, and /metrics, /healthz and /readyz on --listen. A signal
-// on hups (SIGHUP) reloads the tenants file; the first SIGINT or SIGTERM
+// on hups (SIGHUP) reloads the tenants file, and so does a change of its
+// content found every --broker-tenants-poll; the first SIGINT or SIGTERM
 // on sigs stops granting and waits up to --broker-stop-timeout for the
 // clients to go.
 func runBroker(ctx context.Context, f serveFlags, stderr io.Writer, sigs, hups <-chan os.Signal) error {
@@ -100,9 +104,17 @@ func runBroker(ctx context.Context, f serveFlags, stderr io.Writer, sigs, hups <
 		return err
 	}
 	tenants := broker.OpenTenants()
+	var tf *broker.TenantsFile
+	var poll <-chan time.Time
 	if f.broker.tenants != "" {
-		if tenants, err = broker.LoadTenants(f.broker.tenants); err != nil {
+		tf = broker.NewTenantsFile(f.broker.tenants)
+		if tenants, _, err = tf.Load(); err != nil {
 			return err
+		}
+		if f.broker.tenantsPoll > 0 {
+			tick := time.NewTicker(f.broker.tenantsPoll)
+			defer tick.Stop()
+			poll = tick.C
 		}
 	}
 	ln, err := net.Listen("tcp", f.listen)
@@ -163,11 +175,11 @@ loop:
 	for {
 		select {
 		case <-hups:
-			if f.broker.tenants == "" {
+			if tf == nil {
 				log.Info("SIGHUP: no tenants file to reload (every tenant is accepted)")
 				continue
 			}
-			t, err := broker.LoadTenants(f.broker.tenants)
+			t, _, err := tf.Load()
 			if err != nil {
 				b.ReloadFailed()
 				log.Error("SIGHUP: tenants file not reloaded; the previous policy stays", zap.Error(err))
@@ -175,6 +187,17 @@ loop:
 			}
 			b.SetTenants(t)
 			log.Info("SIGHUP: tenants file reloaded", zap.Strings("tenants", t.Names()))
+		case <-poll:
+			t, changed, err := tf.Load()
+			switch {
+			case !changed:
+			case err != nil:
+				b.ReloadFailed()
+				log.Error("the tenants file changed and is not valid; the previous policy stays", zap.Error(err))
+			default:
+				b.SetTenants(t)
+				log.Info("the tenants file changed: reloaded", zap.Strings("tenants", t.Names()))
+			}
 		case <-sig.Context().Done():
 			server.LogShutdown(sig.Context(), log, "")
 			break loop

@@ -167,3 +167,37 @@ func TestServeBrokerFlagErrors(t *testing.T) {
 		t.Fatalf("bad tenants file: %v", err)
 	}
 }
+
+// TestServeBrokerPollsTenants: a change of the tenants file's content
+// is picked up without a signal, as a ConfigMap volume's is; a bad one is
+// counted once and leaves the policy.
+func TestServeBrokerPollsTenants(t *testing.T) {
+	f, _ := brokerTestFlags(t)
+	f.broker.tenantsPoll = 100 * time.Millisecond
+	os.WriteFile(f.broker.tenants, []byte("tenants:\n  - name: a\n    quota: 2MiB\n"), 0o600)
+	sigs := make(chan os.Signal, 2)
+	var logs serveLogBuffer
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		if err := runBroker(context.Background(), f, &logs, sigs, nil); err != nil {
+			t.Error(err)
+		}
+	}()
+	addr := serveReadyAddr(t, f.readyFile, exited, &logs)
+	os.WriteFile(f.broker.tenants, []byte("tenants:\n  - name: a\n    quota: 4MiB\n"), 0o600)
+	serveWaitFor(t, 3*time.Second, "the change picked up", func() bool {
+		return strings.Contains(brokerScrape(t, addr), `quota_bytes{UUID="SIM-00000000-0000-0000-0000-000000000000",gpu="0",tenant="a"} 4.194304e+06`)
+	})
+	os.WriteFile(f.broker.tenants, []byte("tenants: [\n"), 0o600)
+	serveWaitFor(t, 3*time.Second, "a failure counted", func() bool {
+		return strings.Contains(brokerScrape(t, addr), `allocd_broker_config_reloads_total{result="failure"} 1`)
+	})
+	time.Sleep(300 * time.Millisecond)
+	m := brokerScrape(t, addr)
+	if !strings.Contains(m, `allocd_broker_config_reloads_total{result="failure"} 1`) || !strings.Contains(m, `tenant="a"} 4.194304e+06`) {
+		t.Errorf("after polls of the same bad file: failures counted again or the policy lost:\n%s", m)
+	}
+	sigs <- syscall.SIGTERM
+	<-exited
+}
