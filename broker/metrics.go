@@ -10,50 +10,59 @@ import (
 
 // Stats is a snapshot of the broker's figures, taken under its lock.
 type Stats struct {
-	Devices []DeviceStats
+	Devices []DeviceStats `json:"devices"`
 	// Tenants has one entry per tenant and device the broker has seen
 	// or its tenants file lists, sorted by tenant and device.
-	Tenants []TenantStats
+	Tenants []TenantStats `json:"tenants"`
 	// Clients counts connected clients by tenant; ClientsReclaimed the
 	// clients that went away holding memory.
-	Clients, ClientsReclaimed map[string]uint64
+	Clients          map[string]uint64 `json:"clients"`
+	ClientsReclaimed map[string]uint64 `json:"clients_reclaimed"`
 	// ProtocolErrors counts clients cut off, by reason: malformed,
 	// truncated, timeout, version.
-	ProtocolErrors map[string]uint64
+	ProtocolErrors map[string]uint64 `json:"protocol_errors"`
 	// Reloads and ReloadFailures count tenants-file reloads;
 	// LastReloadOK is false after a failed one.
-	Reloads, ReloadFailures uint64
-	LastReloadOK            bool
-	Stopping                bool
+	Reloads        uint64 `json:"reloads"`
+	ReloadFailures uint64 `json:"reload_failures"`
+	LastReloadOK   bool   `json:"last_reload_ok"`
+	Stopping       bool   `json:"stopping"`
 }
 
 // DeviceStats is one device's figures.
 type DeviceStats struct {
-	Index int
-	UUID  string
+	Index int    `json:"gpu"`
+	UUID  string `json:"uuid"`
 	// DeviceBytes is the physical memory the broker holds: HeldBytes
 	// (granted to clients, connected or waiting for their process to
 	// exit) plus CachedBytes.
-	DeviceBytes, HeldBytes, CachedBytes uint64
-	Chunks, CachedChunks                int
-	Creates, Releases                   uint64
-	Scrubs, ScrubbedBytes               uint64
-	ScrubTime                           time.Duration
+	DeviceBytes   uint64        `json:"device_bytes"`
+	HeldBytes     uint64        `json:"held_bytes"`
+	CachedBytes   uint64        `json:"cached_bytes"`
+	Chunks        int           `json:"chunks"`
+	CachedChunks  int           `json:"cached_chunks"`
+	Creates       uint64        `json:"creates"`
+	Releases      uint64        `json:"releases"`
+	Scrubs        uint64        `json:"scrubs"`
+	ScrubbedBytes uint64        `json:"scrubbed_bytes"`
+	ScrubTime     time.Duration `json:"scrub_ns"`
 }
 
 // TenantStats is one tenant's figures on one device.
 type TenantStats struct {
-	Tenant string
-	Device int
-	UUID   string
+	Tenant string `json:"tenant"`
+	Device int    `json:"gpu"`
+	UUID   string `json:"uuid"`
 	// Granted is what the tenant's clients hold; Quota its limit when
 	// Limited.
-	Granted, Quota uint64
-	Limited        bool
-	Grants         uint64
+	Granted uint64 `json:"granted_bytes"`
+	Quota   uint64 `json:"quota_bytes"`
+	Limited bool   `json:"limited"`
+	Grants  uint64 `json:"grants"`
 	// Refusals counts refused grants by reason.
-	Refusals                      map[Reason]uint64
-	ReturnedBytes, ReclaimedBytes uint64
+	Refusals       map[Reason]uint64 `json:"refusals"`
+	ReturnedBytes  uint64            `json:"returned_bytes"`
+	ReclaimedBytes uint64            `json:"reclaimed_bytes"`
 }
 
 // Stats returns a snapshot of the broker's figures.

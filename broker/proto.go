@@ -95,6 +95,10 @@ func (r Reason) String() string {
 	return fmt.Sprintf("reason_%d", uint8(r))
 }
 
+// MarshalText gives the reason's name, so that JSON (Stats'
+// refusals) spells it as the metrics do.
+func (r Reason) MarshalText() ([]byte, error) { return []byte(r.String()), nil }
+
 // Message is any of the protocol's messages.
 type Message interface{ Kind() Kind }
 

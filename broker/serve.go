@@ -110,12 +110,12 @@ func (b *Broker) Stop(ctx context.Context) []Holder {
 
 // Holder is a client and what it holds.
 type Holder struct {
-	Client    uint64
-	Tenant    string
-	PID       int32
-	Connected bool
+	Client    uint64 `json:"client"`
+	Tenant    string `json:"tenant"`
+	PID       int32  `json:"pid"`
+	Connected bool   `json:"connected"`
 	// Bytes holds the bytes held on each device index.
-	Bytes map[int]uint64
+	Bytes map[int]uint64 `json:"bytes_by_gpu"`
 }
 
 // Holders lists the clients the broker knows, connected or waiting for

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -152,7 +153,7 @@ func runBroker(ctx context.Context, f serveFlags, stderr io.Writer, sigs, hups <
 		}
 	}
 	var ready atomic.Bool
-	srv, err := server.NewHTTP(ln, brokerHandler(reg, log, ready.Load), server.HTTPOptions{MaxConns: f.maxConns, WriteTimeout: f.writeTimeout, IdleTimeout: f.idleTimeout, ErrorLog: zap.NewStdLog(log.Named("http"))})
+	srv, err := server.NewHTTP(ln, brokerHandler(b, reg, log, ready.Load), server.HTTPOptions{MaxConns: f.maxConns, WriteTimeout: f.writeTimeout, IdleTimeout: f.idleTimeout, ErrorLog: zap.NewStdLog(log.Named("http"))})
 	if err != nil {
 		_ = sock.Close()
 		_ = b.Close()
@@ -234,8 +235,9 @@ loop:
 	return exitErr
 }
 
-// brokerHandler serves /metrics, /healthz and /readyz.
-func brokerHandler(reg *prometheus.Registry, log *zap.Logger, ready func() bool) http.Handler {
+// brokerHandler serves /metrics, /healthz, /readyz and /debug/broker
+// (the broker's figures and every client with what it holds, as JSON).
+func brokerHandler(b *broker.Broker, reg *prometheus.Registry, log *zap.Logger, ready func() bool) http.Handler {
 	mux := http.NewServeMux()
 	metrics := promhttp.HandlerFor(reg, promhttp.HandlerOpts{
 		ErrorLog: zap.NewStdLog(log.Named("metrics")), ErrorHandling: promhttp.ContinueOnError,
@@ -243,6 +245,16 @@ func brokerHandler(reg *prometheus.Registry, log *zap.Logger, ready func() bool)
 	})
 	mux.Handle("GET /metrics", promhttp.InstrumentMetricHandler(reg, metrics))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
+	mux.HandleFunc("GET /debug/broker", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Cache-Control", "no-store")
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(struct {
+			Stats   broker.Stats    `json:"stats"`
+			Holders []broker.Holder `json:"holders"`
+		}{b.Stats(), b.Holders()})
+	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if !ready() {
 			http.Error(w, "not ready: starting or stopping", http.StatusServiceUnavailable)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"os"
@@ -87,6 +88,36 @@ func TestServeBroker(t *testing.T) {
 		if !strings.Contains(m, want) {
 			t.Errorf("metrics lack %s", want)
 		}
+	}
+
+	resp, err := http.Get(addr + "/debug/broker")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dbg struct {
+		Stats struct {
+			Tenants []struct {
+				Tenant   string            `json:"tenant"`
+				Granted  uint64            `json:"granted_bytes"`
+				Refusals map[string]uint64 `json:"refusals"`
+			} `json:"tenants"`
+		} `json:"stats"`
+		Holders []struct {
+			Tenant    string            `json:"tenant"`
+			Connected bool              `json:"connected"`
+			Bytes     map[string]uint64 `json:"bytes_by_gpu"`
+		} `json:"holders"`
+	}
+	err = json.NewDecoder(resp.Body).Decode(&dbg)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dbg.Holders) != 1 || dbg.Holders[0].Tenant != "a" || !dbg.Holders[0].Connected || dbg.Holders[0].Bytes["0"] != 4<<20 {
+		t.Errorf("/debug/broker holders: %+v", dbg.Holders)
+	}
+	if len(dbg.Stats.Tenants) != 1 || dbg.Stats.Tenants[0].Granted != 4<<20 || dbg.Stats.Tenants[0].Refusals["quota"] != 1 {
+		t.Errorf("/debug/broker tenants: %+v", dbg.Stats.Tenants)
 	}
 
 	// A bad file is refused and the policy stays; a good one is taken.
