@@ -20,16 +20,26 @@ import (
 // It returns the socket's address; Cleanup checks and closes it.
 func testBroker(t *testing.T, capacity uint64, tenants string) (string, *broker.Broker) {
 	t.Helper()
+	return testBrokerN(t, 1, capacity, tenants)
+}
+
+// testBrokerN is testBroker over n devices, indexes 0 to n-1.
+func testBrokerN(t *testing.T, n int, capacity uint64, tenants string) (string, *broker.Broker) {
+	t.Helper()
 	dir, err := os.MkdirTemp("", "ab")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	sim, err := simdev.New(simdev.Config{Capacity: capacity, Shared: true})
-	if err != nil {
-		t.Fatal(err)
+	var devs []cudart.Device
+	for i := range n {
+		sim, err := simdev.New(simdev.Config{Index: i, Capacity: capacity, Shared: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		devs = append(devs, sim)
 	}
-	cfg := broker.Config{Devices: []cudart.Device{sim}}
+	cfg := broker.Config{Devices: devs}
 	if tenants != "" {
 		if cfg.Tenants, err = broker.ParseTenants([]byte(tenants)); err != nil {
 			t.Fatal(err)
@@ -53,7 +63,9 @@ func testBroker(t *testing.T, capacity uint64, tenants string) (string, *broker.
 			t.Errorf("broker Check: %v", err)
 		}
 		b.Close()
-		sim.Close()
+		for _, d := range devs {
+			d.Close()
+		}
 	})
 	return "unix://" + sock, b
 }
@@ -261,5 +273,57 @@ func TestOpenWithBrokerEnv(t *testing.T) {
 		if err != nil && tc.want != "not in the broker's tenants file" && !strings.Contains(tc.want, "=") && !errors.Is(err, ErrEnv) {
 			t.Errorf("%+v: %v does not wrap ErrEnv", tc, err)
 		}
+	}
+}
+
+// TestOpenDevicesWithBroker: OpenDevices shares one connection between
+// its devices, each matched to the broker's by UUID, and Close gives
+// everything back.
+func TestOpenDevicesWithBroker(t *testing.T) {
+	addr, b := testBrokerN(t, 2, 1<<30, "")
+	t.Setenv("ALLOCD_DEVICE", "sim:2")
+	t.Setenv("ALLOCD_CONF", "")
+	t.Setenv("ALLOCD_SIM_CAPACITY", "1GiB")
+	t.Setenv(EnvBroker, addr)
+	t.Setenv(EnvTenant, "multi")
+	t.Setenv(EnvBrokerFallback, "")
+	d, err := OpenDevices()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ps []cudart.Ptr
+	for _, a := range d.All() {
+		p, err := a.Malloc(6<<20, cudart.DefaultStream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ps = append(ps, p)
+	}
+	st := b.Stats()
+	for _, dev := range st.Devices {
+		if dev.HeldBytes == 0 {
+			t.Errorf("GPU %d: nothing granted; each device's memory should come from its own broker device", dev.Index)
+		}
+	}
+	if got := st.Clients["multi"]; got != 1 {
+		t.Errorf("%d connections for two devices, want 1", got)
+	}
+	for i, a := range d.All() {
+		if err := a.Free(ps[i]); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.Check(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(time.Second)
+	for b.Stats().Devices[0].HeldBytes+b.Stats().Devices[1].HeldBytes != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("Close did not give everything back: %+v", b.Stats().Devices)
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 }

@@ -11,6 +11,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/allocd/allocd/broker"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/snapshot"
 )
@@ -96,6 +97,8 @@ type Devices struct {
 	mu      sync.Mutex     // serialises creation, RecordHistory and Close
 	history HistoryOptions // applied to every allocator created; guarded by mu
 	closed  bool           // guarded by mu
+
+	broker *broker.Client // OpenDevices' connection to the broker, closed by Close
 }
 
 // devView is the allocators of a Devices at one moment, in ascending
@@ -515,6 +518,11 @@ func (d *Devices) Close() error {
 	for j, a := range v.allocs {
 		if err := a.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: device %d: %w", v.indexes[j], err))
+		}
+	}
+	if d.broker != nil {
+		if err := d.broker.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("allocator: closing the broker connection: %w", err))
 		}
 	}
 	return errors.Join(errs...)

@@ -7,6 +7,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/allocd/allocd/broker"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/simdev"
@@ -109,48 +110,58 @@ func Open(device int, opts ...Option) (*Allocator, error) {
 	if err != nil {
 		return nil, err
 	}
-	opts, shared, closeBroker, err := openBroker(opts)
+	opts, shared, bc, err := openBroker(opts)
 	if err != nil {
 		return nil, err
 	}
+	if bc != nil {
+		opts = append(opts, func(o *options) { o.ownsBroker = true })
+	}
 	dev, err := openIndex(env, device, shared)
 	if err != nil {
-		return nil, errors.Join(err, closeBroker())
+		return nil, errors.Join(err, closeClient(bc))
 	}
 	a, err := New(dev, cfg, opts...)
 	if err != nil {
-		return nil, errors.Join(err, dev.Close(), closeBroker())
+		return nil, errors.Join(err, dev.Close(), closeClient(bc))
 	}
 	a.ownsDevice = true
 	return a, nil
 }
 
 // openBroker connects to the broker EnvBroker names, unless opts
-// already give one, and adds it to opts, owned by the allocator. shared
-// says a broker is in use (a simulated device must then share its
-// memory); closeBroker closes the connection it made, for an allocator
-// that could not be made.
-func openBroker(opts []Option) (_ []Option, shared bool, closeBroker func() error, err error) {
-	none := func() error { return nil }
+// already give one, and adds it to opts. shared says a broker is in use
+// (a simulated device must then share its memory); c is the connection
+// openBroker made, nil when it made none, which the caller owns.
+func openBroker(opts []Option) (_ []Option, shared bool, c *broker.Client, err error) {
 	o := options{log: zap.NewNop()}
 	for _, opt := range opts {
 		opt(&o)
 	}
 	if o.broker != nil {
-		return opts, true, none, nil
+		return opts, true, nil, nil
 	}
 	c, fallback, err := BrokerFromEnv(o.log)
 	if err != nil || c == nil {
-		return opts, false, none, err
+		return opts, false, nil, err
 	}
-	opts = append(opts[:len(opts):len(opts)], WithBroker(c, fallback), func(o *options) { o.ownsBroker = true })
-	return opts, true, c.Close, nil
+	return append(opts[:len(opts):len(opts)], WithBroker(c, fallback)), true, c, nil
+}
+
+// closeClient closes c if there is one.
+func closeClient(c *broker.Client) error {
+	if c == nil {
+		return nil
+	}
+	return c.Close()
 }
 
 // OpenDevices is Open for every device: every CUDA device the driver
 // reports (cudart.DeviceCount), or the N simulated devices of
 // ALLOCD_DEVICE=sim:N (one for sim). The Devices owns them: its Close
-// closes every device as well.
+// closes every device as well. With ALLOCD_BROKER, one connection to the
+// broker serves every device (each matched to the broker's by UUID), and
+// Close closes it after the allocators.
 func OpenDevices(opts ...Option) (*Devices, error) {
 	env, err := envDevice()
 	if err != nil {
@@ -160,25 +171,31 @@ func OpenDevices(opts ...Option) (*Devices, error) {
 	if err != nil {
 		return nil, err
 	}
+	// One connection to the broker serves every device; the Devices owns
+	// it and closes it after the allocators.
+	opts, shared, bc, err := openBroker(opts)
+	if err != nil {
+		return nil, err
+	}
 	n := env.Spec.Count
 	if !env.Spec.Sim {
 		if n, err = cudart.DeviceCount(); err != nil {
-			return nil, fmt.Errorf("allocator: counting CUDA devices (set %s=sim for a simulated device): %w", EnvDevice, err)
+			return nil, errors.Join(fmt.Errorf("allocator: counting CUDA devices (set %s=sim for a simulated device): %w", EnvDevice, err), closeClient(bc))
 		}
 		if n == 0 {
-			return nil, fmt.Errorf("allocator: the CUDA driver reports no device: %w", ErrNoSuchDevice)
+			return nil, errors.Join(fmt.Errorf("allocator: the CUDA driver reports no device: %w", ErrNoSuchDevice), closeClient(bc))
 		}
 	}
 	devs := make([]cudart.Device, 0, n)
 	closeAll := func() error {
-		var errs []error
+		errs := []error{closeClient(bc)}
 		for _, d := range devs {
 			errs = append(errs, d.Close())
 		}
 		return errors.Join(errs...)
 	}
 	for i := range n {
-		dev, err := openIndex(env, i, false)
+		dev, err := openIndex(env, i, shared)
 		if err != nil {
 			return nil, errors.Join(err, closeAll())
 		}
@@ -191,5 +208,6 @@ func OpenDevices(opts ...Option) (*Devices, error) {
 	for _, a := range d.All() {
 		a.ownsDevice = true
 	}
+	d.broker = bc
 	return d, nil
 }
