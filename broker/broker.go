@@ -78,8 +78,12 @@ type device struct {
 	gran  uint64
 	total uint64
 
-	stream cudart.Stream // the scrub's stream, made on first use
-	hasStr bool
+	// The scrubs' stream, made by the first scrub. Scrubs of one device
+	// may run at once on it: each waits for the stream, its own memset
+	// included.
+	streamOnce sync.Once
+	stream     cudart.Stream
+	streamErr  error
 
 	cache         map[uint64][]*chunk // free chunks by size, most recent last
 	chunks        int
@@ -236,65 +240,88 @@ func clip(s string, n int) string {
 
 // grant serves g for c. It returns either the chunk (held by c) with
 // its descriptor, which the caller sends and does not close, and
-// whether it was zeroed; or a refusal.
+// whether it was zeroed; or a refusal. A chunk that passes from another
+// tenant is zeroed outside the broker's lock, already held by c, so that
+// other clients' grants do not wait for the memset.
 func (b *Broker) grant(c *client, g Grant) (*chunk, int, Refused, bool) {
 	start := time.Now()
+	ch, scrub, refused := b.take(c, g)
+	if ch == nil {
+		return nil, -1, refused, false
+	}
+	d := ch.dev
+	if scrub {
+		took, err := b.scrubMemory(d, ch)
+		b.mu.Lock()
+		if err != nil {
+			// A chunk that cannot be zeroed is never granted: release it.
+			b.log.Error("scrubbing a chunk failed: releasing it", zap.Int("gpu", d.index), zap.Uint64("size", ch.size), zap.Error(err))
+			b.unhold(ch)
+			b.releaseChunk(ch)
+			cnt := b.counter(c.tenant, d.index)
+			cnt.grants--
+			r := b.refuse(g.Req, c.tenant, d, ReasonOutOfMemory, 0, cnt.held, g.Size, "GPU %d: zeroing a chunk before its grant failed: %v", d.index, err)
+			b.mu.Unlock()
+			return nil, -1, r, false
+		}
+		d.scrubs++
+		d.scrubbedBytes += ch.size
+		d.scrubTime += took
+		b.mu.Unlock()
+	}
+	b.grantHist.observe(d.index, time.Since(start))
+	return ch, ch.fd, Refused{}, scrub
+}
+
+// take is grant's part under the broker's lock: the checks, the quota,
+// and a chunk from the cache or made, held by c. scrub says the chunk
+// held another tenant's bytes and must be zeroed before it is sent.
+func (b *Broker) take(c *client, g Grant) (ch *chunk, scrub bool, _ Refused) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if int(g.Device) >= len(b.devs) {
-		return nil, -1, b.refuse(g.Req, c.tenant, nil, ReasonInvalid, 0, 0, g.Size, "no device %d: the broker has %d", g.Device, len(b.devs)), false
+		return nil, false, b.refuse(g.Req, c.tenant, nil, ReasonInvalid, 0, 0, g.Size, "no device %d: the broker has %d", g.Device, len(b.devs))
 	}
 	d := b.devs[g.Device]
 	if b.stopping {
-		return nil, -1, b.refuse(g.Req, c.tenant, d, ReasonStopping, 0, 0, g.Size, "the allocd broker is stopping and grants no memory"), false
+		return nil, false, b.refuse(g.Req, c.tenant, d, ReasonStopping, 0, 0, g.Size, "the allocd broker is stopping and grants no memory")
 	}
 	max := d.total
 	if b.cfg.MaxChunk > 0 {
 		max = min(max, b.cfg.MaxChunk)
 	}
 	if g.Size == 0 || g.Size%d.gran != 0 || g.Size > max {
-		return nil, -1, b.refuse(g.Req, c.tenant, d, ReasonInvalid, 0, 0, g.Size, "chunk size %d on GPU %d: want a positive multiple of %d bytes, at most %d", g.Size, d.index, d.gran, max), false
+		return nil, false, b.refuse(g.Req, c.tenant, d, ReasonInvalid, 0, 0, g.Size, "chunk size %d on GPU %d: want a positive multiple of %d bytes, at most %d", g.Size, d.index, d.gran, max)
 	}
 	cnt := b.counter(c.tenant, d.index)
 	pol, listed := b.tenants.Lookup(c.tenant)
 	if !listed {
-		return nil, -1, b.refuse(g.Req, c.tenant, d, ReasonQuota, 0, cnt.held, g.Size, "tenant %q is no longer in the broker's tenants file: no more memory on GPU %d (holds %s)", c.tenant, d.index, fmtBytes(cnt.held)), false
+		return nil, false, b.refuse(g.Req, c.tenant, d, ReasonQuota, 0, cnt.held, g.Size, "tenant %q is no longer in the broker's tenants file: no more memory on GPU %d (holds %s)", c.tenant, d.index, fmtBytes(cnt.held))
 	}
 	if q, limited := pol.QuotaOn(d.index, d.info.UUID); limited && (g.Size > q || cnt.held > q-g.Size) {
-		return nil, -1, b.refuse(g.Req, c.tenant, d, ReasonQuota, q, cnt.held, g.Size,
+		return nil, false, b.refuse(g.Req, c.tenant, d, ReasonQuota, q, cnt.held, g.Size,
 			"tenant %q is over its quota on GPU %d (%s): quota %s, in use %s, asked %s more",
-			c.tenant, d.index, d.info.UUID, fmtBytes(q), fmtBytes(cnt.held), fmtBytes(g.Size)), false
+			c.tenant, d.index, d.info.UUID, fmtBytes(q), fmtBytes(cnt.held), fmtBytes(g.Size))
 	}
-	ch := d.takeCached(g.Size, c.tenant)
+	ch = d.takeCached(g.Size, c.tenant)
 	if ch == nil {
 		var err error
 		if ch, err = b.create(d, g.Size); err != nil {
-			r := ReasonOutOfMemory
 			if !errors.Is(err, cudart.ErrOutOfMemory) {
 				b.log.Error("creating a chunk", zap.Int("gpu", d.index), zap.Uint64("size", g.Size), zap.Error(err))
 			}
-			return nil, -1, b.refuse(g.Req, c.tenant, d, r, 0, cnt.held, g.Size,
+			return nil, false, b.refuse(g.Req, c.tenant, d, ReasonOutOfMemory, 0, cnt.held, g.Size,
 				"GPU %d (%s) has no memory for %s more, with the broker's cache released: the broker's clients hold %s of it (tenant %q %s): %v",
-				d.index, d.info.UUID, fmtBytes(g.Size), fmtBytes(d.heldBytes), c.tenant, fmtBytes(cnt.held), err), false
+				d.index, d.info.UUID, fmtBytes(g.Size), fmtBytes(d.heldBytes), c.tenant, fmtBytes(cnt.held), err)
 		}
 	}
-	scrubbed := false
-	if ch.owner != "" && ch.owner != c.tenant {
-		if err := b.scrub(d, ch); err != nil {
-			// A chunk that cannot be zeroed is never granted: release it.
-			b.log.Error("scrubbing a chunk failed: releasing it", zap.Int("gpu", d.index), zap.Uint64("size", ch.size), zap.Error(err))
-			b.releaseChunk(ch)
-			return nil, -1, b.refuse(g.Req, c.tenant, d, ReasonOutOfMemory, 0, cnt.held, g.Size, "GPU %d: zeroing a chunk before its grant failed: %v", d.index, err), false
-		}
-		scrubbed = true
-	}
+	scrub = ch.owner != "" && ch.owner != c.tenant
 	ch.owner, ch.holder = c.tenant, c
 	c.held[ch.id] = ch
 	d.heldBytes += ch.size
 	cnt.held += ch.size
 	cnt.grants++
-	b.grantHist.observe(d.index, time.Since(start))
-	return ch, ch.fd, Refused{}, scrubbed
+	return ch, scrub, Refused{}
 }
 
 // takeCached removes and returns a cached chunk of exactly size, one
@@ -385,20 +412,20 @@ func (b *Broker) releaseChunk(ch *chunk) {
 	}
 }
 
-// scrub zeroes ch through a mapping of the broker's own, on its own
-// stream, and waits for it.
-func (b *Broker) scrub(d *device, ch *chunk) (err error) {
+// scrubMemory zeroes ch through a mapping of the broker's own, on the
+// device's scrub stream, and waits for it. It runs without the broker's
+// lock: ch is held by the client it is being granted to, and only that
+// client's goroutine uses it until the grant is sent.
+func (b *Broker) scrubMemory(d *device, ch *chunk) (took time.Duration, err error) {
 	start := time.Now()
 	dev := b.cfg.Devices[d.index]
-	if !d.hasStr {
-		if d.stream, err = dev.StreamCreate(); err != nil {
-			return fmt.Errorf("creating the scrub stream: %w", err)
-		}
-		d.hasStr = true
+	d.streamOnce.Do(func() { d.stream, d.streamErr = dev.StreamCreate() })
+	if d.streamErr != nil {
+		return 0, fmt.Errorf("creating the scrub stream: %w", d.streamErr)
 	}
 	p, err := d.sm.Reserve(ch.size)
 	if err != nil {
-		return fmt.Errorf("reserving %d bytes of address space: %w", ch.size, err)
+		return 0, fmt.Errorf("reserving %d bytes of address space: %w", ch.size, err)
 	}
 	defer func() {
 		if e := d.sm.ReleaseRange(p, ch.size); e != nil && err == nil {
@@ -406,7 +433,7 @@ func (b *Broker) scrub(d *device, ch *chunk) (err error) {
 		}
 	}()
 	if err := d.sm.Map(p, ch.size, ch.h); err != nil {
-		return fmt.Errorf("mapping: %w", err)
+		return 0, fmt.Errorf("mapping: %w", err)
 	}
 	err = dev.MemsetAsync(p, 0, ch.size, d.stream)
 	if err == nil {
@@ -415,14 +442,7 @@ func (b *Broker) scrub(d *device, ch *chunk) (err error) {
 	if e := d.sm.Unmap(p, ch.size); err == nil {
 		err = e
 	}
-	if err != nil {
-		return err
-	}
-	d.scrubs++
-	d.scrubbedBytes += ch.size
-	d.scrubTime += time.Since(start)
-	ch.owner = ""
-	return nil
+	return time.Since(start), err
 }
 
 // giveBack serves a Return.
@@ -623,11 +643,14 @@ func (b *Broker) Close() error {
 				}
 			}
 		}
-		if d.hasStr {
+		// No scrub runs now (every connection has ended): take the stream,
+		// or make sure none is made.
+		d.streamOnce.Do(func() { d.streamErr = errClosed })
+		if d.streamErr == nil {
 			if err := b.cfg.Devices[d.index].StreamDestroy(d.stream); err != nil {
 				errs = append(errs, err)
 			}
-			d.hasStr = false
+			d.streamErr = errClosed
 		}
 	}
 	for _, c := range b.clients {
@@ -648,3 +671,6 @@ func fmtBytes(n uint64) string {
 	}
 	return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
 }
+
+// errClosed marks a device's scrub stream once Close has run.
+var errClosed = errors.New("broker closed")

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -690,4 +691,82 @@ func TestConcurrentClients(t *testing.T) {
 			t.Errorf("tenant %s over quota: %+v", ts.Tenant, ts)
 		}
 	}
+}
+
+// failingMemset is a shared Sim whose memsets fail while fail is set.
+type failingMemset struct {
+	*simdev.Sim
+	fail atomic.Bool
+}
+
+func (f *failingMemset) MemsetAsync(p cudart.Ptr, v byte, n uint64, s cudart.Stream) error {
+	if f.fail.Load() {
+		return errors.New("injected memset failure")
+	}
+	return f.Sim.MemsetAsync(p, v, n, s)
+}
+
+// TestScrubFailureReleasesChunk: a chunk that cannot be zeroed is never
+// granted: the grant is refused, the chunk released, and nothing is
+// counted to the tenant.
+func TestScrubFailureReleasesChunk(t *testing.T) {
+	dev := &failingMemset{Sim: newSharedSim(t, 0, 64*mib)}
+	defer dev.Close()
+	h := &harness{t: t, sock: filepath.Join(shortDir(t), "b.sock")}
+	b, err := New(Config{Devices: []cudart.Device{dev}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.b = b
+	l, err := Listen(h.sock, 0o600, -1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go b.Serve(l)
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		b.Stop(ctx)
+		b.Close()
+	}()
+	a, c := h.dial("a"), h.dial("b")
+	ch, err := a.Grant(0, 2*mib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(ch.FD)
+	if err := a.Return(ch.ID); err != nil {
+		t.Fatal(err)
+	}
+	dev.fail.Store(true)
+	_, err = c.Grant(0, 2*mib)
+	var re *RefusedError
+	if !errors.As(err, &re) || re.Reason != ReasonOutOfMemory || !strings.Contains(err.Error(), "zeroing") {
+		t.Fatalf("grant of a chunk that cannot be zeroed: %v", err)
+	}
+	h.check()
+	st := b.Stats()
+	if d := st.Devices[0]; d.Releases != 1 || d.HeldBytes != 0 || d.Chunks != 0 || d.Scrubs != 0 {
+		t.Fatalf("after the failed scrub: %+v", d)
+	}
+	for _, ts := range st.Tenants {
+		if ts.Tenant == "b" && (ts.Grants != 0 || ts.Granted != 0 || ts.Refusals[ReasonOutOfMemory] != 1) {
+			t.Fatalf("tenant b: %+v", ts)
+		}
+	}
+	dev.fail.Store(false)
+	ch, err = c.Grant(0, 2*mib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !ch.Scrubbed {
+		t.Fatal("a fresh chunk after a's chunk was released was not zeroed")
+	}
+	unix.Close(ch.FD)
+	if err := c.Return(ch.ID); err != nil {
+		t.Fatal(err)
+	}
+	h.check()
+	a.Close()
+	c.Close()
 }

@@ -51,8 +51,9 @@
 // sends garbage or a wrong version is cut off with a Fault; one that
 // sends half a frame has FrameTimeout to finish it; one that stops
 // reading its answers is cut off after WriteTimeout. Each connection has
-// its own goroutine and the broker's lock is never held across socket
-// input or output, so one bad client does not slow the others.
+// its own goroutine, and the broker's lock is never held across socket
+// input or output nor across a scrub's memset, so one bad client, or one
+// grant that needs zeroing, does not slow the others.
 //
 // # What it does not do
 //
