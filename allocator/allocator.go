@@ -91,6 +91,7 @@ import (
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/broker"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/devspec"
 	"github.com/allocd/allocd/internal/eventpool"
 )
 
@@ -178,20 +179,8 @@ func (e *OOMError) Is(target error) bool {
 func (e *OOMError) Unwrap() error { return e.Cause }
 
 // FormatSize renders a byte count as PyTorch's memory_summary does:
-// "512 B", "2.00 MiB", "1.50 GiB".
-func FormatSize(n uint64) string {
-	switch {
-	case n < 1<<10:
-		return fmt.Sprintf("%d B", n)
-	case n < 1<<20:
-		return fmt.Sprintf("%.2f KiB", float64(n)/(1<<10))
-	case n < 1<<30:
-		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
-	case n < 1<<40:
-		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
-	}
-	return fmt.Sprintf("%.2f TiB", float64(n)/(1<<40))
-}
+// "512 B", "2.00 MiB", "1.50 GiB" (devspec.FormatSize).
+func FormatSize(n uint64) string { return devspec.FormatSize(n) }
 
 // Option configures New.
 type Option func(*options)

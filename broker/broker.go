@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/devspec"
 )
 
 // Config configures a Broker.
@@ -296,12 +297,12 @@ func (b *Broker) take(c *client, g Grant) (ch *chunk, scrub bool, _ Refused) {
 	cnt := b.counter(c.tenant, d.index)
 	pol, listed := b.tenants.Lookup(c.tenant)
 	if !listed {
-		return nil, false, b.refuse(g.Req, c.tenant, d, ReasonQuota, 0, cnt.held, g.Size, "tenant %q is no longer in the broker's tenants file: no more memory on GPU %d (holds %s)", c.tenant, d.index, fmtBytes(cnt.held))
+		return nil, false, b.refuse(g.Req, c.tenant, d, ReasonQuota, 0, cnt.held, g.Size, "tenant %q is no longer in the broker's tenants file: no more memory on GPU %d (holds %s)", c.tenant, d.index, devspec.FormatSize(cnt.held))
 	}
 	if q, limited := pol.QuotaOn(d.index, d.info.UUID); limited && (g.Size > q || cnt.held > q-g.Size) {
 		return nil, false, b.refuse(g.Req, c.tenant, d, ReasonQuota, q, cnt.held, g.Size,
 			"tenant %q is over its quota on GPU %d (%s): quota %s, in use %s, asked %s more",
-			c.tenant, d.index, d.info.UUID, fmtBytes(q), fmtBytes(cnt.held), fmtBytes(g.Size))
+			c.tenant, d.index, d.info.UUID, devspec.FormatSize(q), devspec.FormatSize(cnt.held), devspec.FormatSize(g.Size))
 	}
 	ch = d.takeCached(g.Size, c.tenant)
 	if ch == nil {
@@ -312,7 +313,7 @@ func (b *Broker) take(c *client, g Grant) (ch *chunk, scrub bool, _ Refused) {
 			}
 			return nil, false, b.refuse(g.Req, c.tenant, d, ReasonOutOfMemory, 0, cnt.held, g.Size,
 				"GPU %d (%s) has no memory for %s more, with the broker's cache released: the broker's clients hold %s of it (tenant %q %s): %v",
-				d.index, d.info.UUID, fmtBytes(g.Size), fmtBytes(d.heldBytes), c.tenant, fmtBytes(cnt.held), err)
+				d.index, d.info.UUID, devspec.FormatSize(g.Size), devspec.FormatSize(d.heldBytes), c.tenant, devspec.FormatSize(cnt.held), err)
 		}
 	}
 	scrub = ch.owner != "" && ch.owner != c.tenant
@@ -658,18 +659,6 @@ func (b *Broker) Close() error {
 	}
 	clear(b.clients)
 	return errors.Join(errs...)
-}
-
-func fmtBytes(n uint64) string {
-	switch {
-	case n < 1<<10:
-		return fmt.Sprintf("%d B", n)
-	case n < 1<<20:
-		return fmt.Sprintf("%.2f KiB", float64(n)/(1<<10))
-	case n < 1<<30:
-		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
-	}
-	return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
 }
 
 // errClosed marks a device's scrub stream once Close has run.

@@ -1,11 +1,7 @@
 package broker_test
 
 import (
-	"bufio"
 	"context"
-	"errors"
-	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -83,72 +79,14 @@ func startE2EBroker(t *testing.T, capacity uint64, tenantsYAML string) *e2eBroke
 	return e
 }
 
-// proc is a client process.
-type proc struct {
-	t    *testing.T
-	name string
-	cmd  *exec.Cmd
-	in   io.WriteCloser
-	out  *bufio.Scanner
-}
-
-func (e *e2eBroker) startClient(t *testing.T, name, tenant string) *proc {
+// startClient starts a client process connected to e as tenant.
+func (e *e2eBroker) startClient(t *testing.T, name, tenant string) *allocscript.TestChild {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), envE2EClient+"=1", "ALLOCD_DEVICE=sim", "ALLOCD_SIM_CAPACITY=1GiB",
 		"ALLOCD_BROKER=unix://"+e.sock, "ALLOCD_TENANT="+tenant, "ALLOCD_CONF=")
-	in, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
 	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	p := &proc{t: t, name: name, cmd: cmd, in: in, out: bufio.NewScanner(out)}
-	t.Cleanup(func() {
-		in.Close()
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	return p
-}
-
-// do sends one command and returns the answer after "ok ", failing the
-// test on an error answer.
-func (p *proc) do(line string) string {
-	p.t.Helper()
-	ans, err := p.try(line)
-	if err != nil {
-		p.t.Fatalf("%s: %s: %v", p.name, line, err)
-	}
-	return ans
-}
-
-func (p *proc) try(line string) (string, error) {
-	if _, err := fmt.Fprintln(p.in, line); err != nil {
-		return "", err
-	}
-	if !p.out.Scan() {
-		return "", fmt.Errorf("no answer (process ended: %v)", p.out.Err())
-	}
-	ans := p.out.Text()
-	if rest, ok := strings.CutPrefix(ans, "ok"); ok {
-		return strings.TrimSpace(rest), nil
-	}
-	return "", errors.New(ans)
-}
-
-func (p *proc) quit() {
-	p.t.Helper()
-	p.do("quit")
-	if err := p.cmd.Wait(); err != nil {
-		p.t.Fatalf("%s: %v", p.name, err)
-	}
+	return allocscript.StartTest(t, name, cmd)
 }
 
 func tenantStats(b *broker.Broker, tenant string) broker.TenantStats {
@@ -175,16 +113,16 @@ func TestE2EFourProcessesExchangeMemory(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	round := func(p *proc, mark string) []string {
+	round := func(p *allocscript.TestChild, mark string) []string {
 		t.Helper()
 		for _, s := range sizes {
-			p.do("malloc " + s)
+			p.Must("malloc " + s)
 		}
-		seen := strings.Split(p.do("scan"), ",")
-		p.do("fill " + mark)
-		p.do("check")
-		p.do("free")
-		p.do("empty")
+		seen := strings.Split(p.Must("scan"), ",")
+		p.Must("fill " + mark)
+		p.Must("check")
+		p.Must("free")
+		p.Must("empty")
 		check()
 		return seen
 	}
@@ -212,8 +150,8 @@ func TestE2EFourProcessesExchangeMemory(t *testing.T) {
 	}
 	// red1 takes blue's memory and more: it reads zeros, never blue's
 	// bytes.
-	red1.do("malloc 25165824") // 96 MiB: the whole quota, more than red's cached chunks
-	if seen := red1.do("scan"); strings.Contains(seen, "0x2") {
+	red1.Must("malloc 25165824") // 96 MiB: the whole quota, more than red's cached chunks
+	if seen := red1.Must("scan"); strings.Contains(seen, "0x2") {
 		t.Fatalf("red1 read blue's bytes: %s", seen)
 	}
 	// Quotas hold exactly: red holds 24 MiB, its quota; another red
@@ -221,19 +159,19 @@ func TestE2EFourProcessesExchangeMemory(t *testing.T) {
 	if ts := tenantStats(e.b, "red"); ts.Granted != 24<<20 {
 		t.Fatalf("red holds %d bytes, want 24 MiB", ts.Granted)
 	}
-	_, err := red2.try("malloc 2097152")
+	_, err := red2.Do("malloc 2097152")
 	if err == nil || !strings.Contains(err.Error(), "quota 24.00 MiB") || !strings.Contains(err.Error(), `tenant "red"`) {
 		t.Fatalf("malloc over red's quota: %v", err)
 	}
-	blue1.do("malloc 25165824") // blue's whole quota, beside red's
-	red1.do("free")
-	red1.do("empty")
-	red2.do("malloc 2097152")
+	blue1.Must("malloc 25165824") // blue's whole quota, beside red's
+	red1.Must("free")
+	red1.Must("empty")
+	red2.Must("malloc 2097152")
 	check()
-	for _, p := range []*proc{red1, blue1, red2, blue2} {
-		p.do("free")
-		p.do("check")
-		p.quit()
+	for _, p := range []*allocscript.TestChild{red1, blue1, red2, blue2} {
+		p.Must("free")
+		p.Must("check")
+		p.Quit()
 	}
 	waitBroker(t, e.b, time.Second, func(s broker.Stats) bool { return s.Devices[0].HeldBytes == 0 })
 	check()
@@ -257,18 +195,18 @@ func waitBroker(t *testing.T, b *broker.Broker, d time.Duration, cond func(broke
 func TestE2EKillReturnsMemory(t *testing.T) {
 	e := startE2EBroker(t, 32<<20, "tenants:\n  - name: victim\n  - name: other\n")
 	victim := e.startClient(t, "victim", "victim")
-	victim.do("malloc 16777216")
-	victim.do("malloc 8388608")
-	victim.do("fill 0x33")
+	victim.Must("malloc 16777216")
+	victim.Must("malloc 8388608")
+	victim.Must("fill 0x33")
 	other := e.startClient(t, "other", "other")
-	if _, err := other.try("malloc 16777216"); err == nil {
+	if _, err := other.Do("malloc 16777216"); err == nil {
 		t.Fatal("the device had room for the other tenant beside the victim")
 	}
 	held := tenantStats(e.b, "victim").Granted
 	if held < 24<<20 {
 		t.Fatalf("victim holds %d bytes", held)
 	}
-	if err := victim.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+	if err := victim.Process().Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
 	took := waitBroker(t, e.b, time.Second, func(s broker.Stats) bool { return s.Devices[0].HeldBytes == 0 })
@@ -277,13 +215,12 @@ func TestE2EKillReturnsMemory(t *testing.T) {
 	if ts.ReclaimedBytes != held || e.b.Stats().ClientsReclaimed["victim"] != 1 {
 		t.Fatalf("victim's figures after the kill: %+v", ts)
 	}
-	other.do("malloc 16777216")
-	if seen := other.do("scan"); strings.Contains(seen, "0x33") {
+	other.Must("malloc 16777216")
+	if seen := other.Must("scan"); strings.Contains(seen, "0x33") {
 		t.Fatalf("the other tenant read the killed victim's bytes: %s", seen)
 	}
-	other.do("free")
-	other.quit()
-	_ = victim.cmd.Wait()
+	other.Must("free")
+	other.Quit()
 }
 
 // TestE2EBrokerGone: when the broker goes away, allocations already
@@ -291,21 +228,21 @@ func TestE2EKillReturnsMemory(t *testing.T) {
 func TestE2EBrokerGone(t *testing.T) {
 	e := startE2EBroker(t, 128<<20, "tenants:\n  - name: a\n")
 	p := e.startClient(t, "a", "a")
-	p.do("malloc 8388608")
-	p.do("fill 0x44")
+	p.Must("malloc 8388608")
+	p.Must("fill 0x44")
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	e.b.Stop(ctx)
 	if err := e.b.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if seen := p.do("scan"); seen != "0x44" {
+	if seen := p.Must("scan"); seen != "0x44" {
 		t.Fatalf("after the broker went: held memory reads %q", seen)
 	}
-	_, err := p.try("malloc 67108864")
+	_, err := p.Do("malloc 67108864")
 	if err == nil || !strings.Contains(err.Error(), "ALLOCD_BROKER_FALLBACK=local") {
 		t.Fatalf("growth without the broker: %v", err)
 	}
-	p.do("free")
-	p.quit()
+	p.Must("free")
+	p.Quit()
 }

@@ -213,6 +213,23 @@ const MaxSize = math.MaxInt64
 // maxSizeLen bounds the length of ParseSize's number.
 const maxSizeLen = 64
 
+// FormatSize renders a byte count as PyTorch's memory_summary does:
+// "512 B", "2.00 MiB", "1.50 GiB". The allocator's messages and the
+// broker's refusals both write sizes with it.
+func FormatSize(n uint64) string {
+	switch {
+	case n < 1<<10:
+		return fmt.Sprintf("%d B", n)
+	case n < 1<<20:
+		return fmt.Sprintf("%.2f KiB", float64(n)/(1<<10))
+	case n < 1<<30:
+		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
+	case n < 1<<40:
+		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
+	}
+	return fmt.Sprintf("%.2f TiB", float64(n)/(1<<40))
+}
+
 // sizeSyntax is the number ParseSize reads: a decimal, optionally signed,
 // with an optional exponent of at most three digits.
 var sizeSyntax = regexp.MustCompile(`^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,3})?$`)

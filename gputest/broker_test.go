@@ -1,11 +1,7 @@
 package gputest
 
 import (
-	"bufio"
 	"context"
-	"errors"
-	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -277,16 +273,9 @@ func TestGPUBrokerLatency(t *testing.T) {
 	t.Logf("broker: scrubs %d, %d bytes, %v", st.Scrubs, st.ScrubbedBytes, st.ScrubTime)
 }
 
-// gpuProc is an allocscript child process on the GPU.
-type gpuProc struct {
-	t    *testing.T
-	name string
-	cmd  *exec.Cmd
-	in   io.WriteCloser
-	out  *bufio.Scanner
-}
-
-func (g *gpuBroker) child(t *testing.T, name, tenant string) *gpuProc {
+// child starts an allocscript client process on the GPU, connected to
+// g as tenant.
+func (g *gpuBroker) child(t *testing.T, name, tenant string) *allocscript.TestChild {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	var env []string
@@ -296,47 +285,8 @@ func (g *gpuBroker) child(t *testing.T, name, tenant string) *gpuProc {
 		}
 	}
 	cmd.Env = append(env, brokerChildEnv+"=1", "ALLOCD_BROKER=unix://"+g.sock, "ALLOCD_TENANT="+tenant)
-	in, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
 	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		in.Close()
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	return &gpuProc{t: t, name: name, cmd: cmd, in: in, out: bufio.NewScanner(out)}
-}
-
-func (p *gpuProc) try(line string) (string, error) {
-	if _, err := fmt.Fprintln(p.in, line); err != nil {
-		return "", err
-	}
-	if !p.out.Scan() {
-		return "", fmt.Errorf("%s: no answer to %q", p.name, line)
-	}
-	ans := p.out.Text()
-	if rest, ok := strings.CutPrefix(ans, "ok"); ok {
-		return strings.TrimSpace(rest), nil
-	}
-	return "", errors.New(ans)
-}
-
-func (p *gpuProc) do(line string) string {
-	p.t.Helper()
-	ans, err := p.try(line)
-	if err != nil {
-		p.t.Fatalf("%s: %s: %v", p.name, line, err)
-	}
-	return ans
+	return allocscript.StartTest(t, name, cmd)
 }
 
 func waitHeld(t *testing.T, b *broker.Broker, tenant string, within time.Duration) time.Duration {
@@ -368,15 +318,15 @@ func TestGPUBrokerProcesses(t *testing.T) {
 	dev := shareableGPU(t)
 	g := startGPUBroker(t, dev, "tenants:\n  - name: red\n    quota: 1GiB\n  - name: blue\n    quota: 1GiB\n  - name: victim\n  - name: heir\n")
 	sizes := []string{"67108864", "20971520", "2097152", "4194304"}
-	round := func(p *gpuProc, mark string) []string {
+	round := func(p *allocscript.TestChild, mark string) []string {
 		for _, s := range sizes {
-			p.do("malloc " + s)
+			p.Must("malloc " + s)
 		}
-		seen := strings.Split(p.do("scan"), ",")
-		p.do("fill " + mark)
-		p.do("check")
-		p.do("free")
-		p.do("empty")
+		seen := strings.Split(p.Must("scan"), ",")
+		p.Must("fill " + mark)
+		p.Must("check")
+		p.Must("free")
+		p.Must("empty")
 		if err := g.b.Check(); err != nil {
 			t.Fatal(err)
 		}
@@ -394,28 +344,28 @@ func TestGPUBrokerProcesses(t *testing.T) {
 	if st := g.b.Stats().Devices[0]; st.Creates != creates || st.Scrubs == 0 {
 		t.Fatalf("the cache did not serve red2 and blue1: %d chunks made, %d scrubs", st.Creates-creates, st.Scrubs)
 	}
-	red1.do("malloc 1073741824")
-	if _, err := red2.try("malloc 67108864"); err == nil || !strings.Contains(err.Error(), "quota 1.00 GiB") {
+	red1.Must("malloc 1073741824")
+	if _, err := red2.Do("malloc 67108864"); err == nil || !strings.Contains(err.Error(), "quota 1.00 GiB") {
 		t.Fatalf("red2 over red's quota: %v", err)
 	}
-	red1.do("free")
-	red1.do("empty")
+	red1.Must("free")
+	red1.Must("empty")
 	t.Log("broker: processes exchanged memory: same tenant as it was, other tenant zeroed, quota exact")
 
 	victim, heir := g.child(t, "victim", "victim"), g.child(t, "heir", "heir")
-	victim.do("malloc 2147483648")
-	victim.do("fill 0x5a")
+	victim.Must("malloc 2147483648")
+	victim.Must("fill 0x5a")
 	free0, _, err := dev.MemGetInfo()
 	if err != nil {
 		t.Fatal(err)
 	}
 	creates = g.b.Stats().Devices[0].Creates
-	if err := victim.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+	if err := victim.Process().Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
 	took := waitHeld(t, g.b, "victim", time.Second)
-	heir.do("malloc 2147483648")
-	if seen := heir.do("scan"); strings.Contains(seen, "0x5a") {
+	heir.Must("malloc 2147483648")
+	if seen := heir.Must("scan"); strings.Contains(seen, "0x5a") {
 		t.Fatalf("the heir read the killed victim's bytes: %s", seen)
 	}
 	free1, _, err := dev.MemGetInfo()
@@ -428,11 +378,9 @@ func TestGPUBrokerProcesses(t *testing.T) {
 	if st.Creates != creates {
 		t.Errorf("the heir's grant created %d chunks; the victim's memory should have served it", st.Creates-creates)
 	}
-	heir.do("free")
-	heir.do("check")
-	for _, p := range []*gpuProc{red1, red2, blue1, heir} {
-		p.do("quit")
-		_ = p.cmd.Wait()
+	heir.Must("free")
+	heir.Must("check")
+	for _, p := range []*allocscript.TestChild{red1, red2, blue1, heir} {
+		p.Quit()
 	}
-	_ = victim.cmd.Wait()
 }

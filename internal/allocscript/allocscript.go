@@ -14,17 +14,22 @@
 //	check         run the allocator's invariant checker
 //	quit          Close the allocator and stop
 //
-// Each answer is "ok", "ok VALUE" or "err MESSAGE" (on one line).
+// Each answer is "ok", "ok VALUE" or "err MESSAGE" (on one line). Child
+// drives such a process from a test.
 package allocscript
 
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
+	"os"
+	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
+	"testing"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
@@ -135,4 +140,104 @@ func Serve(a *allocator.Allocator, in io.Reader, out io.Writer) int {
 		fmt.Fprintln(out, reply)
 	}
 	return 0
+}
+
+// Child is a process serving these commands (a test binary re-executed
+// with the variable that makes it call Run), driven over its stdin and
+// stdout.
+type Child struct {
+	name string
+	cmd  *exec.Cmd
+	in   io.WriteCloser
+	out  *bufio.Scanner
+}
+
+// Start starts cmd as a Child; name labels its errors. The caller kills
+// it (Kill) if it does not Quit.
+func Start(name string, cmd *exec.Cmd) (*Child, error) {
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	return &Child{name: name, cmd: cmd, in: in, out: bufio.NewScanner(out)}, nil
+}
+
+// Name is the child's label.
+func (c *Child) Name() string { return c.name }
+
+// Process is the child's process.
+func (c *Child) Process() *os.Process { return c.cmd.Process }
+
+// Do sends one command and returns its answer after "ok", or an error
+// holding an "err" answer, or saying that none came.
+func (c *Child) Do(line string) (string, error) {
+	if _, err := fmt.Fprintln(c.in, line); err != nil {
+		return "", fmt.Errorf("%s: %s: %w", c.name, line, err)
+	}
+	if !c.out.Scan() {
+		return "", fmt.Errorf("%s: no answer to %q (the process ended: %v)", c.name, line, c.out.Err())
+	}
+	ans := c.out.Text()
+	if rest, ok := strings.CutPrefix(ans, "ok"); ok {
+		return strings.TrimSpace(rest), nil
+	}
+	return "", errors.New(ans)
+}
+
+// Quit sends quit and waits for the process to exit.
+func (c *Child) Quit() error {
+	if _, err := c.Do("quit"); err != nil {
+		return err
+	}
+	return c.cmd.Wait()
+}
+
+// Kill ends the process, whatever it is doing, and reaps it.
+func (c *Child) Kill() {
+	c.in.Close()
+	_ = c.cmd.Process.Kill()
+	_ = c.cmd.Wait()
+}
+
+// TestChild is a Child for a test: Must and Quit fail the test on error,
+// and the test's cleanup kills the process.
+type TestChild struct {
+	tb testing.TB
+	*Child
+}
+
+// StartTest starts cmd as a TestChild, failing tb if it cannot.
+func StartTest(tb testing.TB, name string, cmd *exec.Cmd) *TestChild {
+	tb.Helper()
+	c, err := Start(name, cmd)
+	if err != nil {
+		tb.Fatalf("%s: %v", name, err)
+	}
+	tb.Cleanup(c.Kill)
+	return &TestChild{tb, c}
+}
+
+// Must is Do, failing the test on an error.
+func (c *TestChild) Must(line string) string {
+	c.tb.Helper()
+	ans, err := c.Do(line)
+	if err != nil {
+		c.tb.Fatal(err)
+	}
+	return ans
+}
+
+// Quit is Child.Quit, failing the test on an error.
+func (c *TestChild) Quit() {
+	c.tb.Helper()
+	if err := c.Child.Quit(); err != nil {
+		c.tb.Fatalf("%s: %v", c.name, err)
+	}
 }
