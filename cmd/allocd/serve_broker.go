@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"os/user"
+	"path/filepath"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -48,7 +49,7 @@ func checkBrokerFlags(f serveFlags) (mode os.FileMode, gid int, err error) {
 		return 0, 0, errors.New("--broker serves other processes: it takes no --replay or --synthetic workload")
 	case f.history > 0:
 		return 0, 0, errors.New("--broker has no allocator of its own: --history does not apply")
-	case !filepathIsAbs(b.socket):
+	case !filepath.IsAbs(b.socket):
 		return 0, 0, fmt.Errorf("--broker-socket %q: want an absolute path", b.socket)
 	case b.stopTimeout < 0 || b.stopTimeout > maxServeWait:
 		return 0, 0, fmt.Errorf("--broker-stop-timeout %v: expected a duration from 0 to %v", b.stopTimeout, maxServeWait)
@@ -76,8 +77,6 @@ func checkBrokerFlags(f serveFlags) (mode os.FileMode, gid int, err error) {
 	}
 	return os.FileMode(m), gid, nil
 }
-
-func filepathIsAbs(p string) bool { return len(p) > 0 && p[0] == '/' }
 
 // runBroker runs `allocd serve --broker` until a signal: the broker on
 // its socket, and /metrics, /healthz and /readyz on --listen. A signal
