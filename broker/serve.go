@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
 	"syscall"
 	"time"
 
@@ -284,7 +285,7 @@ func (b *Broker) admit(conn *net.UnixConn, h Hello, cred *unix.Ucred) (*client, 
 	if !ok {
 		return nil, Welcome{}, fmt.Sprintf("tenant %q is not in the broker's tenants file", h.Tenant)
 	}
-	if len(pol.UIDs) > 0 && !containsUID(pol.UIDs, cred.Uid) {
+	if len(pol.UIDs) > 0 && !slices.Contains(pol.UIDs, cred.Uid) {
 		return nil, Welcome{}, fmt.Sprintf("uid %d may not use tenant %q", cred.Uid, h.Tenant)
 	}
 	b.nextID++
@@ -300,15 +301,6 @@ func (b *Broker) admit(conn *net.UnixConn, h Hello, cred *unix.Ucred) (*client, 
 		w.Devices = append(w.Devices, DeviceInfo{Index: uint32(d.index), UUID: d.info.UUID, Granularity: d.gran, Total: d.total})
 	}
 	return c, w, ""
-}
-
-func containsUID(uids []uint32, u uint32) bool {
-	for _, v := range uids {
-		if v == u {
-			return true
-		}
-	}
-	return false
 }
 
 // disconnect ends c's connection. What it holds returns to the caches
