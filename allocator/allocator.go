@@ -285,6 +285,7 @@ type Allocator struct {
 	history    *history        // nil unless recording history
 	ownsDevice bool            // opened by Open: Close closes the device
 	broker     *broker.Client  // WithBroker, closed by Close when Open dialled it
+	brokerMem  *brokerMemory   // the broker's segment source, when there is one
 }
 
 // call is the state of one Malloc or Free on its way down the slow path:
@@ -324,13 +325,14 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		cfg.ExpandableSegments = true
 	}
 	var vm cudart.VirtualMemory
+	var brokerMem *brokerMemory
 	if cfg.ExpandableSegments {
 		var err error
 		if vm, err = checkExpandable(dev, cfg); err != nil {
 			return nil, err
 		}
 		if o.broker != nil {
-			if vm, err = newBrokerMemory(dev, vm, o.broker, o.brokerFallback, o.log); err != nil {
+			if brokerMem, vm, err = newBrokerMemory(dev, vm, o.broker, o.brokerFallback, o.log); err != nil {
 				return nil, err
 			}
 		}
@@ -366,6 +368,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		a.src = expSource{space: a.exp, table: &a.segs, stats: &a.stats}
 	}
 	a.allowed = total
+	a.brokerMem = brokerMem
 	if o.ownsBroker {
 		a.broker = o.broker
 	}
@@ -1147,6 +1150,11 @@ func (a *Allocator) Close() error {
 	a.dir.Store(&directory{})
 	a.segs.reserved, a.pending = 0, 0
 	a.closed = true
+	if a.brokerMem != nil {
+		if err := a.brokerMem.close(); err != nil {
+			errs = append(errs, fmt.Errorf("allocator: closing broker connections: %w", err))
+		}
+	}
 	if a.broker != nil {
 		if err := a.broker.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: closing the broker connection: %w", err))

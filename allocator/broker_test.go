@@ -327,3 +327,75 @@ func TestOpenDevicesWithBroker(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// serveBrokerAt serves a broker on a new shared simulated device at
+// sock; stop stops it and checks it.
+func serveBrokerAt(t *testing.T, sock string) (b *broker.Broker, stop func()) {
+	t.Helper()
+	sim, err := simdev.New(simdev.Config{Capacity: 1 << 30, Shared: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err = broker.New(broker.Config{Devices: []cudart.Device{sim}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := broker.Listen(sock, 0o600, -1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go b.Serve(l)
+	return b, func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		defer cancel()
+		b.Stop(ctx)
+		if err := b.Check(); err != nil {
+			t.Errorf("broker Check: %v", err)
+		}
+		b.Close()
+		sim.Close()
+	}
+}
+
+// TestBrokerRestart: when the broker restarts, the allocator's next
+// growth connects to the new one; memory the old one granted stays valid
+// and is released without being given to the new one.
+func TestBrokerRestart(t *testing.T) {
+	dir, err := os.MkdirTemp("", "ab")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	sock := filepath.Join(dir, "b.sock")
+	_, stopOld := serveBrokerAt(t, sock)
+	a := brokerAllocator(t, "unix://"+sock, "a", DefaultConfig())
+	old, err := a.Malloc(8<<20, cudart.DefaultStream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopOld()
+	nb, stopNew := serveBrokerAt(t, sock)
+	defer stopNew()
+	fresh, err := a.Malloc(40<<20, cudart.DefaultStream)
+	if err != nil {
+		t.Fatalf("growth after the broker restarted: %v", err)
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	held := nb.Stats().Devices[0].HeldBytes
+	if held == 0 || held >= uint64(a.Stats().ReservedBytes[PoolAll].Current) {
+		t.Fatalf("the new broker holds %d bytes for the allocator's %d reserved: want its growth only", held, a.Stats().ReservedBytes[PoolAll].Current)
+	}
+	for _, p := range []cudart.Ptr{old, fresh} {
+		if err := a.Free(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := a.EmptyCache(); err != nil {
+		t.Fatal(err)
+	}
+	if st := nb.Stats().Devices[0]; st.HeldBytes != 0 {
+		t.Fatalf("after EmptyCache the new broker still counts %d bytes held", st.HeldBytes)
+	}
+}
