@@ -42,10 +42,12 @@ const (
 
 // WithBroker makes the allocator's segments come from the broker c is
 // connected to: expandable segments are switched on and every physical
-// handle is a chunk granted by the broker. fallbackLocal makes growth
-// create memory locally once the broker is gone, instead of failing. The
-// device must implement cudart.ShareableMemory. The allocator does not
-// close c unless Open made it.
+// handle is a chunk granted by the broker. If the connection is lost,
+// the next growth dials c's address again as c's tenant (at most once a
+// second); fallbackLocal makes growth create memory locally while no
+// broker answers, instead of failing. The device must implement
+// cudart.ShareableMemory. The allocator does not close c unless Open
+// made it; it closes the connections it dialled itself.
 func WithBroker(c *broker.Client, fallbackLocal bool) Option {
 	return func(o *options) { o.broker, o.brokerFallback = c, fallbackLocal }
 }
