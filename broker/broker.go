@@ -108,8 +108,9 @@ type chunk struct {
 	h      cudart.Handle
 	fd     int // Export's descriptor, made once: exporting costs far more than a grant
 	size   uint64
-	owner  string  // the tenant that last held it; "" when never held
-	holder *client // nil while cached
+	owner  string    // the tenant that last held it; "" when never held
+	holder *client   // nil while cached
+	cached time.Time // when it entered the cache, for Trim
 }
 
 type client struct {
@@ -352,6 +353,7 @@ func (d *device) takeCached(size uint64, tenant string) *chunk {
 
 func (d *device) putCached(ch *chunk) {
 	ch.holder = nil
+	ch.cached = time.Now()
 	d.cache[ch.size] = append(d.cache[ch.size], ch)
 	d.cachedBytes += ch.size
 }
@@ -386,6 +388,39 @@ func (b *Broker) create(d *device, size uint64) (*chunk, error) {
 		owner = ownerUnknown
 	}
 	return &chunk{id: b.nextID, dev: d, h: h, fd: fd, size: size, owner: owner}, nil
+}
+
+// Trim releases every cached chunk that has waited in its cache for
+// longer than idle, so that memory no client has asked for in that time
+// goes back to the driver, where processes that do not use the broker
+// can have it. It returns the bytes released. `allocd serve --broker`
+// calls it periodically (--broker-cache-idle).
+func (b *Broker) Trim(idle time.Duration) uint64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	cutoff := time.Now().Add(-idle)
+	var released uint64
+	for _, d := range b.devs {
+		for size, list := range d.cache {
+			kept := list[:0]
+			for _, ch := range list {
+				if ch.cached.Before(cutoff) {
+					d.cachedBytes -= ch.size
+					released += ch.size
+					b.releaseChunk(ch)
+				} else {
+					kept = append(kept, ch)
+				}
+			}
+			clear(list[len(kept):])
+			if len(kept) == 0 {
+				delete(d.cache, size)
+			} else {
+				d.cache[size] = kept
+			}
+		}
+	}
+	return released
 }
 
 // releaseCache releases every cached chunk of d.

@@ -770,3 +770,42 @@ func TestScrubFailureReleasesChunk(t *testing.T) {
 	a.Close()
 	c.Close()
 }
+
+// TestTrimReleasesIdleChunks: Trim releases the cached chunks that have
+// waited longer than asked, keeps the others and what clients hold, and
+// chunks made after a tenant's chunk went back to the driver are zeroed.
+func TestTrimReleasesIdleChunks(t *testing.T) {
+	h := startBroker(t, 1, 64*mib, nil)
+	a, b := h.dial("a"), h.dial("b")
+	grant := func(c *Client, size uint64) Chunk {
+		t.Helper()
+		ch, err := c.Grant(0, size)
+		if err != nil {
+			t.Fatal(err)
+		}
+		unix.Close(ch.FD)
+		return ch
+	}
+	old1, old2, kept := grant(a, 2*mib), grant(a, 4*mib), grant(a, 6*mib)
+	a.Return(old1.ID)
+	a.Return(old2.ID)
+	if n := h.b.Trim(time.Hour); n != 0 {
+		t.Fatalf("Trim(1h) released %d bytes of chunks cached just now", n)
+	}
+	time.Sleep(20 * time.Millisecond)
+	held := grant(a, 8*mib)
+	a.Return(held.ID) // cached just now
+	if n := h.b.Trim(10 * time.Millisecond); n != 6*mib {
+		t.Fatalf("Trim released %d bytes, want the two idle chunks' 6 MiB", n)
+	}
+	h.check()
+	st := h.b.Stats().Devices[0]
+	if st.CachedBytes != 8*mib || st.HeldBytes != 6*mib || st.Releases != 2 || st.Chunks != 2 {
+		t.Fatalf("after Trim: %+v", st)
+	}
+	if ch := grant(b, 2*mib); !ch.Scrubbed {
+		t.Fatal("a chunk made after a's chunks went back to the driver was not zeroed")
+	}
+	a.Return(kept.ID)
+	h.check()
+}

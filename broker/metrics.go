@@ -166,7 +166,7 @@ type Collector struct {
 
 	granted, quota, grants, refusals, returned, reclaimed *prometheus.Desc
 	clientsReclaimed, clients                             *prometheus.Desc
-	cached, deviceBytes, held                             *prometheus.Desc
+	cached, deviceBytes, held, creates, releases          *prometheus.Desc
 	scrubs, scrubbed, scrubSeconds                        *prometheus.Desc
 	reloads, lastReload, stopping, protoErrs              *prometheus.Desc
 	grantSeconds                                          *prometheus.Desc
@@ -190,6 +190,8 @@ func NewCollector(b *Broker) *Collector {
 		cached:           prometheus.NewDesc("allocd_broker_cached_bytes", "Chunks the broker holds and has granted to nobody.", dl, nil),
 		deviceBytes:      prometheus.NewDesc("allocd_broker_device_bytes", "Physical memory the broker holds on the GPU: granted plus cached.", dl, nil),
 		held:             prometheus.NewDesc("allocd_broker_held_bytes", "Chunks granted to clients on the GPU, all tenants.", dl, nil),
+		creates:          prometheus.NewDesc("allocd_broker_chunks_created_total", "Chunks the broker created on the GPU: grants its cache could not serve.", dl, nil),
+		releases:         prometheus.NewDesc("allocd_broker_chunks_released_total", "Chunks the broker released to the driver: trimmed after waiting in the cache, or its cache released for a grant that found the GPU full.", dl, nil),
 		scrubs:           prometheus.NewDesc("allocd_broker_scrubs_total", "Chunks zeroed before passing to another tenant.", dl, nil),
 		scrubbed:         prometheus.NewDesc("allocd_broker_scrubbed_bytes_total", "Bytes zeroed before passing to another tenant.", dl, nil),
 		scrubSeconds:     prometheus.NewDesc("allocd_broker_scrub_seconds_total", "Time spent zeroing chunks, mapping and waiting included.", dl, nil),
@@ -203,7 +205,7 @@ func NewCollector(b *Broker) *Collector {
 // Describe implements prometheus.Collector.
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.granted, c.quota, c.grants, c.refusals, c.returned, c.reclaimed, c.clientsReclaimed, c.clients,
-		c.cached, c.deviceBytes, c.held, c.scrubs, c.scrubbed, c.scrubSeconds, c.reloads, c.lastReload, c.stopping, c.protoErrs} {
+		c.cached, c.deviceBytes, c.held, c.creates, c.releases, c.scrubs, c.scrubbed, c.scrubSeconds, c.reloads, c.lastReload, c.stopping, c.protoErrs} {
 		ch <- d
 	}
 	for _, h := range c.b.grantHist.h {
@@ -241,6 +243,8 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.cached, gauge, float64(d.CachedBytes), gpu, d.UUID)
 		ch <- prometheus.MustNewConstMetric(c.deviceBytes, gauge, float64(d.DeviceBytes), gpu, d.UUID)
 		ch <- prometheus.MustNewConstMetric(c.held, gauge, float64(d.HeldBytes), gpu, d.UUID)
+		ch <- prometheus.MustNewConstMetric(c.creates, counter, float64(d.Creates), gpu, d.UUID)
+		ch <- prometheus.MustNewConstMetric(c.releases, counter, float64(d.Releases), gpu, d.UUID)
 		ch <- prometheus.MustNewConstMetric(c.scrubs, counter, float64(d.Scrubs), gpu, d.UUID)
 		ch <- prometheus.MustNewConstMetric(c.scrubbed, counter, float64(d.ScrubbedBytes), gpu, d.UUID)
 		ch <- prometheus.MustNewConstMetric(c.scrubSeconds, counter, d.ScrubTime.Seconds(), gpu, d.UUID)

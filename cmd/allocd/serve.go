@@ -144,6 +144,7 @@ console lines). The configuration comes from --conf or else ALLOCD_CONF.`,
 	fl.StringVar(&f.broker.socketGroup, "broker-socket-group", "", "with --broker: the socket's group (name or gid; default: the process's)")
 	fl.StringVar(&f.broker.tenants, "broker-tenants", "", "with --broker: the tenants file (YAML: names, quotas, uids), reloaded on SIGHUP; without it every tenant is accepted without a quota")
 	fl.DurationVar(&f.broker.tenantsPoll, "broker-tenants-poll", 10*time.Second, "with --broker-tenants: how often to look for a change of the file's content and reload it (0: on SIGHUP only)")
+	fl.DurationVar(&f.broker.cacheIdle, "broker-cache-idle", 5*time.Minute, "with --broker: release cached chunks no client has taken for this long, so processes that do not use the broker can have the memory (0: keep them)")
 	fl.DurationVar(&f.broker.stopTimeout, "broker-stop-timeout", 30*time.Second, "with --broker: on SIGTERM, how long to wait for clients to disconnect")
 	return cmd
 }

@@ -36,6 +36,7 @@ type brokerFlags struct {
 	socketGroup string        // --broker-socket-group
 	tenants     string        // --broker-tenants
 	tenantsPoll time.Duration // --broker-tenants-poll
+	cacheIdle   time.Duration // --broker-cache-idle
 	stopTimeout time.Duration // --broker-stop-timeout
 }
 
@@ -53,6 +54,8 @@ func checkBrokerFlags(f serveFlags) (mode os.FileMode, gid int, err error) {
 		return 0, 0, fmt.Errorf("--broker-socket %q: want an absolute path", b.socket)
 	case b.stopTimeout < 0 || b.stopTimeout > maxServeWait:
 		return 0, 0, fmt.Errorf("--broker-stop-timeout %v: expected a duration from 0 to %v", b.stopTimeout, maxServeWait)
+	case b.cacheIdle != 0 && (b.cacheIdle < 100*time.Millisecond || b.cacheIdle > 24*time.Hour):
+		return 0, 0, fmt.Errorf("--broker-cache-idle %v: expected 0 (keep the cache) or a duration from 100ms to 24h", b.cacheIdle)
 	case b.tenantsPoll != 0 && (b.tenantsPoll < 100*time.Millisecond || b.tenantsPoll > maxServeWait):
 		return 0, 0, fmt.Errorf("--broker-tenants-poll %v: expected 0 (reload on SIGHUP only) or a duration from 100ms to %v", b.tenantsPoll, maxServeWait)
 	}
@@ -81,7 +84,8 @@ func checkBrokerFlags(f serveFlags) (mode os.FileMode, gid int, err error) {
 // runBroker runs `allocd serve --broker` until a signal: the broker on
 // its socket, and /metrics, /healthz and /readyz on --listen. A signal
 // on hups (SIGHUP) reloads the tenants file, and so does a change of its
-// content found every --broker-tenants-poll; the first SIGINT or SIGTERM
+// content found every --broker-tenants-poll; cached chunks idle for
+// --broker-cache-idle go back to the driver; the first SIGINT or SIGTERM
 // on sigs stops granting and waits up to --broker-stop-timeout for the
 // clients to go.
 func runBroker(ctx context.Context, f serveFlags, stderr io.Writer, sigs, hups <-chan os.Signal) error {
@@ -170,10 +174,20 @@ func runBroker(ctx context.Context, f serveFlags, stderr io.Writer, sigs, hups <
 			log.Error("writing --ready-file", zap.Error(err))
 		}
 	}
+	var trim <-chan time.Time
+	if f.broker.cacheIdle > 0 {
+		tick := time.NewTicker(min(max(f.broker.cacheIdle/2, 10*time.Millisecond), 30*time.Second))
+		defer tick.Stop()
+		trim = tick.C
+	}
 	var exitErr error
 loop:
 	for {
 		select {
+		case <-trim:
+			if n := b.Trim(f.broker.cacheIdle); n > 0 {
+				log.Info("released chunks idle in the cache", zap.Uint64("bytes", n), zap.Duration("idle_for", f.broker.cacheIdle))
+			}
 		case <-hups:
 			if tf == nil {
 				log.Info("SIGHUP: no tenants file to reload (every tenant is accepted)")

@@ -183,6 +183,8 @@ func TestServeBrokerFlagErrors(t *testing.T) {
 		{func(f *serveFlags) { f.replay = "x.pickle" }, "no --replay"},
 		{func(f *serveFlags) { f.history = 10 }, "--history"},
 		{func(f *serveFlags) { f.broker.stopTimeout = -time.Second }, "--broker-stop-timeout"},
+		{func(f *serveFlags) { f.broker.cacheIdle = time.Millisecond }, "--broker-cache-idle"},
+		{func(f *serveFlags) { f.broker.tenantsPoll = -time.Second }, "--broker-tenants-poll"},
 	} {
 		f, _ := brokerTestFlags(t)
 		tc.edit(&f)
@@ -231,4 +233,48 @@ func TestServeBrokerPollsTenants(t *testing.T) {
 	}
 	sigs <- syscall.SIGTERM
 	<-exited
+}
+
+// TestServeBrokerTrimsCache: with --broker-cache-idle, chunks no client
+// takes go back to the driver, and the counters say so.
+func TestServeBrokerTrimsCache(t *testing.T) {
+	f, _ := brokerTestFlags(t)
+	f.broker.tenants = ""
+	f.broker.cacheIdle = 100 * time.Millisecond
+	sigs := make(chan os.Signal, 2)
+	var logs serveLogBuffer
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		if err := runBroker(context.Background(), f, &logs, sigs, nil); err != nil {
+			t.Error(err)
+		}
+	}()
+	addr := serveReadyAddr(t, f.readyFile, exited, &logs)
+	c, err := broker.Dial(context.Background(), "unix://"+f.broker.socket, "a", 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, err := c.Grant(0, 8<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(ch.FD)
+	if err := c.Return(ch.ID); err != nil {
+		t.Fatal(err)
+	}
+	const uuid = `UUID="SIM-00000000-0000-0000-0000-000000000000",gpu="0"`
+	serveWaitFor(t, 3*time.Second, "the idle chunk released", func() bool {
+		m := brokerScrape(t, addr)
+		return strings.Contains(m, `allocd_broker_chunks_released_total{`+uuid+`} 1`) && strings.Contains(m, `allocd_broker_cached_bytes{`+uuid+`} 0`)
+	})
+	if !strings.Contains(brokerScrape(t, addr), `allocd_broker_chunks_created_total{`+uuid+`} 1`) {
+		t.Error("chunks_created_total is not 1")
+	}
+	c.Close()
+	sigs <- syscall.SIGTERM
+	<-exited
+	if serveFindLog(logs.String(), "released chunks idle in the cache") == nil {
+		t.Error("no log line for the trim")
+	}
 }
