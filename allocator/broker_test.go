@@ -12,6 +12,7 @@ import (
 
 	"github.com/allocd/allocd/broker"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/internal/brokertest"
 	"github.com/allocd/allocd/simdev"
 )
 
@@ -26,48 +27,17 @@ func testBroker(t *testing.T, capacity uint64, tenants string) (string, *broker.
 // testBrokerN is testBroker over n devices, indexes 0 to n-1.
 func testBrokerN(t *testing.T, n int, capacity uint64, tenants string) (string, *broker.Broker) {
 	t.Helper()
-	dir, err := os.MkdirTemp("", "ab")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
 	var devs []cudart.Device
 	for i := range n {
 		sim, err := simdev.New(simdev.Config{Index: i, Capacity: capacity, Shared: true})
 		if err != nil {
 			t.Fatal(err)
 		}
+		t.Cleanup(func() { sim.Close() })
 		devs = append(devs, sim)
 	}
-	cfg := broker.Config{Devices: devs}
-	if tenants != "" {
-		if cfg.Tenants, err = broker.ParseTenants([]byte(tenants)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	b, err := broker.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sock := filepath.Join(dir, "b.sock")
-	l, err := broker.Listen(sock, 0o600, -1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go b.Serve(l)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		b.Stop(ctx)
-		if err := b.Check(); err != nil {
-			t.Errorf("broker Check: %v", err)
-		}
-		b.Close()
-		for _, d := range devs {
-			d.Close()
-		}
-	})
-	return "unix://" + sock, b
+	s := brokertest.Serve(t, devs, tenants)
+	return s.Addr(), s.B
 }
 
 func brokerAllocator(t *testing.T, addr, tenant string, cfg Config, opts ...Option) *Allocator {

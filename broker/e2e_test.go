@@ -4,7 +4,6 @@ import (
 	"context"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
@@ -14,6 +13,7 @@ import (
 	"github.com/allocd/allocd/broker"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/internal/allocscript"
+	"github.com/allocd/allocd/internal/brokertest"
 	"github.com/allocd/allocd/simdev"
 )
 
@@ -30,61 +30,24 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// e2eBroker serves a broker over one shared simulated device.
-type e2eBroker struct {
-	b    *broker.Broker
-	sock string
-	sim  *simdev.Sim
-}
-
-func startE2EBroker(t *testing.T, capacity uint64, tenantsYAML string) *e2eBroker {
+// startE2EBroker serves a broker over one shared simulated device of
+// capacity bytes.
+func startE2EBroker(t *testing.T, capacity uint64, tenantsYAML string) *brokertest.Server {
 	t.Helper()
-	dir, err := os.MkdirTemp("", "ab")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
 	sim, err := simdev.New(simdev.Config{Capacity: capacity, Shared: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	tenants, err := broker.ParseTenants([]byte(tenantsYAML))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := broker.New(broker.Config{Devices: []cudart.Device{sim}, Tenants: tenants})
-	if err != nil {
-		t.Fatal(err)
-	}
-	e := &e2eBroker{b: b, sock: filepath.Join(dir, "b.sock"), sim: sim}
-	l, err := broker.Listen(e.sock, 0o600, -1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go b.Serve(l)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if hs := b.Stop(ctx); len(hs) > 0 {
-			t.Errorf("clients left at the end: %+v", hs)
-		}
-		if err := b.Check(); err != nil {
-			t.Errorf("broker Check: %v", err)
-		}
-		if err := b.Close(); err != nil {
-			t.Error(err)
-		}
-		sim.Close()
-	})
-	return e
+	t.Cleanup(func() { sim.Close() })
+	return brokertest.Serve(t, []cudart.Device{sim}, tenantsYAML)
 }
 
 // startClient starts a client process connected to e as tenant.
-func (e *e2eBroker) startClient(t *testing.T, name, tenant string) *allocscript.TestChild {
+func startClient(t *testing.T, e *brokertest.Server, name, tenant string) *allocscript.TestChild {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), envE2EClient+"=1", "ALLOCD_DEVICE=sim", "ALLOCD_SIM_CAPACITY=1GiB",
-		"ALLOCD_BROKER=unix://"+e.sock, "ALLOCD_TENANT="+tenant, "ALLOCD_CONF=")
+		"ALLOCD_BROKER="+e.Addr(), "ALLOCD_TENANT="+tenant, "ALLOCD_CONF=")
 	cmd.Stderr = os.Stderr
 	return allocscript.StartTest(t, name, cmd)
 }
@@ -104,12 +67,12 @@ func tenantStats(b *broker.Broker, tenant string) broker.TenantStats {
 // processes as zeros; quotas hold exactly.
 func TestE2EFourProcessesExchangeMemory(t *testing.T) {
 	e := startE2EBroker(t, 128<<20, "tenants:\n  - name: red\n    quota: 24MiB\n  - name: blue\n    quota: 24MiB\n")
-	red1, blue1 := e.startClient(t, "red1", "red"), e.startClient(t, "blue1", "blue")
-	red2, blue2 := e.startClient(t, "red2", "red"), e.startClient(t, "blue2", "blue")
+	red1, blue1 := startClient(t, e, "red1", "red"), startClient(t, e, "blue1", "blue")
+	red2, blue2 := startClient(t, e, "red2", "red"), startClient(t, e, "blue2", "blue")
 	sizes := []string{"2097152", "6291456", "1048576", "4194304"} // 2, 6, 1, 4 MiB
 	check := func() {
 		t.Helper()
-		if err := e.b.Check(); err != nil {
+		if err := e.B.Check(); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -127,7 +90,7 @@ func TestE2EFourProcessesExchangeMemory(t *testing.T) {
 		return seen
 	}
 	round(red1, "0x11")
-	st := e.b.Stats().Devices[0]
+	st := e.B.Stats().Devices[0]
 	if st.HeldBytes != 0 || st.CachedBytes == 0 {
 		t.Fatalf("after red1: %+v", st)
 	}
@@ -141,7 +104,7 @@ func TestE2EFourProcessesExchangeMemory(t *testing.T) {
 	if seen := round(blue1, "0x22"); !slices.Equal(seen, []string{"0x00"}) {
 		t.Fatalf("blue1 read %v in memory red held before; want only zeros", seen)
 	}
-	st = e.b.Stats().Devices[0]
+	st = e.B.Stats().Devices[0]
 	if st.Creates != creates || st.Scrubs == 0 {
 		t.Fatalf("red2 and blue1 made %d chunks and %d scrubs; the cache should have served both, zeroing for blue", st.Creates-creates, st.Scrubs)
 	}
@@ -156,7 +119,7 @@ func TestE2EFourProcessesExchangeMemory(t *testing.T) {
 	}
 	// Quotas hold exactly: red holds 24 MiB, its quota; another red
 	// process gets nothing more, and its error names the quota.
-	if ts := tenantStats(e.b, "red"); ts.Granted != 24<<20 {
+	if ts := tenantStats(e.B, "red"); ts.Granted != 24<<20 {
 		t.Fatalf("red holds %d bytes, want 24 MiB", ts.Granted)
 	}
 	_, err := red2.Do("malloc 2097152")
@@ -173,7 +136,7 @@ func TestE2EFourProcessesExchangeMemory(t *testing.T) {
 		p.Must("check")
 		p.Quit()
 	}
-	waitBroker(t, e.b, time.Second, func(s broker.Stats) bool { return s.Devices[0].HeldBytes == 0 })
+	waitBroker(t, e.B, time.Second, func(s broker.Stats) bool { return s.Devices[0].HeldBytes == 0 })
 	check()
 }
 
@@ -194,25 +157,25 @@ func waitBroker(t *testing.T, b *broker.Broker, d time.Duration, cond func(broke
 // it at once.
 func TestE2EKillReturnsMemory(t *testing.T) {
 	e := startE2EBroker(t, 32<<20, "tenants:\n  - name: victim\n  - name: other\n")
-	victim := e.startClient(t, "victim", "victim")
+	victim := startClient(t, e, "victim", "victim")
 	victim.Must("malloc 16777216")
 	victim.Must("malloc 8388608")
 	victim.Must("fill 0x33")
-	other := e.startClient(t, "other", "other")
+	other := startClient(t, e, "other", "other")
 	if _, err := other.Do("malloc 16777216"); err == nil {
 		t.Fatal("the device had room for the other tenant beside the victim")
 	}
-	held := tenantStats(e.b, "victim").Granted
+	held := tenantStats(e.B, "victim").Granted
 	if held < 24<<20 {
 		t.Fatalf("victim holds %d bytes", held)
 	}
 	if err := victim.Process().Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	took := waitBroker(t, e.b, time.Second, func(s broker.Stats) bool { return s.Devices[0].HeldBytes == 0 })
+	took := waitBroker(t, e.B, time.Second, func(s broker.Stats) bool { return s.Devices[0].HeldBytes == 0 })
 	t.Logf("kill -9: %d bytes back in the cache after %v", held, took)
-	ts := tenantStats(e.b, "victim")
-	if ts.ReclaimedBytes != held || e.b.Stats().ClientsReclaimed["victim"] != 1 {
+	ts := tenantStats(e.B, "victim")
+	if ts.ReclaimedBytes != held || e.B.Stats().ClientsReclaimed["victim"] != 1 {
 		t.Fatalf("victim's figures after the kill: %+v", ts)
 	}
 	other.Must("malloc 16777216")
@@ -227,13 +190,13 @@ func TestE2EKillReturnsMemory(t *testing.T) {
 // made stay valid and new growth fails with a clear error.
 func TestE2EBrokerGone(t *testing.T) {
 	e := startE2EBroker(t, 128<<20, "tenants:\n  - name: a\n")
-	p := e.startClient(t, "a", "a")
+	p := startClient(t, e, "a", "a")
 	p.Must("malloc 8388608")
 	p.Must("fill 0x44")
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	e.b.Stop(ctx)
-	if err := e.b.Close(); err != nil {
+	e.B.Stop(ctx)
+	if err := e.B.Close(); err != nil {
 		t.Fatal(err)
 	}
 	if seen := p.Must("scan"); seen != "0x44" {

@@ -1,14 +1,11 @@
 package broker_test
 
 import (
-	"context"
 	"flag"
 	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
@@ -16,6 +13,7 @@ import (
 
 	"github.com/allocd/allocd/broker"
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/internal/brokertest"
 	"github.com/allocd/allocd/internal/scrapefile"
 	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/stats"
@@ -32,36 +30,10 @@ func brokerRegistry(t *testing.T) *prometheus.Registry {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tenants, _ := broker.ParseTenants([]byte("tenants:\n  - name: training\n    quota: 8MiB\n  - name: inference\n"))
-	b, err := broker.New(broker.Config{Devices: []cudart.Device{sim}, Tenants: tenants})
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir, _ := os.MkdirTemp("", "ab")
-	sock := filepath.Join(dir, "b.sock")
-	l, err := broker.Listen(sock, 0o600, -1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go b.Serve(l)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		b.Stop(ctx)
-		b.Close()
-		sim.Close()
-		os.RemoveAll(dir)
-	})
-	tr, err := broker.Dial(context.Background(), "unix://"+sock, "training", time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tr.Close()
-	inf, err := broker.Dial(context.Background(), "unix://"+sock, "inference", time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer inf.Close()
+	t.Cleanup(func() { sim.Close() })
+	srv := brokertest.Serve(t, []cudart.Device{sim}, "tenants:\n  - name: training\n    quota: 8MiB\n  - name: inference\n")
+	b := srv.B
+	tr, inf := srv.Dial(t, "training"), srv.Dial(t, "inference")
 	ch, err := tr.Grant(0, 8<<20)
 	if err != nil {
 		t.Fatal(err)

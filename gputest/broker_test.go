@@ -1,10 +1,8 @@
 package gputest
 
 import (
-	"context"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
@@ -16,6 +14,7 @@ import (
 	"github.com/allocd/allocd/broker"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/internal/allocscript"
+	"github.com/allocd/allocd/internal/brokertest"
 )
 
 // The node broker on a real GPU: its grants timed beside cudaMalloc, a
@@ -30,56 +29,6 @@ func TestMain(m *testing.M) {
 		os.Exit(allocscript.Run(os.Stdin, os.Stdout))
 	}
 	os.Exit(m.Run())
-}
-
-type gpuBroker struct {
-	b    *broker.Broker
-	sock string
-}
-
-func startGPUBroker(t *testing.T, dev cudart.Device, tenants string) *gpuBroker {
-	t.Helper()
-	dir, err := os.MkdirTemp("", "ab")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts, err := broker.ParseTenants([]byte(tenants))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := broker.New(broker.Config{Devices: []cudart.Device{dev}, Tenants: ts})
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := &gpuBroker{b: b, sock: filepath.Join(dir, "b.sock")}
-	l, err := broker.Listen(g.sock, 0o600, -1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go b.Serve(l)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		b.Stop(ctx)
-		if err := b.Check(); err != nil {
-			t.Errorf("broker Check: %v", err)
-		}
-		if err := b.Close(); err != nil {
-			t.Errorf("broker Close: %v", err)
-		}
-		os.RemoveAll(dir)
-	})
-	return g
-}
-
-func (g *gpuBroker) dial(t *testing.T, tenant string) *broker.Client {
-	t.Helper()
-	c, err := broker.Dial(context.Background(), "unix://"+g.sock, tenant, 30*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	return c
 }
 
 func quantiles(ds []time.Duration) (median, p99 time.Duration) {
@@ -130,11 +79,11 @@ func (m mappedChunk) drop(t *testing.T, dev *cudart.CUDA) {
 // beside cudaFree + cudaMalloc.
 func TestGPUBrokerLatency(t *testing.T) {
 	dev := shareableGPU(t)
-	g := startGPUBroker(t, dev, "tenants:\n  - name: lat\n  - name: xa\n  - name: xb\n")
+	g := brokertest.Serve(t, []cudart.Device{dev}, "tenants:\n  - name: lat\n  - name: xa\n  - name: xb\n")
 	// xa and xb hold nothing but the moving chunk, so each of their grants
 	// takes it, from the other tenant, zeroed; lat has chunks of its own
 	// cached and would take one of those.
-	c, xa, xb := g.dial(t, "lat"), g.dial(t, "xa"), g.dial(t, "xb")
+	c, xa, xb := g.Dial(t, "lat"), g.Dial(t, "xa"), g.Dial(t, "xb")
 	const n = 30
 	for _, size := range []uint64{2 * miB, 64 * miB} {
 		var fresh, cached, mallocs []time.Duration
@@ -269,13 +218,13 @@ func TestGPUBrokerLatency(t *testing.T) {
 		logFigure(t, "move_cross_tenant_scrubbed", size, cross)
 		logFigure(t, "cudaFree+cudaMalloc", size, freeMallocs)
 	}
-	st := g.b.Stats().Devices[0]
+	st := g.B.Stats().Devices[0]
 	t.Logf("broker: scrubs %d, %d bytes, %v", st.Scrubs, st.ScrubbedBytes, st.ScrubTime)
 }
 
 // child starts an allocscript client process on the GPU, connected to
 // g as tenant.
-func (g *gpuBroker) child(t *testing.T, name, tenant string) *allocscript.TestChild {
+func child(t *testing.T, g *brokertest.Server, name, tenant string) *allocscript.TestChild {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	var env []string
@@ -284,7 +233,7 @@ func (g *gpuBroker) child(t *testing.T, name, tenant string) *allocscript.TestCh
 			env = append(env, e)
 		}
 	}
-	cmd.Env = append(env, brokerChildEnv+"=1", "ALLOCD_BROKER=unix://"+g.sock, "ALLOCD_TENANT="+tenant)
+	cmd.Env = append(env, brokerChildEnv+"=1", "ALLOCD_BROKER="+g.Addr(), "ALLOCD_TENANT="+tenant)
 	cmd.Stderr = os.Stderr
 	return allocscript.StartTest(t, name, cmd)
 }
@@ -316,7 +265,7 @@ func waitHeld(t *testing.T, b *broker.Broker, tenant string, within time.Duratio
 // other process then gets without the broker creating any.
 func TestGPUBrokerProcesses(t *testing.T) {
 	dev := shareableGPU(t)
-	g := startGPUBroker(t, dev, "tenants:\n  - name: red\n    quota: 1GiB\n  - name: blue\n    quota: 1GiB\n  - name: victim\n  - name: heir\n")
+	g := brokertest.Serve(t, []cudart.Device{dev}, "tenants:\n  - name: red\n    quota: 1GiB\n  - name: blue\n    quota: 1GiB\n  - name: victim\n  - name: heir\n")
 	sizes := []string{"67108864", "20971520", "2097152", "4194304"}
 	round := func(p *allocscript.TestChild, mark string) []string {
 		for _, s := range sizes {
@@ -327,21 +276,21 @@ func TestGPUBrokerProcesses(t *testing.T) {
 		p.Must("check")
 		p.Must("free")
 		p.Must("empty")
-		if err := g.b.Check(); err != nil {
+		if err := g.B.Check(); err != nil {
 			t.Fatal(err)
 		}
 		return seen
 	}
-	red1, red2, blue1 := g.child(t, "red1", "red"), g.child(t, "red2", "red"), g.child(t, "blue1", "blue")
+	red1, red2, blue1 := child(t, g, "red1", "red"), child(t, g, "red2", "red"), child(t, g, "blue1", "blue")
 	round(red1, "0x11")
-	creates := g.b.Stats().Devices[0].Creates
+	creates := g.B.Stats().Devices[0].Creates
 	if seen := round(red2, "0x12"); !slices.Contains(seen, "0x11") {
 		t.Fatalf("red2 did not get red1's chunks as they were: saw %v", seen)
 	}
 	if seen := round(blue1, "0x22"); !slices.Equal(seen, []string{"0x00"}) {
 		t.Fatalf("blue1 read %v in memory red held before; want only zeros", seen)
 	}
-	if st := g.b.Stats().Devices[0]; st.Creates != creates || st.Scrubs == 0 {
+	if st := g.B.Stats().Devices[0]; st.Creates != creates || st.Scrubs == 0 {
 		t.Fatalf("the cache did not serve red2 and blue1: %d chunks made, %d scrubs", st.Creates-creates, st.Scrubs)
 	}
 	red1.Must("malloc 1073741824")
@@ -352,18 +301,18 @@ func TestGPUBrokerProcesses(t *testing.T) {
 	red1.Must("empty")
 	t.Log("broker: processes exchanged memory: same tenant as it was, other tenant zeroed, quota exact")
 
-	victim, heir := g.child(t, "victim", "victim"), g.child(t, "heir", "heir")
+	victim, heir := child(t, g, "victim", "victim"), child(t, g, "heir", "heir")
 	victim.Must("malloc 2147483648")
 	victim.Must("fill 0x5a")
 	free0, _, err := dev.MemGetInfo()
 	if err != nil {
 		t.Fatal(err)
 	}
-	creates = g.b.Stats().Devices[0].Creates
+	creates = g.B.Stats().Devices[0].Creates
 	if err := victim.Process().Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	took := waitHeld(t, g.b, "victim", time.Second)
+	took := waitHeld(t, g.B, "victim", time.Second)
 	heir.Must("malloc 2147483648")
 	if seen := heir.Must("scan"); strings.Contains(seen, "0x5a") {
 		t.Fatalf("the heir read the killed victim's bytes: %s", seen)
@@ -372,7 +321,7 @@ func TestGPUBrokerProcesses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st := g.b.Stats().Devices[0]
+	st := g.B.Stats().Devices[0]
 	t.Logf("broker: kill9 2GiB reclaimed_ms=%.1f; the heir's 2 GiB came from the cache: %d chunks made; device free before %d MiB, after %d MiB",
 		float64(took.Microseconds())/1e3, st.Creates-creates, free0>>20, free1>>20)
 	if st.Creates != creates {
