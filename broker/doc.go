@@ -22,15 +22,18 @@
 // connected, because a live process cut off for a protocol error may
 // still have its chunks mapped, and a dead one has none. A crashed or
 // killed client's memory is back in the cache as soon as its process is
-// gone.
+// gone. Cached chunks that no client takes go back to the driver when
+// Trim finds them idle, so that programs that do not use the broker can
+// have the memory.
 //
 // # Tenants, quotas and identity
 //
 // A client names its tenant in its Hello; the broker knows its pid and
 // uid from SO_PEERCRED. The tenants file (Tenants) lists each tenant,
-// its quota on each GPU and, optionally, the uids that may use it; it
-// is read again on SIGHUP, and a file with any error leaves the policy
-// in force. A grant that would take a tenant over its quota is refused
+// its quota on each GPU and, optionally, the uids that may use it;
+// `allocd serve --broker` reads it again on SIGHUP and when its content
+// changes (TenantsFile), and a file with any error leaves the policy in
+// force (SetTenants, ReloadFailed). A grant that would take a tenant over its quota is refused
 // with a message naming the tenant, the quota and its use; the client's
 // allocator treats it as out of memory, empties its own caches (their
 // chunks go back) and asks once more before it fails.
