@@ -471,6 +471,11 @@ func readFrame(r io.Reader, buf []byte) ([]byte, error) {
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
 		return nil, err
 	}
+	return readFrameRest(r, hdr, buf)
+}
+
+// readFrameRest is readFrame once the length hdr has been read.
+func readFrameRest(r io.Reader, hdr [4]byte, buf []byte) ([]byte, error) {
 	n := binary.LittleEndian.Uint32(hdr[:])
 	if n == 0 || n > MaxFrame {
 		return nil, protoErr("frame length %d: want 1 to %d", n, MaxFrame)

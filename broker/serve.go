@@ -1,7 +1,6 @@
 package broker
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -246,12 +245,18 @@ func readReason(err error) string {
 // gives the rest FrameTimeout.
 func (b *Broker) readRequest(conn *net.UnixConn, buf []byte) ([]byte, error) {
 	_ = conn.SetReadDeadline(time.Time{})
-	var first [1]byte
-	if _, err := io.ReadFull(conn, first[:]); err != nil {
+	var hdr [4]byte
+	if _, err := io.ReadFull(conn, hdr[:1]); err != nil {
 		return nil, err
 	}
 	_ = conn.SetReadDeadline(time.Now().Add(b.cfg.FrameTimeout))
-	return readFrame(io.MultiReader(bytes.NewReader(first[:]), conn), buf)
+	if _, err := io.ReadFull(conn, hdr[1:]); err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return nil, err
+	}
+	return readFrameRest(conn, hdr, buf)
 }
 
 func (b *Broker) write(conn *net.UnixConn, m Message, fd int) error {
