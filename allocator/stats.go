@@ -207,6 +207,38 @@ func (s *Stats) Flat() map[string]int64 {
 	return m
 }
 
+// AccumulatedSince returns s with its accumulated totals counted from
+// base, a Stats of the same allocator taken earlier: each Stat's Allocated
+// and Freed, NumAllocRetries, NumOOMs, NumSyncAllStreams, NumDeviceAlloc and
+// NumDeviceFree less base's. These are what PyTorch's
+// reset_accumulated_memory_stats sets to zero; currents, peaks and every
+// other field are s's. So a view that keeps a base taken at its reset
+// shows PyTorch's figures while the allocator's own counters, which
+// Prometheus reads, stay monotonic. After such a reset a Stat's Current is
+// no longer Allocated − Freed, as in PyTorch.
+func (s Stats) AccumulatedSince(base *Stats) Stats {
+	arrs, bases := s.namedArrays(), base.namedArrays()
+	for i := range arrs {
+		for p := range numPools {
+			arrs[i].a[p].Allocated -= bases[i].a[p].Allocated
+			arrs[i].a[p].Freed -= bases[i].a[p].Freed
+		}
+	}
+	for _, st := range [...]struct{ s, b *Stat }{
+		{&s.OversizeAllocations, &base.OversizeAllocations},
+		{&s.OversizeSegments, &base.OversizeSegments},
+	} {
+		st.s.Allocated -= st.b.Allocated
+		st.s.Freed -= st.b.Freed
+	}
+	s.NumAllocRetries -= base.NumAllocRetries
+	s.NumOOMs -= base.NumOOMs
+	s.NumSyncAllStreams -= base.NumSyncAllStreams
+	s.NumDeviceAlloc -= base.NumDeviceAlloc
+	s.NumDeviceFree -= base.NumDeviceFree
+	return s
+}
+
 func putStat(m map[string]int64, prefix string, s Stat) {
 	m[prefix+".current"] = s.Current
 	m[prefix+".peak"] = s.Peak

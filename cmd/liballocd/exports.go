@@ -221,10 +221,7 @@ func liballocd_go_memory_summary(device C.int, abbreviated C.int, buf *C.char, n
 		return copyOut("", buf, n)
 	}
 	var b bytes.Buffer
-	var st allocator.Stats // zero for a device not created
-	if a := l.alloc(int(device)); a != nil {
-		st = a.Stats()
-	}
+	st := l.deviceStats(int(device))
 	_ = stats.WriteSummary(&b, st, int(device), abbreviated != 0)
 	return copyOut(b.String(), buf, n)
 }

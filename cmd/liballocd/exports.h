@@ -24,6 +24,11 @@ int liballocd_go_reset_peak_stats(int device);
 int liballocd_go_record_history(int enabled, long long max_entries, int stack_depth);
 int liballocd_go_dump_snapshot(char *path);
 size_t liballocd_go_metrics_address(char *buf, size_t n);
+long long liballocd_go_device_stats(int device, long long *buf, size_t n);
+int liballocd_go_reset_accumulated_stats(int device);
+double liballocd_go_memory_fraction(int device);
+long long liballocd_go_largest_free_block(int device);
+long long liballocd_go_snapshot_flat(int traces, long long *buf, size_t n);
 #pragma GCC visibility pop
 
 #endif

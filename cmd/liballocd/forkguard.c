@@ -123,3 +123,40 @@ API size_t allocd_metrics_address(char *buf, size_t n) {
 	FORKED(copy_out("", buf, n));
 	return liballocd_go_metrics_address(buf, n);
 }
+
+// The exports allocd_torch's CUDAAllocator answers torch's own APIs with
+// (torchapi.go gives the layouts of the arrays).
+
+// allocd_device_stats writes device's statistics as c10's DeviceStats
+// fields, n values at most, and returns how many there are; -1 with
+// allocd_last_error.
+API long long allocd_device_stats(int device, long long *buf, size_t n) {
+	FORKED(-1);
+	return liballocd_go_device_stats(device, buf, n);
+}
+
+// allocd_reset_accumulated_stats: torch.cuda.reset_accumulated_memory_stats.
+API int allocd_reset_accumulated_stats(int device) {
+	FORKED(-1);
+	return liballocd_go_reset_accumulated_stats(device);
+}
+
+// allocd_memory_fraction: torch.cuda.get_per_process_memory_fraction (1 when unset).
+API double allocd_memory_fraction(int device) {
+	FORKED(1);
+	return liballocd_go_memory_fraction(device);
+}
+
+// allocd_largest_free_block: the largest cached free block of device, in bytes.
+API long long allocd_largest_free_block(int device) {
+	FORKED(0);
+	return liballocd_go_largest_free_block(device);
+}
+
+// allocd_snapshot_flat writes the snapshot of every device as int64 values
+// when n holds them all, and returns how many there are; -1 with
+// allocd_last_error.
+API long long allocd_snapshot_flat(int traces, long long *buf, size_t n) {
+	FORKED(-1);
+	return liballocd_go_snapshot_flat(traces, buf, n);
+}

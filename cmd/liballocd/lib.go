@@ -120,6 +120,11 @@ type lib struct {
 	devs    *allocator.Devices // device indexes 0..maxDevices-1, each created on first use
 	bad     [maxDevices][numReasons]atomic.Int64
 	metrics *metricsServer // nil without metrics_listen
+	// accBase holds, per device, the statistics at its last
+	// reset_accumulated_memory_stats (nil: never reset): torch's views
+	// count their totals from it (deviceStats), the allocator's own
+	// counters and the metrics never go back.
+	accBase [maxDevices]atomic.Pointer[allocator.Stats]
 }
 
 var (
@@ -284,8 +289,17 @@ func (l *lib) malloc(size uint64, device int, stream cudart.Stream) (cudart.Ptr,
 // free frees p on device. A bad free (an unknown pointer, a double free, a
 // pointer of another device: allocator.Devices.FreeOn names its owner)
 // changes nothing; it is counted and logged, and returned.
+//
+// A negative device means the caller does not know it (allocd_torch's
+// CUDAAllocator keeps no map of its pointers): the allocator whose device
+// handed p out frees it (Devices.Free).
 func (l *lib) free(p cudart.Ptr, device int) error {
-	err := l.devs.FreeOn(device, p)
+	var err error
+	if device < 0 {
+		err = l.devs.Free(p)
+	} else {
+		err = l.devs.FreeOn(device, p)
+	}
 	if err == nil {
 		return nil
 	}
@@ -298,8 +312,8 @@ func (l *lib) free(p cudart.Ptr, device int) error {
 	case errors.Is(err, allocator.ErrUnknownPointer), errors.Is(err, allocator.ErrNoSuchDevice):
 		reason = reasonUnknown
 	}
-	if device >= 0 && device < maxDevices {
-		l.bad[device][reason].Add(1)
+	if counted := max(device, 0); counted < maxDevices { // a free of no known device counts on device 0
+		l.bad[counted][reason].Add(1)
 	}
 	l.badLog.Warn("bad free", zap.String("reason", reasonNames[reason]), zap.Int("device", device),
 		zap.String("ptr", fmt.Sprintf("%#x", uint64(p))), zap.Error(err))
@@ -329,13 +343,40 @@ func (l *lib) badFrees(device int) int64 {
 	return n
 }
 
-// flatStats returns device's statistics (zero for a device not created)
-// as torch.cuda.memory_stats()'s flat keys plus num_bad_frees.
-func (l *lib) flatStats(device int) map[string]int64 {
+// deviceStats returns device's statistics as torch's views show them
+// (zero for a device not created): the accumulated totals count from the
+// last resetAccumulatedStats.
+func (l *lib) deviceStats(device int) allocator.Stats {
 	var st allocator.Stats
 	if a := l.alloc(device); a != nil {
 		st = a.Stats()
+		if device >= 0 && device < maxDevices {
+			if base := l.accBase[device].Load(); base != nil {
+				st = st.AccumulatedSince(base)
+			}
+		}
 	}
+	return st
+}
+
+// resetAccumulatedStats makes device's accumulated totals, as torch's views
+// show them, start again from zero (PyTorch's
+// reset_accumulated_memory_stats). A device not created has none.
+func (l *lib) resetAccumulatedStats(device int) error {
+	if device < 0 || device >= maxDevices {
+		return fmt.Errorf("allocd: reset_accumulated_memory_stats: device %d: index outside 0..%d: %w", device, maxDevices-1, allocator.ErrNoSuchDevice)
+	}
+	if a := l.alloc(device); a != nil {
+		st := a.Stats()
+		l.accBase[device].Store(&st)
+	}
+	return nil
+}
+
+// flatStats returns device's statistics (zero for a device not created)
+// as torch.cuda.memory_stats()'s flat keys plus num_bad_frees.
+func (l *lib) flatStats(device int) map[string]int64 {
+	st := l.deviceStats(device)
 	m := st.Flat()
 	m["num_bad_frees"] = l.badFrees(device)
 	return m

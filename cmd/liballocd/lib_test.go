@@ -37,6 +37,8 @@ var abi = []string{
 	"allocd_max_memory_allocated", "allocd_max_memory_reserved",
 	"allocd_reset_peak_stats", "allocd_record_history", "allocd_dump_snapshot",
 	"allocd_metrics_address",
+	"allocd_device_stats", "allocd_reset_accumulated_stats", "allocd_memory_fraction",
+	"allocd_largest_free_block", "allocd_snapshot_flat",
 }
 
 // goToolchainSymbol reports the dynamic symbols every cgo c-shared library
@@ -437,6 +439,16 @@ func TestReleaseStream(t *testing.T) {
 	if want := `"msg":"device allocator created","gpu":0,"conf":"defaults"`; !strings.Contains(stderr, want) {
 		t.Errorf("stderr lacks %s:\n%s", want, stderr)
 	}
+}
+
+// TestTorchAPI runs testdata/torchapi.c, which checks the exports
+// allocd_torch's CUDAAllocator answers torch's own APIs with: the device
+// statistics in c10's DeviceStats layout, the reset of accumulated totals,
+// the memory fraction, the largest free block, the flat snapshot, and a
+// free whose device the caller does not know.
+func TestTorchAPI(t *testing.T) {
+	runCTest(t, "torchapi", "ALLOCD_DEVICE=sim:2", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=",
+		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=warn")
 }
 
 // TestFork runs testdata/fork.c: 20 forks while 4 threads are inside the
