@@ -181,13 +181,26 @@ func (m *granuleMap) withSpan(dir *directory, start, end uint64, sh *shard, addi
 	// The new region table: a copy of m's with the changed regions'
 	// pages, rebuilt when a region is left empty (an open-addressing table
 	// drops a key by rebuilding) or the table would pass half full.
-	nm := &granuleMap{mask: 7}
-	if m != nil && len(m.keys) > 0 {
-		nm.keys, nm.pages, nm.mask = slices.Clone(m.keys), slices.Clone(m.pages), m.mask
-	} else {
-		nm.keys, nm.pages = make([]uint64, 8), make([]*dirPage, 8)
+	// The copy has room for every changed region at most half full, so
+	// that the loop below always finds an empty slot: a segment may span
+	// up to mapMaxRegions regions, more than a small table's slots.
+	count, rebuild := m.regions(), false
+	size := 8
+	for size < 2*(count+len(changed)) {
+		size <<= 1
 	}
-	count, rebuild := nm.regions(), false
+	var nm *granuleMap
+	if m != nil && len(m.keys) >= size {
+		nm = &granuleMap{keys: slices.Clone(m.keys), pages: slices.Clone(m.pages), mask: m.mask}
+	} else {
+		nm = &granuleMap{keys: make([]uint64, size), pages: make([]*dirPage, size), mask: uint64(size - 1)}
+		m.each(func(r uint64, pg *dirPage) {
+			if pg != nil {
+				i := nm.slot(r + 1)
+				nm.keys[i], nm.pages[i] = r+1, pg
+			}
+		})
+	}
 	for _, c := range changed {
 		if c.pg != nil && !adding && c.pg.empty() {
 			c.pg = nil
