@@ -6,10 +6,15 @@ Switch it on before any CUDA use in the process::
     allocd_torch.enable()
 
 Then torch's allocations go through allocd (liballocd.so, a caching allocator in the
-style of PyTorch's own), x.record_stream(s), torch.cuda.empty_cache() and
-torch.cuda.set_per_process_memory_fraction() are honoured, an out-of-memory raises
-torch.OutOfMemoryError with allocd's message, and torch.cuda.memory_stats() and its
-relatives report allocd's figures (they raise under a bare pluggable allocator).
+style of PyTorch's own), installed as torch's own CUDA allocator: a C++ class derived from
+c10's CUDAAllocator, compiled once per torch version. torch's own APIs answer from allocd,
+unpatched: torch.cuda.memory_stats() and its relatives, memory_summary(),
+reset_peak_memory_stats() and reset_accumulated_memory_stats(), torch.cuda.memory._snapshot()
+and _dump_snapshot(), _record_memory_history() (with Python frames), empty_cache(),
+set_per_process_memory_fraction(), x.record_stream(s) and caching_allocator_alloc(). An
+out-of-memory raises torch.OutOfMemoryError with allocd's message.
+
+The functions below are allocd's own views, with allocd's extra statistics.
 
 Importing this package does not import torch; enable() does.
 """
@@ -25,7 +30,7 @@ __all__ = [
 ]
 
 
-def enable(conf=None, metrics_listen=None, *, patch_torch=True):
+def enable(conf=None, metrics_listen=None, *, patch_torch=None):
     """Make allocd torch's CUDA allocator. Must run before CUDA is initialised in the process.
 
     conf: allocd's configuration, written like PYTORCH_CUDA_ALLOC_CONF
@@ -33,17 +38,16 @@ def enable(conf=None, metrics_listen=None, *, patch_torch=True):
     metrics_listen: "host:port" to serve /metrics and the debug pages from inside the
     process ("127.0.0.1:0" picks a free port, see metrics_address()); None reads
     ALLOCD_METRICS_LISTEN; "" serves nothing.
-    patch_torch: replace torch.cuda.memory_stats, memory_allocated, memory_reserved,
-    max_memory_allocated, max_memory_reserved, reset_peak_memory_stats, memory_summary
-    (and their torch.cuda.memory aliases) by allocd's.
+    patch_torch: ignored (torch's functions are no longer replaced: they answer from allocd
+    through torch's own code); kept so that existing calls keep working.
 
     A second call with the same arguments does nothing; with others it raises.
     Raises RuntimeError when CUDA (or torch's allocator) is already initialised,
-    LibraryError when liballocd.so is missing or fails, BuildError when the C++ hooks
+    LibraryError when liballocd.so is missing or fails, BuildError when the C++ allocator
     cannot be compiled (see ALLOCD_TORCH_ALLOW_NO_HOOKS in the docs).
     """
     from . import _torch
-    _torch.enable(conf, metrics_listen, patch_torch=patch_torch)
+    _torch.enable(conf, metrics_listen)
 
 
 def is_enabled():
@@ -53,7 +57,8 @@ def is_enabled():
 
 
 def hooks_installed():
-    """Whether the C++ hooks are in use (False only under ALLOCD_TORCH_ALLOW_NO_HOOKS=1 fallback)."""
+    """Whether allocd's C++ allocator is torch's allocator (False only under the
+    ALLOCD_TORCH_ALLOW_NO_HOOKS=1 fallback, behind torch's CUDAPluggableAllocator)."""
     from . import _torch
     st = _torch.state()
     return bool(st and st.hooks is not None)
@@ -136,19 +141,22 @@ def release_stream(stream, device=None):
 
 
 def record_memory_history(enabled=True, max_entries=100_000, stacks=0):
-    """Switch allocd's allocation history (for dump_snapshot) on or off, on every device.
+    """Switch allocd's own allocation history (for dump_snapshot) on or off, on every device.
+
+    For Python frames use torch's own torch.cuda.memory._record_memory_history(stacks="python")
+    and torch.cuda.memory._snapshot() / _dump_snapshot(): they work under allocd.
 
     enabled: True/False, or torch's spellings "all"/"state" (on) and None (off).
     max_entries: the length of the trace ring per device.
-    stacks: the number of Go stack frames kept per event (0: none). Python stacks are
-    NOT recorded: allocd sees only the C++ call from torch, not the Python code behind it.
-    A string (torch's "python"/"all") is accepted for compatibility and records no stacks.
+    stacks: the number of Go stack frames kept per event (0: none). A string (torch's
+    "python"/"all") is accepted for compatibility and records no stacks here.
     """
     import warnings
     on = enabled not in (None, False, 0)
     if isinstance(stacks, str):
-        warnings.warn("allocd_torch.record_memory_history: Python stacks are not recorded; "
-                      f"stacks={stacks!r} records no stack frames", stacklevel=2)
+        warnings.warn("allocd_torch.record_memory_history records no Python stacks; use torch's "
+                      f"torch.cuda.memory._record_memory_history(stacks={stacks!r}), which does under allocd",
+                      stacklevel=2)
         stacks = 0
     _library().record_history(on, max_entries, stacks)
 

@@ -11,8 +11,6 @@ ALLOW_NO_HOOKS_ENV = "ALLOCD_TORCH_ALLOW_NO_HOOKS"
 # Test-only: leave x.record_stream(s) unhooked, to show that the record_stream test can fail.
 SKIP_RECORD_STREAM_ENV = "ALLOCD_TORCH_TEST_SKIP_RECORD_STREAM_HOOK"
 
-_HOOK_RECORD_STREAM, _HOOK_RESET, _HOOK_FRACTION = 1, 2, 4
-
 TOO_LATE = (
     "allocd_torch.enable() must run before CUDA is initialised in this process, but {why}. "
     "Call it first thing, right after `import torch` and before anything touches CUDA "
@@ -21,12 +19,11 @@ TOO_LATE = (
 
 
 class _State:
-    def __init__(self, lib, args, hooks, allocator, patched):
+    def __init__(self, lib, args, hooks, allocator):
         self.lib = lib
         self.args = args              # (conf, metrics_listen)
-        self.hooks = hooks            # ctypes.CDLL of _hooks.so, or None (fallback)
-        self.allocator = allocator    # torch.cuda.memory._CUDAAllocator: kept alive
-        self.patched = patched        # names patched in torch.cuda and torch.cuda.memory
+        self.hooks = hooks            # ctypes.CDLL of _allocator.so, or None (fallback)
+        self.allocator = allocator    # the fallback's torch.cuda.memory._CUDAAllocator, kept alive; else None
 
 
 _state = None
@@ -104,33 +101,54 @@ def _torch_build_inputs(torch):
     return includes, [libdir], ["torch_cuda", "c10_cuda", "c10", "torch"], [f"_GLIBCXX_USE_CXX11_ABI={abi}"]
 
 
+# liballocd.so's functions that the C++ allocator calls, in the order of allocd_torch::Lib
+# in _allocator.cpp.
+LIB_FUNCTIONS = ("allocd_torch_malloc", "allocd_torch_free", "allocd_torch_record_stream",
+                 "allocd_torch_empty_cache", "allocd_torch_set_memory_fraction", "allocd_last_error",
+                 "allocd_device_stats", "allocd_reset_peak_stats", "allocd_reset_accumulated_stats",
+                 "allocd_memory_fraction", "allocd_largest_free_block", "allocd_snapshot_flat",
+                 "allocd_record_history")
+_SETUP_IGNORE_RECORD_STREAM = 1
+
+
 def _load_hooks(torch):
-    """The compiled _hooks.so as a ctypes.CDLL, or None under the ALLOCD_TORCH_ALLOW_NO_HOOKS fallback."""
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hooks.cpp")
+    """The compiled _allocator.so as a ctypes.CDLL, or None under the ALLOCD_TORCH_ALLOW_NO_HOOKS fallback."""
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_allocator.cpp")
     try:
         inc, libdirs, libs, defines = _torch_build_inputs(torch)
-        path = _build.build(source, "_hooks.so", torch.__version__, inc, libdirs, libs, defines)
+        path = _build.build(source, "_allocator.so", torch.__version__, inc, libdirs, libs, defines)
         dll = ctypes.CDLL(path)
     except (_build.BuildError, OSError) as e:
         if os.environ.get(ALLOW_NO_HOOKS_ENV) == "1":
-            _loud(f"{e}\n{ALLOW_NO_HOOKS_ENV}=1: running WITHOUT allocd's C++ hooks. An out-of-memory "
-                  "then gives a tensor at address 0 instead of torch.OutOfMemoryError; x.record_stream(), "
-                  "torch.cuda.empty_cache() and set_per_process_memory_fraction() are NOT honoured "
-                  "(memory may be reused while another stream still reads it; use allocd_torch.empty_cache()). "
-                  "Install g++ to fix.")
+            _loud(f"{e}\n{ALLOW_NO_HOOKS_ENV}=1: running WITHOUT allocd's C++ allocator, behind torch's "
+                  "CUDAPluggableAllocator. An out-of-memory then gives a tensor at address 0 instead of "
+                  "torch.OutOfMemoryError; x.record_stream(), torch.cuda.empty_cache() and "
+                  "set_per_process_memory_fraction() are NOT honoured (memory may be reused while another "
+                  "stream still reads it; use allocd_torch.empty_cache()); torch.cuda.memory_stats() and "
+                  "the snapshot APIs raise (use allocd_torch's). Install g++ to fix.")
             return None
         if isinstance(e, _build.BuildError):
             raise _build.BuildError(f"{e}\nallocd_torch needs g++ (or $CXX) once per torch version to build its "
-                                    f"hooks; set {ALLOW_NO_HOOKS_ENV}=1 to run without them (see the docs for "
-                                    "what is then lost).") from None
-        raise _build.BuildError(f"loading the compiled hooks failed: {e}") from e
-    dll.allocd_hooks_setup.restype = ctypes.c_int
-    dll.allocd_hooks_setup.argtypes = [ctypes.c_void_p] * 6
-    dll.allocd_hooks_attach.restype = ctypes.c_int
-    dll.allocd_hooks_attach.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    dll.allocd_hooks_allocator_state.restype = ctypes.c_int
-    dll.allocd_hooks_allocator_state.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+                                    f"C++ allocator; set {ALLOW_NO_HOOKS_ENV}=1 to run without it (see the docs "
+                                    "for what is then lost).") from None
+        raise _build.BuildError(f"loading the compiled allocator failed: {e}") from e
+    dll.allocd_alloc_setup.restype = ctypes.c_int
+    dll.allocd_alloc_setup.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+                                       ctypes.c_int]
+    dll.allocd_alloc_install.restype = ctypes.c_int
+    dll.allocd_alloc_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    dll.allocd_alloc_state.restype = ctypes.c_int
+    dll.allocd_alloc_state.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     return dll
+
+
+def _expandable(conf):
+    """Whether allocd's configuration string asks for expandable segments."""
+    for item in (conf or "").split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() in ("true", "1")
+    return False
 
 
 def _loud(msg):
@@ -144,18 +162,18 @@ def _check_not_initialised(torch, hooks):
         raise RuntimeError(TOO_LATE.format(why="CUDA is already initialised (torch.cuda.is_initialized() is True)"))
     if hooks is not None:
         buf = ctypes.create_string_buffer(256)
-        rc = hooks.allocd_hooks_allocator_state(buf, 256)
+        rc = hooks.allocd_alloc_state(buf, 256)
         name = buf.value.decode("utf-8", "replace")
         if rc < 0:
             raise RuntimeError(f"allocd_torch: reading torch's current allocator failed: {name}")
-        if name == "pluggable":
-            raise RuntimeError("allocd_torch.enable(): another pluggable CUDA allocator is already installed "
+        if name not in ("native", "cudaMallocAsync", ""):
+            raise RuntimeError(f"allocd_torch.enable(): another CUDA allocator ({name!r}) is already installed "
                                "in this process; torch can swap its allocator only once")
         if rc == 1:
             raise RuntimeError(TOO_LATE.format(why=f"torch's current CUDA allocator ({name!r}) is already initialised"))
 
 
-def enable(conf, metrics_listen, *, patch_torch=True):
+def enable(conf, metrics_listen):
     global _state
     with _lock:
         args = (conf, metrics_listen)
@@ -181,49 +199,27 @@ def enable(conf, metrics_listen, *, patch_torch=True):
             _loud(f"PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']!r} is ignored under allocd; "
                   "configure allocd with ALLOCD_CONF (same syntax) or enable(conf=...)")
         lib.init(conf, metrics_listen)
+        allocator = None
         if hooks is not None:
-            rc = hooks.allocd_hooks_setup(lib.address("allocd_torch_malloc"), lib.address("allocd_torch_free"),
-                                          lib.address("allocd_torch_record_stream"),
-                                          lib.address("allocd_torch_empty_cache"),
-                                          lib.address("allocd_torch_set_memory_fraction"),
-                                          lib.address("allocd_last_error"))
-            if rc != 0:
-                raise RuntimeError("allocd_torch: allocd_hooks_setup failed (a null function pointer, or "
+            flags = 0
+            if os.environ.get(SKIP_RECORD_STREAM_ENV) == "1":
+                flags |= _SETUP_IGNORE_RECORD_STREAM
+                _loud(f"{SKIP_RECORD_STREAM_ENV}=1 (a test switch): x.record_stream() is NOT honoured")
+            fns = (ctypes.c_void_p * len(LIB_FUNCTIONS))(*[lib.address(n) for n in LIB_FUNCTIONS])
+            settings = conf if conf is not None else os.environ.get("ALLOCD_CONF", "")
+            if hooks.allocd_alloc_setup(fns, len(LIB_FUNCTIONS), settings.encode(), int(_expandable(settings)),
+                                        flags) != 0:
+                raise RuntimeError("allocd_torch: allocd_alloc_setup failed (a null function pointer, or "
                                    "pthread_atfork failed)")
-            alloc_addr = ctypes.cast(hooks.allocd_hooks_malloc, ctypes.c_void_p).value
-            free_addr = ctypes.cast(hooks.allocd_hooks_free, ctypes.c_void_p).value
+            err = ctypes.create_string_buffer(1024)
+            if hooks.allocd_alloc_install(err, 1024) != 0:
+                raise RuntimeError(TOO_LATE.format(why="torch refused to swap its allocator "
+                                                       f"({err.value.decode('utf-8', 'replace')})"))
         else:
             alloc_addr, free_addr = lib.address("allocd_torch_malloc"), lib.address("allocd_torch_free")
-        allocator = torch.cuda.memory._CUDAAllocator(torch._C._cuda_customAllocator(alloc_addr, free_addr))
-        try:
-            torch.cuda.memory.change_current_allocator(allocator)
-        except RuntimeError as e:
-            raise RuntimeError(TOO_LATE.format(why=f"torch refused to swap its allocator ({e})")) from e
-        if hooks is not None:
-            flags = _HOOK_RECORD_STREAM | _HOOK_RESET | _HOOK_FRACTION
-            if os.environ.get(SKIP_RECORD_STREAM_ENV) == "1":
-                flags &= ~_HOOK_RECORD_STREAM
-                _loud(f"{SKIP_RECORD_STREAM_ENV}=1 (a test switch): x.record_stream() is NOT honoured")
-            err = ctypes.create_string_buffer(1024)
-            if hooks.allocd_hooks_attach(flags, err, 1024) != 0:
-                raise RuntimeError("allocd_torch: installing the record_stream/empty_cache/memory-fraction "
-                                   f"hooks failed: {err.value.decode('utf-8', 'replace')}")
-        patched = _patch(torch) if patch_torch else []
-        _state = _State(lib, args, hooks, allocator, patched)
-
-
-# torch.cuda names replaced by ours when patch_torch is True: under a pluggable allocator
-# torch's own raise "CUDAPluggableAllocator does not yet support getDeviceStats".
-PATCHED = ("memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "memory_reserved",
-           "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats", "memory_summary")
-
-
-def _patch(torch):
-    import allocd_torch
-    done = []
-    for mod in (torch.cuda, torch.cuda.memory):
-        for name in PATCHED:
-            if hasattr(mod, name):
-                setattr(mod, name, getattr(allocd_torch, name))
-                done.append(f"{mod.__name__}.{name}")
-    return done
+            allocator = torch.cuda.memory._CUDAAllocator(torch._C._cuda_customAllocator(alloc_addr, free_addr))
+            try:
+                torch.cuda.memory.change_current_allocator(allocator)
+            except RuntimeError as e:
+                raise RuntimeError(TOO_LATE.format(why=f"torch refused to swap its allocator ({e})")) from e
+        _state = _State(lib, args, hooks, allocator)

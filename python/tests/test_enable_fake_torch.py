@@ -1,7 +1,9 @@
 """allocd_torch.enable() end to end, with a stand-in for torch (fake_torch/) and the real
-liballocd.so on the simulated device: the hooks build from the torch-like include and lib
-folders, the setup with liballocd's function addresses, the swap, the attach of the three
-hooks, the patching of torch.cuda, the too-late refusal and the no-hooks fallback.
+liballocd.so on the simulated device: the build of the C++ allocator (_allocator.cpp) from the
+torch-like include and lib folders, its setup with liballocd's function addresses, its install
+as torch's CUDA allocator, torch's code paths through it (allocation, record_stream,
+empty_cache, getDeviceStats, snapshot with history), the too-late refusals and the
+no-compiler fallback behind torch's CUDAPluggableAllocator.
 
 Needs g++, and ALLOCD_LIB=<built liballocd.so> with ALLOCD_DEVICE=sim.
 """
@@ -19,26 +21,52 @@ PYDIR = os.path.dirname(HERE)
 SIM_LIB = os.environ.get("ALLOCD_LIB", "") if os.environ.get("ALLOCD_DEVICE") == "sim" else ""
 
 SCRIPT = textwrap.dedent("""
-    import ctypes, sys
+    import sys
     import torch
     import allocd_torch
+    from torch import fake
+    MiB = 1 << 20
+    SIM_STREAM = 3  # a stream of the simulated device (allocd checks record_stream's stream)
+    own_memory_stats = torch.cuda.memory_stats
     allocd_torch.enable(metrics_listen="127.0.0.1:0")
     assert allocd_torch.is_enabled() and allocd_torch.hooks_installed()
-    assert torch.stub.stub_hooks() == 7, torch.stub.stub_hooks()
-    assert torch.cuda.memory_stats is allocd_torch.memory_stats
-    assert torch.cuda.memory.memory_stats is allocd_torch.memory_stats
-    err = ctypes.create_string_buffer(4096)
-    p = torch.stub.stub_malloc(3 << 20, err, 4096)
-    assert p, err.value
-    assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == 3 << 20
-    torch.stub.stub_record_stream(p)
-    torch.stub.stub_free(p, 3 << 20)
-    assert allocd_torch.memory_allocated() == 0
+    assert fake.allocator_name() == "allocd", fake.allocator_name()
+    # torch's functions are torch's own: nothing patched.
+    assert torch.cuda.memory_stats is own_memory_stats is torch.memory_stats
+    assert torch.cuda.memory.memory_stats is torch.memory_stats
+
+    # An allocation through torch's allocator is allocd's, with its context under history.
+    fake.record_history(True)
+    p = fake.alloc(3 * MiB)
+    assert p and allocd_torch.memory_allocated() == 3 * MiB, allocd_torch.memory_allocated()
+    # getDeviceStats through the C++ class agrees with allocd's own view.
+    ours, theirs = torch.cuda.memory_stats(), allocd_torch.memory_stats()
+    diff = {k: (v, theirs.get(k)) for k, v in ours.items() if theirs.get(k) != v}
+    assert not diff, diff
+    assert ours["allocated_bytes.all.current"] == 3 * MiB
+    # The snapshot through the C++ class sees the live block, its segment and the merged trace.
+    snap = fake.snapshot(p)
+    assert snap["segments"] >= 1 and snap["block_size"] == 3 * MiB and snap["allocated"] == 1, snap
+    assert snap["has_context"] == 1 and snap["segment_size"] >= 3 * MiB, snap
+    assert snap["alloc_entries"] == 1 and snap["segment_alloc_entries"] >= 1, snap
+    fake.record_history(False)
+    assert fake.snapshot(p)["entries"] == 0
+
+    # record_stream reaches allocd: after the drop the block stays active until the stream's work is done.
+    fake.record_stream(p, SIM_STREAM)
+    fake.drop(p)
+    st = allocd_torch.memory_stats()
+    assert st["allocated_bytes.all.current"] == 0 and st["active_bytes.all.current"] == 3 * MiB, st
     assert allocd_torch.memory_reserved() > 0
-    torch.stub.stub_empty_cache()
+    fake.empty_cache()
     assert allocd_torch.memory_reserved() == 0, allocd_torch.memory_reserved()
-    assert torch.stub.stub_malloc(10 << 40, err, 4096) is None
-    print("OOM:", err.value.decode())
+    try:
+        fake.alloc(10 << 40)
+    except RuntimeError as e:
+        print("OOM:", e)
+    else:
+        sys.exit("a 10 TiB allocation must fail")
+    assert torch.cuda.memory_stats()["num_ooms"] == allocd_torch.memory_stats()["num_ooms"] == 1
     allocd_torch.enable(metrics_listen="127.0.0.1:0")  # same arguments: nothing happens
     try:
         allocd_torch.enable(conf="expandable_segments:True")
@@ -61,8 +89,9 @@ class EnableWithFakeTorchTest(unittest.TestCase):
         shutil.copytree(os.path.join(HERE, "hooks_stub", "include"), os.path.join(pkg, "include"))
         lib = os.path.join(pkg, "lib")
         os.makedirs(lib)
-        cmd = ["g++", "-std=c++17", "-shared", "-fPIC", "-I" + os.path.join(pkg, "include"),
-               os.path.join(HERE, "fake_torch", "stub_torch_cuda.cpp"), "-o", os.path.join(lib, "libtorch_cuda.so")]
+        cmd = ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC",
+               "-I" + os.path.join(pkg, "include"), os.path.join(HERE, "fake_torch", "stub_torch_cuda.cpp"),
+               os.path.join(HERE, "hooks_stub", "fake_runtime.cpp"), "-o", os.path.join(lib, "libtorch_cuda.so")]
         subprocess.run(cmd, check=True)
         empty = os.path.join(cls.dir, "empty.c")
         open(empty, "w").close()
@@ -95,26 +124,64 @@ class EnableWithFakeTorchTest(unittest.TestCase):
         self.assertIn("RuntimeError: allocd_torch.enable() must run before CUDA is initialised in this process, "
                       "but CUDA is already initialised", out)
 
+    def test_native_allocator_initialised(self):
+        rc, out = self.run_script("import torch, allocd_torch; allocd_torch.enable()",
+                                  FAKE_TORCH_ALLOCATOR_INITIALISED="1")
+        self.assertNotEqual(rc, 0)
+        self.assertIn("RuntimeError: allocd_torch.enable() must run before CUDA is initialised in this process, "
+                      "but torch's current CUDA allocator ('native') is already initialised", out)
+
     def test_no_compiler(self):
         rc, out = self.run_script("import torch, allocd_torch; allocd_torch.enable()", CXX="no-such-gxx")
         self.assertNotEqual(rc, 0)
         self.assertIn("BuildError: the C++ compiler 'no-such-gxx' is not on PATH", out)
         self.assertIn("-ltorch_cuda -lc10_cuda -lc10 -ltorch", out)
-        self.assertIn("ALLOCD_TORCH_ALLOW_NO_HOOKS=1", out)
+        self.assertIn("allocd_torch needs g++ (or $CXX) once per torch version to build its C++ allocator; "
+                      "set ALLOCD_TORCH_ALLOW_NO_HOOKS=1", out)
 
     def test_no_hooks_fallback(self):
-        script = ("import torch, allocd_torch; allocd_torch.enable(); "
-                  "assert not allocd_torch.hooks_installed(); assert torch.stub.stub_hooks() == 0; print('FALLBACK OK')")
+        # Behind torch's CUDAPluggableAllocator: allocations still reach allocd, torch's stats raise.
+        script = textwrap.dedent("""
+            import torch, allocd_torch
+            from torch import fake
+            allocd_torch.enable()
+            assert not allocd_torch.hooks_installed()
+            assert fake.allocator_name() == "pluggable", fake.allocator_name()
+            p = fake.alloc(1 << 20)
+            assert allocd_torch.memory_allocated() == 1 << 20, allocd_torch.memory_allocated()
+            fake.drop(p)
+            assert allocd_torch.memory_allocated() == 0, allocd_torch.memory_allocated()
+            try:
+                torch.cuda.memory_stats()
+            except RuntimeError as e:
+                print("memory_stats:", e)
+            print("FALLBACK OK")
+        """)
         rc, out = self.run_script(script, CXX="no-such-gxx", ALLOCD_TORCH_ALLOW_NO_HOOKS="1")
         self.assertEqual(rc, 0, out)
         self.assertIn("FALLBACK OK", out)
-        self.assertIn("running WITHOUT allocd's C++ hooks", out)
+        self.assertIn("running WITHOUT allocd's C++ allocator, behind torch's CUDAPluggableAllocator", out)
+        self.assertIn("memory_stats: Error: CUDAPluggableAllocator does not yet support getDeviceStats", out)
 
     def test_skip_record_stream_switch(self):
-        script = "import torch, allocd_torch; allocd_torch.enable(); print('HOOKS', torch.stub.stub_hooks())"
+        # The switch: record_stream through the C++ class does not reach allocd, so the dropped
+        # block is not kept active for the stream (test_enable shows that otherwise it is).
+        script = textwrap.dedent("""
+            import torch, allocd_torch
+            from torch import fake
+            allocd_torch.enable()
+            p = fake.alloc(1 << 20)
+            fake.record_stream(p, 3)
+            fake.drop(p)
+            st = allocd_torch.memory_stats()
+            assert st["active_bytes.all.current"] == 0, st["active_bytes.all.current"]
+            print("RECORD_STREAM IGNORED")
+        """)
         rc, out = self.run_script(script, ALLOCD_TORCH_TEST_SKIP_RECORD_STREAM_HOOK="1")
         self.assertEqual(rc, 0, out)
-        self.assertIn("HOOKS 6", out)
+        self.assertIn("ALLOCD_TORCH_TEST_SKIP_RECORD_STREAM_HOOK=1 (a test switch): x.record_stream() is NOT honoured",
+                      out)
+        self.assertIn("RECORD_STREAM IGNORED", out)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def setUpModule():
     import allocd_torch
     t0 = time.time()
     allocd_torch.enable(metrics_listen="127.0.0.1:0")
-    report("enable", f"{time.time() - t0:.2f} s (hooks build or cache load), hooks={allocd_torch.hooks_installed()}, "
+    report("enable", f"{time.time() - t0:.2f} s (C++ allocator build or cache load), "
+           f"installed={allocd_torch.hooks_installed()}, "
            f"metrics at {allocd_torch.metrics_address()!r}, torch {torch.__version__}")
 
 
@@ -218,6 +219,94 @@ class AllocdGPUTest(unittest.TestCase):
                f"trace_plot html {len(html)} chars")
         self.assertTrue(any(e["action"] == "alloc" for e in traces))
         self.assertIn("<html", html.lower())
+
+    def test_torch_apis_are_torchs_own(self):
+        """torch's memory APIs are torch's own functions, answered by allocd's CUDAAllocator."""
+        import allocd_torch
+        self.assertEqual(torch.cuda.memory_stats.__module__, "torch.cuda.memory")
+        self.assertIsNot(torch.cuda.memory_stats, allocd_torch.memory_stats)
+        backend = torch._C._cuda_getAllocatorBackend()
+        x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+        own = allocd_torch.memory_stats()
+        s = torch.cuda.memory_stats()
+        same = [k for k in TORCH_KEYS if k in s and s[k] == own[k]]
+        torch.cuda.reset_accumulated_memory_stats()
+        after = torch.cuda.memory_stats()
+        y = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+        again = torch.cuda.memory_stats()
+        p = torch.cuda.caching_allocator_alloc(5 * MiB)
+        with_raw = torch.cuda.memory_allocated()
+        torch.cuda.caching_allocator_delete(p)
+        torch.cuda.set_per_process_memory_fraction(0.5)
+        frac = torch.cuda.get_per_process_memory_fraction() if hasattr(torch.cuda, "get_per_process_memory_fraction") \
+            else None
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        report("torch_apis", f"backend {backend!r}; {len(same)} of {len(TORCH_KEYS)} keys equal to allocd's own view; "
+               f"after reset_accumulated: allocation.all.allocated {after['allocation.all.allocated']} "
+               f"(current {after['allocation.all.current']}), one more malloc -> {again['allocation.all.allocated']}; "
+               f"caching_allocator_alloc 5 MiB seen in memory_allocated={with_raw}; fraction read back {frac}")
+        self.assertEqual(len(same), len(TORCH_KEYS), sorted(set(TORCH_KEYS) - set(same)))
+        self.assertEqual(after["allocation.all.allocated"], 0)
+        self.assertEqual(after["num_device_alloc"], 0)
+        self.assertGreaterEqual(after["allocation.all.current"], 1)
+        self.assertEqual(again["allocation.all.allocated"], 1)
+        self.assertGreaterEqual(with_raw, 5 * MiB)
+        if frac is not None:
+            self.assertEqual(frac, 0.5)
+        del x, y
+
+    def test_torch_snapshot_with_python_frames(self):
+        """torch.cuda.memory._record_memory_history(stacks="python") and _snapshot() under allocd:
+        blocks and trace entries carry Python frames, and torch's viewer reads the snapshot."""
+        from torch.cuda import _memory_viz
+        torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=100000)
+        try:
+            keep = [torch.empty((i + 1) * MiB, dtype=torch.uint8, device="cuda") for i in range(4)]
+            t = torch.empty(7 * MiB, dtype=torch.uint8, device="cuda")
+            del t
+            snap = torch.cuda.memory._snapshot()
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "snap.pickle")
+                torch.cuda.memory._dump_snapshot(path)
+                with open(path, "rb") as f:
+                    dumped = pickle.load(f)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        here = os.path.basename(__file__)
+        live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+        framed = [b for b in live if any(f["filename"].endswith(here) for f in b.get("frames", []))]
+        traces = [e for tr in snap["device_traces"] for e in tr]
+        actions = collections.Counter(e["action"] for e in traces)
+        alloc_framed = [e for e in traces if e["action"] == "alloc"
+                        and any(f["filename"].endswith(here) for f in e.get("frames", []))]
+        html = _memory_viz.trace_plot(dumped)
+        segsum = _memory_viz.segsum(dumped)
+        report("torch_snapshot", f"{len(snap['segments'])} segments, {len(live)} live blocks, {len(framed)} with "
+               f"frames in {here}; trace actions {dict(actions)}, {len(alloc_framed)} allocs with Python frames; "
+               f"trace_plot {len(html)} chars, segsum {len(segsum)} chars; a frame: "
+               f"{framed[0]['frames'][0] if framed else None}")
+        self.assertGreaterEqual(len(framed), 4)
+        self.assertGreaterEqual(len(alloc_framed), 5)
+        self.assertGreaterEqual(actions["free_requested"], 1)
+        self.assertIn("<html", html.lower())
+        del keep
+
+    def test_cuda_graph_capture_refused_clearly(self):
+        g = torch.cuda.CUDAGraph()
+        x = torch.ones(1024, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with self.assertRaises(RuntimeError) as cm:
+            with torch.cuda.stream(s):
+                with torch.cuda.graph(g):
+                    y = x * 2  # noqa: F841
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        z = torch.ones(1024, device="cuda").sum().item()
+        report("cuda_graph", f"{type(cm.exception).__name__}: {str(cm.exception).splitlines()[0][:160]}; "
+               f"CUDA usable after: {z == 1024}")
+        self.assertIn("allocd", str(cm.exception))
+        self.assertEqual(z, 1024)
 
     def test_dataloader_fork_workers(self):
         import torch.utils.data as tud

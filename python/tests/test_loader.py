@@ -2,8 +2,9 @@
 
     python3 -m unittest discover -s python/tests -v
 
-Always: the library lookup and its messages, the hooks build cache, the C++ hooks' logic
-(against stub torch headers, needs g++), the device-argument parsing, the metrics parser.
+Always: the library lookup and its messages, the build cache, the C++ allocator's logic
+(_allocator.cpp against stub torch headers, needs g++), the device-argument parsing, the
+metrics parser.
 With ALLOCD_LIB pointing at a built liballocd.so and ALLOCD_DEVICE=sim: the ctypes layer on
 the simulated device (stats, summary, snapshot, bad frees, OOM, metrics, the fork guard).
 Tests that need torch are skipped when it is absent.
@@ -196,12 +197,12 @@ class BuildCacheTest(unittest.TestCase):
 
 
 @unittest.skipUnless(HAVE_GXX, "needs g++")
-class HooksLogicTest(unittest.TestCase):
-    """_hooks.cpp against stub torch headers, driven by tests/hooks_stub/driver.cpp."""
+class AllocatorLogicTest(unittest.TestCase):
+    """_allocator.cpp against stub torch headers and a fake liballocd, driven by tests/hooks_stub/driver.cpp."""
 
     def test_driver(self):
         stub = os.path.join(HERE, "hooks_stub")
-        src = os.path.join(os.path.dirname(HERE), "allocd_torch", "_hooks.cpp")
+        src = os.path.join(os.path.dirname(HERE), "allocd_torch", "_allocator.cpp")
         with tempfile.TemporaryDirectory() as d:
             exe = os.path.join(d, "driver")
             cmd = ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-I" + os.path.join(stub, "include"),
@@ -212,7 +213,7 @@ class HooksLogicTest(unittest.TestCase):
             out = r.stdout.decode()
             self.assertEqual(r.returncode, 0, out)
             self.assertRegex(out, r"^ok \d+ checks")
-            print(f"\n  hooks driver: {out.strip()}", file=sys.stderr)
+            print(f"\n  allocator driver: {out.strip()}", file=sys.stderr)
 
 
 @unittest.skipUnless(SIM_LIB, "set ALLOCD_LIB=<built liballocd.so> and ALLOCD_DEVICE=sim")

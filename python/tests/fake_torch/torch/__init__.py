@@ -1,8 +1,14 @@
 """A stand-in for torch, enough for allocd_torch.enable() (test_enable_fake_torch.py).
 
-Its lib/ holds libtorch_cuda.so built from ../stub_torch_cuda.cpp and empty libc10_cuda.so,
-libc10.so, libtorch.so; its include/ the stub headers. FAKE_TORCH_CUDA_INITIALISED=1 plays a
-process whose CUDA is already initialised.
+Its lib/ holds libtorch_cuda.so built from ../stub_torch_cuda.cpp and ../../hooks_stub/fake_runtime.cpp,
+and empty libc10_cuda.so, libc10.so, libtorch.so; its include/ the stub headers. `fake` plays
+torch's code that calls the current CUDA allocator (a tensor's allocation and drop,
+record_stream, empty_cache, _record_memory_history, _snapshot); torch.cuda.memory_stats is
+torch's own, built from getDeviceStats as torch's is.
+
+FAKE_TORCH_CUDA_INITIALISED=1 plays a process whose CUDA is already initialised;
+FAKE_TORCH_ALLOCATOR_INITIALISED=1 one whose native allocator is initialised while
+torch.cuda.is_initialized() still says False.
 """
 import ctypes
 import os
@@ -10,11 +16,81 @@ import os
 __version__ = "0.0.0+fake"
 _here = os.path.dirname(os.path.abspath(__file__))
 stub = ctypes.CDLL(os.path.join(_here, "lib", "libtorch_cuda.so"))
-stub.stub_malloc.restype = ctypes.c_void_p
-stub.stub_malloc.argtypes = [ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
-stub.stub_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-stub.stub_change_current.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-stub.stub_record_stream.argtypes = [ctypes.c_void_p]
+_ERR = (ctypes.c_char_p, ctypes.c_size_t)
+stub.stub_current_name.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+stub.stub_change_current.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *_ERR]
+stub.stub_alloc.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p), *_ERR]
+stub.stub_drop.argtypes = [ctypes.c_void_p]
+stub.stub_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_longlong, *_ERR]
+stub.stub_empty_cache.argtypes = [*_ERR]
+stub.stub_device_stats.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), *_ERR]
+stub.stub_record_history.argtypes = [ctypes.c_int, *_ERR]
+stub.stub_snapshot.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_longlong), *_ERR]
+
+if os.environ.get("FAKE_TORCH_ALLOCATOR_INITIALISED") == "1":
+    stub.stub_init_current()
+
+
+def _call(fn, *args):
+    """Calls a stub entry point that takes (..., err, n); raises RuntimeError with its error."""
+    err = ctypes.create_string_buffer(8192)
+    if fn(*args, err, len(err)) != 0:
+        raise RuntimeError(err.value.decode("utf-8", "replace"))
+
+
+class fake:
+    """torch's code paths into the current CUDA allocator."""
+
+    @staticmethod
+    def allocator_name():
+        buf = ctypes.create_string_buffer(64)
+        stub.stub_current_name(buf, len(buf))
+        return buf.value.decode()
+
+    @staticmethod
+    def alloc(nbytes):
+        """A tensor's allocation: its address (an int), or RuntimeError("OutOfMemoryError: ...")."""
+        p = ctypes.c_void_p()
+        _call(stub.stub_alloc, nbytes, ctypes.byref(p))
+        return p.value or 0
+
+    @staticmethod
+    def drop(ptr):
+        if stub.stub_drop(ptr) != 0:
+            raise KeyError(ptr)
+
+    @staticmethod
+    def record_stream(ptr, stream):
+        _call(stub.stub_record_stream, ptr, stream)
+
+    @staticmethod
+    def empty_cache():
+        _call(stub.stub_empty_cache)
+
+    @staticmethod
+    def record_history(enabled):
+        _call(stub.stub_record_history, 1 if enabled else 0)
+
+    @staticmethod
+    def snapshot(ptr):
+        out = (ctypes.c_longlong * 8)()
+        _call(stub.stub_snapshot, ptr, out)
+        keys = ("segments", "block_size", "allocated", "has_context", "segment_size", "alloc_entries",
+                "segment_alloc_entries", "entries")
+        return dict(zip(keys, out))
+
+
+def memory_stats(device=None):
+    """torch.cuda.memory_stats: getDeviceStats of the current allocator, in torch's flat keys."""
+    vals = (ctypes.c_longlong * 122)()
+    _call(stub.stub_device_stats, 0 if device is None else device, vals)
+    names = [f"{s}.{p}.{c}" for s in ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+                                      "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+             for p in ("all", "small_pool", "large_pool") for c in ("current", "peak", "allocated", "freed")]
+    names += [f"oversize_{k}.{c}" for k in ("allocations", "segments") for c in ("current", "peak", "allocated", "freed")]
+    names += ["num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+              "max_split_size"]
+    return dict(zip(names, vals))
 
 
 class _C:
@@ -35,15 +111,14 @@ class _Memory:
 
     @staticmethod
     def change_current_allocator(a):
-        stub.stub_change_current(*a.allocator())
+        _call(stub.stub_change_current, *a.allocator())
 
-    def memory_stats(device=None):
-        raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+    memory_stats = staticmethod(memory_stats)
 
 
 class cuda:
     memory = _Memory
-    memory_stats = _Memory.memory_stats
+    memory_stats = staticmethod(memory_stats)
 
     @staticmethod
     def is_initialized():

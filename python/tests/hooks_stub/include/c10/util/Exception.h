@@ -1,9 +1,12 @@
-// Test stub of c10's error types and checks, shaped like torch's (TORCH_CHECK_WITH names the
-// error type unqualified and throws ::c10::<type> with the arguments concatenated).
+// Test stub of torch's c10/util/Exception.h: c10::Error, c10::OutOfMemoryError and the checks,
+// shaped like torch's (TORCH_CHECK_WITH names the error type unqualified and throws
+// ::c10::<type> with the arguments concatenated).
 #pragma once
+
 #include <sstream>
 #include <stdexcept>
 #include <string>
+
 namespace c10 {
 class Error : public std::runtime_error {
  public:
@@ -16,12 +19,13 @@ class OutOfMemoryError : public Error {
 template <typename... Args>
 std::string str(const Args&... args) {
   std::ostringstream ss;
-  (ss << ... << args);
+  ((void)(ss << args), ...);
   return ss.str();
 }
 }  // namespace c10
-#define TORCH_CHECK_WITH(error_t, cond, ...) \
-  do {                                       \
-    if (!(cond)) throw ::c10::error_t(::c10::str(__VA_ARGS__)); \
+
+#define TORCH_CHECK_WITH(error_t, cond, ...)                      \
+  do {                                                            \
+    if (!(cond)) throw ::c10::error_t(::c10::str(__VA_ARGS__));   \
   } while (0)
 #define TORCH_CHECK(cond, ...) TORCH_CHECK_WITH(Error, cond, __VA_ARGS__)
