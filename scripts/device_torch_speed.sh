@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# allocd's step-time cost in PyTorch, decided over interleaved runs, on a GPU machine, from the
-# repository root:
+# allocd's step-time and CPU-time cost in PyTorch, decided over interleaved runs, on a GPU
+# machine, from the repository root:
 #
 #   scripts/device_torch_speed.sh [LIBDIR]
 #
 # LIBDIR (default .devrun) holds liballocd.so; the anchor workloads file is $ANCHOR (default
 # .devrun/anchor/workloads.py). Results go to $OUT (default .devrun/out/speed).
 #
-# 1. scripts/torch_alloc_bench.py, native then allocd, twice: what one cached malloc+free
-#    costs through torch.empty under each allocator.
-# 2. scripts/torch_workloads.py, native and allocd alternately (ABBA order), $PAIRS times (default 3), on
-#    $WORKLOADS (default gpt2_train,multistream_prefetch) with $STEPS timed steps (default 60).
-#    BENCH=0 skips step 1.
-# 3. scripts/compare_speed.py over all of them -> $OUT/speed.md.
+# 1. scripts/torch_cpp_alloc_bench.py (the allocator's cost in C++, no Python in the loop),
+#    native, allocd, allocd, native: two processes each -> $OUT/cpp_<alloc>_<i>.json.
+#    CPPBENCH=0 skips it.
+# 2. scripts/torch_alloc_bench.py (the same through torch.empty in Python), native then
+#    allocd, twice -> $OUT/bench_<alloc>_<i>.json. Off unless BENCH=1.
+# 3. scripts/torch_workloads.py, native and allocd alternately (ABBA order), $PAIRS times
+#    (default 8), on $WORKLOADS (default gpt2_train,multistream_prefetch) with $STEPS timed
+#    steps (default 60) -> $OUT/<alloc>_<i>.json and .log.
+# 4. scripts/compare_speed.py over the C++ benches and the complete pairs -> $OUT/speed.md,
+#    written after stage 1 and again after every pair, so a run cut short keeps what finished.
+#
+# BUDGET_S (default 450): no process starts once the seconds spent plus the last duration of a
+# process of its stage (for a stage's first process, of the last process) would pass it; it
+# is reported SKIPPED. A process still running at HARD_S (default BUDGET_S + 90) seconds is
+# stopped. Every line this script prints carries the seconds since it started.
 set -uo pipefail
 
 LIBDIR=${1:-.devrun}
@@ -20,11 +29,19 @@ OUT=${OUT:-.devrun/out/speed}
 ANCHOR=${ANCHOR:-.devrun/anchor/workloads.py}
 WORKLOADS=${WORKLOADS:-gpt2_train,multistream_prefetch}
 STEPS=${STEPS:-60}
-PAIRS=${PAIRS:-3}
-BENCH=${BENCH:-1} # 0 skips step 1
+PAIRS=${PAIRS:-8}
+CPPBENCH=${CPPBENCH:-1} # 0 skips stage 1
+BENCH=${BENCH:-0}       # 1 runs stage 2
+BUDGET_S=${BUDGET_S:-450}
+HARD_S=${HARD_S:-$((BUDGET_S + 90))}
 
-[ -f "$LIBDIR/liballocd.so" ] || { echo "no liballocd.so in $LIBDIR" >&2; exit 2; }
-mkdir -p "$OUT"
+START=$(date +%s)
+elapsed() { echo $(($(date +%s) - START)); }
+say() { echo "[device_torch_speed +$(elapsed)s] $*"; }
+
+[ -f scripts/torch_workloads.py ] || { say "run from the repository root" >&2; exit 2; }
+[ -f "$LIBDIR/liballocd.so" ] || { say "no liballocd.so in $LIBDIR" >&2; exit 2; }
+mkdir -p "$OUT" || exit 2
 export ALLOCD_LIB
 ALLOCD_LIB=$(realpath "$LIBDIR/liballocd.so")
 export ALLOCD_TORCH_CACHE=${ALLOCD_TORCH_CACHE:-$PWD/.devrun/allocd_torch_cache}
@@ -32,27 +49,113 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset ALLOCD_DEVICE PYTORCH_CUDA_ALLOC_CONF ALLOCD_CONF ALLOCD_METRICS_LISTEN
 
+say "OUT=$OUT ALLOCD_LIB=$ALLOCD_LIB WORKLOADS=$WORKLOADS STEPS=$STEPS PAIRS=$PAIRS CPPBENCH=$CPPBENCH" \
+	"BENCH=$BENCH BUDGET_S=$BUDGET_S HARD_S=$HARD_S"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/  gpu: /'
+
 rc=0
-for i in $( [ "$BENCH" = 1 ] && echo 1 2 ); do
-	for a in native allocd; do
-		python3 scripts/torch_alloc_bench.py --allocator $a --out "$OUT/bench_${a}_$i.json" || rc=1
-	done
-done
+skipped=0
+last_s=0
+declare -A stage_last
+
+# proc STAGE NAME LOG CMD...: runs CMD with its output in LOG unless the budget forbids it
+# (then returns 3). Returns CMD's exit status.
+proc() {
+	local stage=$1 name=$2 logf=$3 t r est lim
+	shift 3
+	est=${stage_last[$stage]:-$last_s}
+	if (($(elapsed) + est > BUDGET_S || $(elapsed) + 1 >= HARD_S)); then
+		say "SKIPPED $name: $(elapsed) s spent + $est s (the last such process) would pass BUDGET_S $BUDGET_S s (or HARD_S $HARD_S s)"
+		skipped=$((skipped + 1))
+		return 3
+	fi
+	say "$name -> $logf"
+	t=$(date +%s)
+	lim=$((HARD_S - $(elapsed)))
+	((lim > 0)) || lim=1
+	timeout -k 10 "$lim" "$@" >"$logf" 2>&1
+	r=$?
+	last_s=$(($(date +%s) - t))
+	stage_last[$stage]=$last_s
+	if [ $r != 0 ]; then
+		rc=1
+		say "$name FAILED (exit $r$([ $r = 124 ] && echo ": stopped at HARD_S")); its log ends:"
+		tail -20 "$logf" | sed 's/^/  | /'
+	fi
+	say "$name exit $r in $last_s s"
+	return $r
+}
+
+cpp=()
 results=()
+rm -f "$OUT/speed.md" "$OUT/compare.log" # from an earlier run
+# compare writes $OUT/speed.md from what has finished so far.
+compare() {
+	local bench=()
+	[ "$BENCH" = 1 ] && [ -f "$OUT/bench_native_2.json" ] && [ -f "$OUT/bench_allocd_2.json" ] &&
+		bench=(--bench "$OUT/bench_native_2.json" "$OUT/bench_allocd_2.json")
+	local cpparg=()
+	((${#cpp[@]})) && cpparg=(--cpp "${cpp[@]}")
+	if ((${#results[@]} + ${#cpp[@]} == 0)); then
+		say "nothing to compare yet"
+		return 0
+	fi
+	python3 scripts/compare_speed.py "${results[@]}" "${bench[@]}" "${cpparg[@]}" --md "$OUT/speed.md" \
+		>"$OUT/compare.log" 2>&1 || { rc=1; say "compare_speed.py FAILED:"; tail -20 "$OUT/compare.log"; return 1; }
+	say "wrote $OUT/speed.md (${#results[@]} workload runs, ${#cpp[@]} C++ bench runs)"
+}
+
+# 1. the C++ allocator bench, interleaved: native, allocd, allocd, native.
+if [ "$CPPBENCH" = 1 ]; then
+	for ai in native:1 allocd:1 allocd:2 native:2; do
+		a=${ai%:*} i=${ai#*:}
+		f="$OUT/cpp_${a}_$i.json" logf="$OUT/cpp_${a}_$i.log"
+		rm -f "$f" "$logf"
+		proc cpp "cpp bench $a $i" "$logf" \
+			python3 scripts/torch_cpp_alloc_bench.py --allocator "$a" --out "$f"
+		[ -f "$logf" ] && sed "s/^/  cpp $a $i: /" "$logf"
+		[ -f "$f" ] && cpp+=("$f") # a partial file (cut short) holds the figures that finished
+	done
+	compare
+fi
+
+# 2. the Python torch.empty bench.
+if [ "$BENCH" = 1 ]; then
+	for i in 1 2; do
+		for a in native allocd; do
+			f="$OUT/bench_${a}_$i.json" logf="$OUT/bench_${a}_$i.log"
+			rm -f "$f" "$logf"
+			proc bench "torch.empty bench $a $i" "$logf" \
+				python3 scripts/torch_alloc_bench.py --allocator "$a" --out "$f"
+			[ -f "$logf" ] && sed "s/^/  bench $a $i: /" "$logf"
+		done
+	done
+fi
+
+# 3. the workloads, in pairs; only a pair whose two runs both finished is compared.
 for i in $(seq 1 "$PAIRS"); do
 	# ABBA: odd pairs run native first, even pairs allocd first, so that a drift over the
 	# session (clocks, temperature) does not always favour one side.
 	order="native allocd"
 	[ $((i % 2)) = 0 ] && order="allocd native"
+	pair=()
 	for a in $order; do
-		f="$OUT/${a}_$i.json"
-		python3 scripts/torch_workloads.py --allocator $a --workloads "$WORKLOADS" --anchor "$ANCHOR" \
-			--steps "$STEPS" --out "$f" >"$OUT/${a}_$i.log" 2>&1 || { rc=1; tail -20 "$OUT/${a}_$i.log"; }
-		grep -E '^\[..:..:..\] ' "$OUT/${a}_$i.log" | sed "s/^/  $a $i /"
-		[ -f "$f" ] && results+=("$f")
+		f="$OUT/${a}_$i.json" logf="$OUT/${a}_$i.log"
+		rm -f "$f" "$logf"
+		proc workloads "workloads $a $i" "$logf" \
+			python3 scripts/torch_workloads.py --allocator "$a" --workloads "$WORKLOADS" --anchor "$ANCHOR" \
+			--steps "$STEPS" --out "$f" && [ -f "$f" ] && pair+=("$f")
+		[ -f "$logf" ] && grep -E '^\[..:..:..\] ' "$logf" | sed "s/^/  $a $i /"
 	done
+	if ((${#pair[@]} == 2)); then
+		results+=("${pair[@]}")
+		compare
+	else
+		say "pair $i incomplete: left out of the comparison"
+	fi
 done
-bench=()
-[ "$BENCH" = 1 ] && bench=(--bench "$OUT/bench_native_2.json" "$OUT/bench_allocd_2.json")
-python3 scripts/compare_speed.py "${results[@]}" "${bench[@]}" --md "$OUT/speed.md" || rc=1
+
+[ -f "$OUT/speed.md" ] && cat "$OUT/speed.md"
+say "DONE in $(elapsed) s: ${#results[@]} workload runs and ${#cpp[@]} C++ bench runs compared," \
+	"$skipped processes SKIPPED for the budget; exit $rc"
 exit $rc

@@ -16,9 +16,13 @@ torchvision's ResNets); the step loops are this script's own:
 Every workload starts from the same seeds (torch.manual_seed, random.seed), runs W warm-up
 steps and N timed steps (torch.cuda.synchronize() before and after each; the median is
 reported, and beside it the median launch time: from the step's start until the Python code
-returns, before the final synchronize, which tells a CPU-bound step from a GPU-bound one), records each step's loss (or the generated token ids), the peak reserved and
-allocated bytes (torch.cuda.memory_stats() natively, allocd_torch.memory_stats() under
-allocd) and, under allocd, one scrape of /metrics between two timed steps half way through.
+returns, before the final synchronize, which tells a CPU-bound step from a GPU-bound one),
+measures beside each step's wall time the launching thread's CPU time over the same span
+(time.thread_time(); cpu_ms, median_cpu_ms), over the launch only (launch_cpu_ms) and the
+whole process's (time.process_time(); proc_cpu_ms; run_one says what each includes),
+records each step's loss (or the generated token ids), the peak reserved and allocated bytes
+(torch.cuda.memory_stats() natively, allocd_torch.memory_stats() under allocd) and, under
+allocd, one scrape of /metrics between two timed steps half way through.
 After each workload: gc, empty_cache and reset_peak_memory_stats, so peaks are per workload.
 
 The allocator's configuration comes from the environment (PYTORCH_CUDA_ALLOC_CONF for
@@ -173,7 +177,7 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
     step, kind = WORKLOADS[name](torch, anchor)
     torch.cuda.synchronize()
     build_s = time.time() - t0
-    values, tokens, ms, launch = [], [], [], []
+    values, tokens, ms, launch, cpu, launch_cpu, proc_cpu = [], [], [], [], [], [], []
     metrics = None
     mid = warmup + steps // 2
     allocs0 = 0
@@ -181,14 +185,29 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
         torch.cuda.synchronize()
         if i == warmup:
             allocs0 = api["memory_stats"]().get("allocation.all.allocated", 0)
+        # CPU time beside the wall time, read at the same points. thread_time() is this (the
+        # launching) thread's CPU time: the Python code, torch's dispatch, the allocator calls
+        # made on this thread, and the final synchronize, which spins in the CUDA driver by
+        # default (cudaDeviceScheduleAuto) and so counts as CPU time under both allocators alike;
+        # launch CPU time stops before it, where the launch wall time does. Not in it: the
+        # autograd engine's CUDA device thread, which runs backward() (and its allocations)
+        # while this thread blocks. process_time() (all threads of the process, the autograd
+        # thread and allocd's own runtime threads included) is recorded beside it.
+        c, pc = time.thread_time(), time.process_time()
         t = time.perf_counter()
         out = step(i)
         tl = time.perf_counter()
+        cl = time.thread_time()
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t) * 1e3
+        dc = (time.thread_time() - c) * 1e3
+        dpc = (time.process_time() - pc) * 1e3
         if i >= warmup:
             ms.append(dt)
             launch.append((tl - t) * 1e3)
+            cpu.append(dc)
+            launch_cpu.append((cl - c) * 1e3)
+            proc_cpu.append(dpc)
         if kind == "loss":
             values.append(out.item())
         else:
@@ -205,7 +224,11 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
         "kind": kind, "warmup": warmup, "steps": steps, "values": values,
         "step_ms": [round(x, 4) for x in ms], "median_ms": statistics.median(ms),
         "min_ms": min(ms), "launch_ms": [round(x, 4) for x in launch],
-        "median_launch_ms": statistics.median(launch), "allocs_per_step": allocs_per_step, "build_s": round(build_s, 2), "wall_s": round(wall, 2),
+        "median_launch_ms": statistics.median(launch),
+        "cpu_ms": [round(x, 4) for x in cpu], "median_cpu_ms": statistics.median(cpu),
+        "launch_cpu_ms": [round(x, 4) for x in launch_cpu], "median_launch_cpu_ms": statistics.median(launch_cpu),
+        "proc_cpu_ms": [round(x, 4) for x in proc_cpu], "median_proc_cpu_ms": statistics.median(proc_cpu),
+        "allocs_per_step": allocs_per_step, "build_s": round(build_s, 2), "wall_s": round(wall, 2),
         "peak_reserved": st["reserved_bytes.all.peak"], "peak_allocated": st["allocated_bytes.all.peak"],
         "stats": {k: st.get(k) for k in ("reserved_bytes.all.current", "allocated_bytes.all.current",
                                          "num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms",
@@ -267,7 +290,9 @@ def main():
         r = run_one(torch, anchor, name, warmup, steps, api, metrics_addr)
         result["workloads"][name] = r
         m = r["metrics_mid_run"] or {}
-        log(f"{name}: median {r['median_ms']:.2f} ms over {steps} steps (+{warmup} warm-up), build {r['build_s']} s, "
+        log(f"{name}: median {r['median_ms']:.2f} ms over {steps} steps (+{warmup} warm-up), median CPU "
+            f"{r['median_cpu_ms']:.2f} ms (launching thread; launch {r['median_launch_cpu_ms']:.2f} ms, process "
+            f"{r['median_proc_cpu_ms']:.2f} ms), build {r['build_s']} s, "
             f"wall {r['wall_s']} s, {r['allocs_per_step']:.0f} allocations a step, peak reserved {r['peak_reserved'] / 2**20:.0f} MiB, peak allocated "
             f"{r['peak_allocated'] / 2**20:.0f} MiB, first/last {r['kind']} {r['values'][0]} / {r['values'][-1]}"
             + (f", /metrics mid-run reserved {m.get('allocd_reserved_bytes')} allocated "
