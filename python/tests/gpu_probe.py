@@ -1,5 +1,5 @@
 """Subprocess probes for test_gpu.py: each runs in a fresh process (the allocator is chosen
-before CUDA init) and prints one JSON line. Usage: python3 gpu_probe.py record_stream CYCLES | too_late
+before CUDA init) and prints one JSON line. Usage: python3 gpu_probe.py record_stream CYCLES | too_late | cuda_graph
 """
 
 import json
@@ -60,12 +60,33 @@ def too_late():
     return {"raised": None, "message": ""}
 
 
+def cuda_graph():
+    """A CUDA graph capture under allocd: refused, naming allocd, before anything is captured.
+    In a process of its own: torch's capture_begin registers the CUDA RNG with the graph before
+    it asks the allocator for a pool, so after the refusal random ops of that process raise
+    "Offset increment outside graph capture"."""
+    import torch
+    import allocd_torch
+    allocd_torch.enable()
+    g = torch.cuda.CUDAGraph()
+    x = torch.ones(1024, device="cuda")
+    try:
+        with torch.cuda.graph(g):
+            y = x * 2  # noqa: F841
+    except RuntimeError as e:
+        torch.cuda.synchronize()
+        return {"raised": type(e).__name__, "message": str(e), "usable_after": torch.ones(8, device="cuda").sum().item()}
+    return {"raised": None, "message": "", "usable_after": None}
+
+
 if __name__ == "__main__":
     what = sys.argv[1]
     if what == "record_stream":
         out = record_stream(int(sys.argv[2]))
     elif what == "too_late":
         out = too_late()
+    elif what == "cuda_graph":
+        out = cuda_graph()
     else:
         raise SystemExit(f"unknown probe {what!r}")
     print("PROBE " + json.dumps(out), flush=True)

@@ -292,21 +292,12 @@ class AllocdGPUTest(unittest.TestCase):
         del keep
 
     def test_cuda_graph_capture_refused_clearly(self):
-        g = torch.cuda.CUDAGraph()
-        x = torch.ones(1024, device="cuda")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with self.assertRaises(RuntimeError) as cm:
-            with torch.cuda.stream(s):
-                with torch.cuda.graph(g):
-                    y = x * 2  # noqa: F841
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        z = torch.ones(1024, device="cuda").sum().item()
-        report("cuda_graph", f"{type(cm.exception).__name__}: {str(cm.exception).splitlines()[0][:160]}; "
-               f"CUDA usable after: {z == 1024}")
-        self.assertIn("allocd", str(cm.exception))
-        self.assertEqual(z, 1024)
+        r = probe("cuda_graph")
+        report("cuda_graph", f"{r['raised']}: {r['message'].splitlines()[0][:160]}; CUDA usable after: "
+               f"{r['usable_after']}")
+        self.assertEqual(r["raised"], "RuntimeError")
+        self.assertIn("allocd", r["message"])
+        self.assertEqual(r["usable_after"], 8)
 
     def test_dataloader_fork_workers(self):
         import torch.utils.data as tud
