@@ -1,5 +1,7 @@
 // Command liballocd is allocd as a shared library that PyTorch loads as its
-// CUDA allocator (torch.cuda.memory.CUDAPluggableAllocator). Build it with
+// CUDA allocator (through allocd_torch's C++ class derived from c10's
+// CUDAAllocator, which calls the C API; torchapi.go holds the exports that
+// answer torch's statistics and snapshot calls). Build it with
 //
 //	go build -buildmode=c-shared -o liballocd.so ./cmd/liballocd
 //
