@@ -15,9 +15,10 @@ takes several runs of each side, run alternately, and reports per workload:
 - the ratio of run medians within each pair (the k-th allocd run over the k-th native run, the
   two run back to back) and the median of those ratios: a drift over the session cancels
   within a pair;
-- the same for the launching thread's CPU time a step (cpu_ms; the goal is a pooled ratio
-  allocd / native of at most 1.01), and, where the results have them, for the launch's CPU
-  time (launch_cpu_ms) and the whole process's (proc_cpu_ms);
+- the same for the launching thread's CPU time a step (cpu_ms) and the whole process's
+  (proc_cpu_ms; the goal on both is a pooled ratio allocd / native of at most 1.01), and for
+  the launch's CPU time (launch_cpu_ms); the runs' synchronize mode (torch_workloads.py
+  --sync) is stated, since a spinning synchronize makes CPU time track waiting;
 - with --bench (torch_alloc_bench.py results): the allocations a step times the difference
   in cost of one cached malloc+free (4 KiB) between the two allocators, as a share of
   native's step time: what the allocator itself adds, measured without the GPU's noise;
@@ -173,16 +174,24 @@ def workload_tables(args, runs, cpp):
                      f"{', '.join(f'{x:.3f}' for x in paired)} | {statistics.median(paired):.3f} | "
                      f"{'-' if aps is None else f'{aps:.0f}'} | {share} |")
     md = "\n".join(lines) + "\n"
+    modes = sorted({r.get("sync", {}).get("mode", "auto") for side in runs.values() for r in side})
+    if modes != ["blocking"]:
+        sync = ("its final synchronize included, which spins (CUDA's default scheduling): a launch that ends "
+                "sooner spins longer" if modes == ["auto"] else
+                f"its final synchronize included; MIXED synchronize modes {modes}: not comparable")
+    else:
+        sync = "its final synchronize included, which sleeps (CU_CTX_SCHED_BLOCKING_SYNC): CPU time is work"
+    md += f"\nSynchronize: {', '.join(modes)}.\n"
     md += series_table(runs, names, "cpu_ms", "median_cpu_ms",
                        "CPU time a step of the launching thread (time.thread_time() over the same span as the wall "
-                       "time, its final synchronize included; backward()'s autograd thread not included):",
+                       f"time, {sync}; backward()'s autograd thread not included):",
                        goal=CPU_GOAL)
     md += series_table(runs, names, "launch_cpu_ms", "median_launch_cpu_ms",
                        "CPU time of the launch (the launching thread, step start until the Python code returns, "
                        "before the synchronize):")
     md += series_table(runs, names, "proc_cpu_ms", "median_proc_cpu_ms",
-                       "CPU time a step of the whole process (time.process_time(): all threads, the autograd "
-                       "thread and allocd's own included):")
+                       "CPU time a step of the whole process (time.process_time() over the same span: all threads, "
+                       "the autograd thread that runs backward() and allocd's own included):", goal=CPU_GOAL)
     launch = [w for w in names if has(runs, w, "median_launch_ms")]
     if launch:
         md += ("\nLaunch time (step start until the Python code returns, before the synchronize), "

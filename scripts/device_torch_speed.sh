@@ -8,8 +8,8 @@
 # .devrun/anchor/workloads.py). Results go to $OUT (default .devrun/out/speed).
 #
 # 1. scripts/torch_cpp_alloc_bench.py (the allocator's cost in C++, no Python in the loop),
-#    native, allocd, allocd, native: two processes each -> $OUT/cpp_<alloc>_<i>.json.
-#    CPPBENCH=0 skips it.
+#    in ABBA order, $CPPPAIRS pairs (default 2) -> $OUT/cpp_<alloc>_<i>.json. CPPBENCH=0
+#    skips it.
 # 2. scripts/torch_alloc_bench.py (the same through torch.empty in Python), native then
 #    allocd, twice -> $OUT/bench_<alloc>_<i>.json. Off unless BENCH=1.
 # 3. scripts/torch_workloads.py, native and allocd alternately (ABBA order), $PAIRS times
@@ -17,6 +17,10 @@
 #    steps (default 60) -> $OUT/<alloc>_<i>.json and .log.
 # 4. scripts/compare_speed.py over the C++ benches and the complete pairs -> $OUT/speed.md,
 #    written after stage 1 and again after every pair, so a run cut short keeps what finished.
+#
+# PIN (default empty): a CPU list (taskset -c) every benchmark process runs on, the same for
+# both allocators, so that which cores a process lands on does not pass for a difference
+# between allocators. SYNC (default blocking) is torch_workloads.py's --sync.
 #
 # BUDGET_S (default 450): no process starts once the seconds spent plus the last duration of a
 # process of its stage (for a stage's first process, of the last process) would pass it; it
@@ -31,6 +35,9 @@ WORKLOADS=${WORKLOADS:-gpt2_train,multistream_prefetch}
 STEPS=${STEPS:-60}
 PAIRS=${PAIRS:-8}
 CPPBENCH=${CPPBENCH:-1} # 0 skips stage 1
+CPPPAIRS=${CPPPAIRS:-2}
+PIN=${PIN:-}
+SYNC=${SYNC:-blocking}
 BENCH=${BENCH:-0}       # 1 runs stage 2
 BUDGET_S=${BUDGET_S:-450}
 HARD_S=${HARD_S:-$((BUDGET_S + 90))}
@@ -50,7 +57,13 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset ALLOCD_DEVICE PYTORCH_CUDA_ALLOC_CONF ALLOCD_CONF ALLOCD_METRICS_LISTEN
 
 say "OUT=$OUT ALLOCD_LIB=$ALLOCD_LIB WORKLOADS=$WORKLOADS STEPS=$STEPS PAIRS=$PAIRS CPPBENCH=$CPPBENCH" \
-	"BENCH=$BENCH BUDGET_S=$BUDGET_S HARD_S=$HARD_S"
+	"CPPPAIRS=$CPPPAIRS BENCH=$BENCH PIN=${PIN:-none} SYNC=$SYNC BUDGET_S=$BUDGET_S HARD_S=$HARD_S"
+pin=()
+if [ -n "$PIN" ]; then
+	command -v taskset >/dev/null || { say "PIN=$PIN but no taskset" >&2; exit 2; }
+	pin=(taskset -c "$PIN")
+fi
+command -v lscpu >/dev/null && lscpu | grep -E '^(Model name|CPU\(s\)|Thread\(s\) per core|NUMA node\(s\)|CPU max MHz)' | sed 's/^/  cpu: /'
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/  gpu: /'
 
 rc=0
@@ -105,14 +118,18 @@ compare() {
 	say "wrote $OUT/speed.md (${#results[@]} workload runs, ${#cpp[@]} C++ bench runs)"
 }
 
-# 1. the C++ allocator bench, interleaved: native, allocd, allocd, native.
+# 1. the C++ allocator bench, interleaved: native, allocd, allocd, native, ...
 if [ "$CPPBENCH" = 1 ]; then
-	for ai in native:1 allocd:1 allocd:2 native:2; do
+	order=()
+	for p in $(seq 1 "$CPPPAIRS"); do
+		if ((p % 2)); then order+=(native:$p allocd:$p); else order+=(allocd:$p native:$p); fi
+	done
+	for ai in "${order[@]}"; do
 		a=${ai%:*} i=${ai#*:}
 		f="$OUT/cpp_${a}_$i.json" logf="$OUT/cpp_${a}_$i.log"
 		rm -f "$f" "$logf"
 		proc cpp "cpp bench $a $i" "$logf" \
-			python3 scripts/torch_cpp_alloc_bench.py --allocator "$a" --out "$f"
+			"${pin[@]}" python3 scripts/torch_cpp_alloc_bench.py --allocator "$a" --out "$f"
 		[ -f "$logf" ] && sed "s/^/  cpp $a $i: /" "$logf"
 		[ -f "$f" ] && cpp+=("$f") # a partial file (cut short) holds the figures that finished
 	done
@@ -126,7 +143,7 @@ if [ "$BENCH" = 1 ]; then
 			f="$OUT/bench_${a}_$i.json" logf="$OUT/bench_${a}_$i.log"
 			rm -f "$f" "$logf"
 			proc bench "torch.empty bench $a $i" "$logf" \
-				python3 scripts/torch_alloc_bench.py --allocator "$a" --out "$f"
+				"${pin[@]}" python3 scripts/torch_alloc_bench.py --allocator "$a" --out "$f"
 			[ -f "$logf" ] && sed "s/^/  bench $a $i: /" "$logf"
 		done
 	done
@@ -143,8 +160,8 @@ for i in $(seq 1 "$PAIRS"); do
 		f="$OUT/${a}_$i.json" logf="$OUT/${a}_$i.log"
 		rm -f "$f" "$logf"
 		proc workloads "workloads $a $i" "$logf" \
-			python3 scripts/torch_workloads.py --allocator "$a" --workloads "$WORKLOADS" --anchor "$ANCHOR" \
-			--steps "$STEPS" --out "$f" && [ -f "$f" ] && pair+=("$f")
+			"${pin[@]}" python3 scripts/torch_workloads.py --allocator "$a" --workloads "$WORKLOADS" --anchor "$ANCHOR" \
+			--steps "$STEPS" --sync "$SYNC" --out "$f" && [ -f "$f" ] && pair+=("$f")
 		[ -f "$logf" ] && grep -E '^\[..:..:..\] ' "$logf" | sed "s/^/  $a $i /"
 	done
 	if ((${#pair[@]} == 2)); then

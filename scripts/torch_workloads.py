@@ -25,6 +25,11 @@ records each step's loss (or the generated token ids), the peak reserved and all
 allocd, one scrape of /metrics between two timed steps half way through.
 After each workload: gc, empty_cache and reset_peak_memory_stats, so peaks are per workload.
 
+With --sync blocking (the default) the CUDA context is made with CU_CTX_SCHED_BLOCKING_SYNC,
+so a synchronize sleeps rather than spins and the CPU times are the work done, not time
+spent waiting for the GPU (which a faster launch would turn into more spinning); --sync auto
+leaves CUDA's default, which spins. The choice is recorded in the JSON ("sync").
+
 The allocator's configuration comes from the environment (PYTORCH_CUDA_ALLOC_CONF for
 native, ALLOCD_CONF for allocd) and is recorded in the JSON. One process per allocator:
 it is chosen before CUDA is initialised.
@@ -187,8 +192,8 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
             allocs0 = api["memory_stats"]().get("allocation.all.allocated", 0)
         # CPU time beside the wall time, read at the same points. thread_time() is this (the
         # launching) thread's CPU time: the Python code, torch's dispatch, the allocator calls
-        # made on this thread, and the final synchronize, which spins in the CUDA driver by
-        # default (cudaDeviceScheduleAuto) and so counts as CPU time under both allocators alike;
+        # made on this thread, and the final synchronize, which sleeps under --sync blocking
+        # and spins under --sync auto (then a launch that ends sooner spins longer);
         # launch CPU time stops before it, where the launch wall time does. Not in it: the
         # autograd engine's CUDA device thread, which runs backward() (and its allocations)
         # while this thread blocks. process_time() (all threads of the process, the autograd
@@ -241,6 +246,33 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
     return res
 
 
+SCHED_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}  # CU_CTX_SCHED_*
+
+
+def set_sync_schedule(mode):
+    """Sets how the primary context of device 0 waits in a synchronize (CU_CTX_SCHED_*).
+
+    It must run before anything makes that context (torch's lazy init, allocd's first
+    allocation): the driver keeps the flags for the primary context it makes later. Returns
+    the driver's function to read them back, or raises naming what failed."""
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev = ctypes.c_int()
+    for what, rc in (("cuInit", cuda.cuInit(0)), ("cuDeviceGet", cuda.cuDeviceGet(ctypes.byref(dev), 0))):
+        if rc:
+            raise RuntimeError(f"{what} failed with CUresult {rc}")
+    set_flags = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or cuda.cuDevicePrimaryCtxSetFlags
+    rc = set_flags(dev, SCHED_FLAGS[mode])
+    if rc:
+        raise RuntimeError(f"cuDevicePrimaryCtxSetFlags({mode}) failed with CUresult {rc}")
+
+    def read():
+        flags, active = ctypes.c_uint(), ctypes.c_int()
+        rc = cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active))
+        return {"flags": flags.value, "active": bool(active.value)} if rc == 0 else {"error": rc}
+    return read
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--allocator", choices=["native", "allocd"], required=True)
@@ -249,6 +281,9 @@ def main():
     ap.add_argument("--anchor", default=default_anchor(), help="the anchor workloads.py (model builders)")
     ap.add_argument("--steps", type=int, default=0, help="timed steps for every workload (default: per workload)")
     ap.add_argument("--warmup", type=int, default=-1, help="warm-up steps for every workload (default: per workload)")
+    ap.add_argument("--sync", choices=sorted(SCHED_FLAGS), default="blocking",
+                    help="how a synchronize waits (CU_CTX_SCHED_*): blocking (default) sleeps, so CPU "
+                         "times are work; auto is CUDA's default, which spins")
     args = ap.parse_args()
     names = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in names if w not in WORKLOADS]
@@ -256,6 +291,7 @@ def main():
         raise SystemExit(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
 
     t_start = time.time()
+    read_sched = set_sync_schedule(args.sync)  # before allocd or torch makes the context
     metrics_addr = ""
     if args.allocator == "allocd":
         sys.path.insert(0, os.path.join(REPO, "python"))
@@ -280,6 +316,13 @@ def main():
         "anchor": os.path.basename(args.anchor), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "workloads": {},
     }
+    torch.cuda.synchronize()  # the context exists now: its flags are the ones it was made with
+    sched = read_sched()
+    result["sync"] = {"mode": args.sync, "context": sched}
+    if sched.get("flags", -1) & 7 != SCHED_FLAGS[args.sync]:
+        raise SystemExit(f"the CUDA context's scheduling flags are {sched}, not {args.sync} "
+                         f"({SCHED_FLAGS[args.sync]}): something made the context before this script set them")
+    log(f"synchronize: {args.sync} (context flags {sched})")
     api["reset_peak"]()
     for name in names:
         warmup, steps = DEFAULT_STEPS[name]

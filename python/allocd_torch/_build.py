@@ -21,7 +21,7 @@ CACHE_ENV = "ALLOCD_TORCH_CACHE"
 
 
 class BuildError(RuntimeError):
-    """The C++ hooks could not be compiled; the message names the command and its output."""
+    """allocd's C++ allocator (_allocator.cpp) could not be compiled; the message names the command and its output."""
 
 
 def cache_root(environ=None):
@@ -52,7 +52,7 @@ def build(source, name, version_tag, include_dirs=(), library_dirs=(), libraries
           cxx=None, environ=None, timeout=300):
     """Return the path of the shared library built from source, compiling it if the cache lacks it.
 
-    name is the file name of the library inside its cache folder ("_hooks.so");
+    name is the file name of the library inside its cache folder ("_allocator.so");
     version_tag the first part of the folder name (torch's version). cxx defaults
     to $CXX, else g++. Raises BuildError when the compiler is missing or fails,
     with the command line and the tail of its output.
@@ -80,13 +80,13 @@ def build(source, name, version_tag, include_dirs=(), library_dirs=(), libraries
     try:
         if shutil.which(cxx) is None:
             raise BuildError(f"the C++ compiler {cxx!r} is not on PATH (set CXX to another). "
-                             f"It is needed once per torch version to build allocd's hooks, with: {shown}")
+                             f"It is needed once per torch version to build allocd's C++ allocator, with: {shown}")
         try:
             r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise BuildError(f"running the compiler failed ({e}); command: {shown}") from e
         if r.returncode != 0:
-            raise BuildError(f"compiling allocd's hooks failed (exit {r.returncode}).\ncommand: {shown}\n"
+            raise BuildError(f"compiling allocd's C++ allocator failed (exit {r.returncode}).\ncommand: {shown}\n"
                              f"output (tail):\n{_tail(r.stdout.decode('utf-8', 'replace'))}")
         os.replace(tmp, out)
         tmp = None

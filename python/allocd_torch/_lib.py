@@ -1,7 +1,7 @@
 """The ctypes layer over liballocd.so. It never imports torch.
 
 liballocd.so is allocd built with ``go build -buildmode=c-shared``. Its C ABI:
-``allocd_init``, ``allocd_last_error``, the PyTorch pluggable hooks
+``allocd_init``, ``allocd_last_error``, the PyTorch allocator entry points
 (``allocd_torch_malloc``, ``allocd_torch_free``, ``allocd_torch_record_stream``,
 ``allocd_torch_empty_cache``, ``allocd_torch_set_memory_fraction``) and the
 queries behind memory_stats, memory_summary and the snapshot.

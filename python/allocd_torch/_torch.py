@@ -91,7 +91,7 @@ def _torch_build_inputs(torch):
                 cands.append(os.path.join(p, sub))
         found = next((d for d in cands if os.path.isfile(os.path.join(d, "cuda_runtime_api.h"))), None)
         if found is None:
-            raise _build.BuildError("compiling allocd's hooks needs the CUDA runtime headers "
+            raise _build.BuildError("compiling allocd's C++ allocator needs the CUDA runtime headers "
                                     "(cuda_runtime_api.h): none in torch's include paths, CUDA_HOME, "
                                     "/usr/local/cuda/include or site-packages/nvidia/*/include. "
                                     "Set CUDA_HOME to a CUDA toolkit.")

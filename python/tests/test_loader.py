@@ -171,7 +171,7 @@ class BuildCacheTest(unittest.TestCase):
         with self.assertRaises(_build.BuildError) as cm:
             _build.build(self.src, "_x.so", "v", include_dirs=["/opt/inc"], environ=self.env)
         msg = str(cm.exception)
-        self.assertIn("compiling allocd's hooks failed", msg)
+        self.assertIn("compiling allocd's C++ allocator failed", msg)
         self.assertIn("g++ -O2 -shared -fPIC -std=c++17 -I/opt/inc " + self.src, msg)
         self.assertIn("error", msg)
         folder = os.path.join(self.env["ALLOCD_TORCH_CACHE"])
