@@ -1106,8 +1106,20 @@ func (a *Allocator) EmptyCache() error {
 	return nil
 }
 
-// emptyCache is the native policy's EmptyCache: release_cached_blocks.
-func (n native) emptyCache() error { return n.a.releaseCachedBlocks(nil) }
+// emptyCache is the native policy's EmptyCache: release_cached_blocks;
+// with expandable segments the Space then starts over (vmm.Space.StartOver)
+// from what is still allocated.
+func (n native) emptyCache() error {
+	a := n.a
+	if err := a.releaseCachedBlocks(nil); err != nil {
+		return err
+	}
+	if a.exp != nil {
+		sums, _ := a.hotSums()
+		a.exp.StartOver(uint64(sums[3][PoolAll]))
+	}
+	return nil
+}
 
 // Close waits for pending events and returns every segment to the device,
 // including segments with blocks still allocated; it then reports those

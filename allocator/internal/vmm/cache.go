@@ -150,6 +150,19 @@ func (s *Space) ReleaseCache(small bool) uint64 {
 	return n
 }
 
+// StartOver forgets the high-water marks that the run and reclaim
+// policies read (the largest reserved figure, the largest allocated figure
+// seen at a mapping), setting them to what is held now: reserved memory,
+// and allocated, the caller's figure. The allocator calls it after
+// EmptyCache, which returned the memory those marks describe: a process
+// that runs a large workload, empties the cache and runs a smaller one
+// then grows and reclaims as a fresh one would, instead of mapping runs
+// sized for the first workload and holding memory up to its peak.
+func (s *Space) StartOver(allocated uint64) {
+	s.mark = s.reserved
+	s.allocMark = allocated
+}
+
 // The Space's device calls, counted and timed (all off the hot path).
 
 func (s *Space) create(size uint64) (cudart.Handle, error) {

@@ -115,6 +115,12 @@
 // is released by ReleaseCache (the allocator's EmptyCache, its
 // out-of-memory path and a cap) and by Close.
 //
+// The marks that the run and reclaim policies read (the largest reserved
+// figure, the largest allocated figure seen at a mapping) describe the
+// workload since the last StartOver, which the allocator calls after
+// EmptyCache: memory given back is history the next workload does not
+// inherit.
+//
 // A failed Create releases the handles made for the request and returns
 // cached runs to the cache, and MapBlock returns the device's
 // out-of-memory error; the allocator then takes its usual path (release
