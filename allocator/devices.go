@@ -348,6 +348,25 @@ func (v *devView) rangeOwner(p cudart.Ptr) int {
 	return -1
 }
 
+// soleCandidate returns the position of the only device that can hold p:
+// the one whose address range holds p, else the one device without a
+// range if there is exactly one; -1 when several could.
+func (v *devView) soleCandidate(p cudart.Ptr) int {
+	if j := v.rangeOwner(p); j >= 0 {
+		return j
+	}
+	pos := -1
+	for j, r := range v.ranges {
+		if !r.ok {
+			if pos >= 0 {
+				return -1
+			}
+			pos = j
+		}
+	}
+	return pos
+}
+
 // owner finds the allocator that holds p, leaving out the one at position
 // skip (-1: none): one where p is live first, else one with a segment
 // containing p. When a device's address range holds p, only that device
@@ -392,11 +411,25 @@ func (v *devView) owner(p cudart.Ptr, skip int) (pos int, live bool) {
 // pointer no allocator holds gets an error wrapping ErrUnknownPointer (or
 // ErrDoubleFree, when p lies in a device's segment and is already free
 // there), and changes nothing. Free(0) is a no-op.
+//
+// When only one device can own p (its range holds p, or it is the one
+// device without a range and no range holds p: one GPU), its Free alone
+// decides, with no world lock: this is the free of a caller that keeps no
+// map of its pointers (allocd_torch's), on its hot path.
 func (d *Devices) Free(p cudart.Ptr) error {
 	if p == 0 {
 		return nil
 	}
 	v := d.view.Load()
+	if j := v.soleCandidate(p); j >= 0 {
+		err := v.allocs[j].Free(p)
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, ErrClosed) { // a closed allocator holds nothing: below, ErrUnknownPointer
+			return fmt.Errorf("allocator: device %d: %w", v.indexes[j], err)
+		}
+	}
 	pos, _ := v.owner(p, -1)
 	if pos < 0 {
 		return fmt.Errorf("allocator: free of %#x: %w (no allocator of devices %v holds it)", uint64(p), ErrUnknownPointer, v.indexes)

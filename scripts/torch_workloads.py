@@ -178,6 +178,8 @@ def scrape_mid_run(addr):
 def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
     random.seed(SEED)
     torch.manual_seed(SEED)
+    st0 = api["memory_stats"]()  # what earlier workloads left: live blocks and the memory they hold
+    start = {"reserved": st0.get("reserved_bytes.all.current", 0), "allocated": st0.get("allocated_bytes.all.current", 0)}
     t0 = time.time()
     step, kind = WORKLOADS[name](torch, anchor)
     torch.cuda.synchronize()
@@ -235,6 +237,7 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
         "proc_cpu_ms": [round(x, 4) for x in proc_cpu], "median_proc_cpu_ms": statistics.median(proc_cpu),
         "allocs_per_step": allocs_per_step, "build_s": round(build_s, 2), "wall_s": round(wall, 2),
         "peak_reserved": st["reserved_bytes.all.peak"], "peak_allocated": st["allocated_bytes.all.peak"],
+        "start_reserved": start["reserved"], "start_allocated": start["allocated"],
         "stats": {k: st.get(k) for k in ("reserved_bytes.all.current", "allocated_bytes.all.current",
                                          "num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms",
                                          "segment.all.peak", "num_bad_frees") if k in st},
@@ -336,7 +339,8 @@ def main():
         log(f"{name}: median {r['median_ms']:.2f} ms over {steps} steps (+{warmup} warm-up), median CPU "
             f"{r['median_cpu_ms']:.2f} ms (launching thread; launch {r['median_launch_cpu_ms']:.2f} ms, process "
             f"{r['median_proc_cpu_ms']:.2f} ms), build {r['build_s']} s, "
-            f"wall {r['wall_s']} s, {r['allocs_per_step']:.0f} allocations a step, peak reserved {r['peak_reserved'] / 2**20:.0f} MiB, peak allocated "
+            f"wall {r['wall_s']} s, {r['allocs_per_step']:.0f} allocations a step, at start reserved "
+            f"{r['start_reserved'] / 2**20:.0f} MiB allocated {r['start_allocated'] / 2**20:.0f} MiB, peak reserved {r['peak_reserved'] / 2**20:.0f} MiB, peak allocated "
             f"{r['peak_allocated'] / 2**20:.0f} MiB, first/last {r['kind']} {r['values'][0]} / {r['values'][-1]}"
             + (f", /metrics mid-run reserved {m.get('allocd_reserved_bytes')} allocated "
                f"{m.get('allocd_allocated_bytes')}" if m else ""))
