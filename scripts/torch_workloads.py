@@ -287,6 +287,8 @@ def main():
     ap.add_argument("--sync", choices=sorted(SCHED_FLAGS), default="blocking",
                     help="how a synchronize waits (CU_CTX_SCHED_*): blocking (default) sleeps, so CPU "
                          "times are work; auto is CUDA's default, which spins")
+    ap.add_argument("--history", default="", help="record the allocator's history (no stack frames) over every "
+                    "workload and write torch's snapshot there at the end (a .pickle, for allocd replay)")
     args = ap.parse_args()
     names = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in names if w not in WORKLOADS]
@@ -327,6 +329,8 @@ def main():
                          f"({SCHED_FLAGS[args.sync]}): something made the context before this script set them")
     log(f"synchronize: {args.sync} (context flags {sched})")
     api["reset_peak"]()
+    if args.history:
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, context=None, stacks="python")
     for name in names:
         warmup, steps = DEFAULT_STEPS[name]
         steps = args.steps or steps
@@ -350,6 +354,10 @@ def main():
         api["reset_peak"]()
         with open(args.out, "w") as f:  # after every workload, so a timeout keeps what finished
             json.dump(result, f)
+    if args.history:
+        torch.cuda.memory._dump_snapshot(args.history)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        log(f"wrote the allocator's history to {args.history}")
     result["wall_s"] = round(time.time() - t_start, 1)
     with open(args.out, "w") as f:
         json.dump(result, f)
