@@ -920,22 +920,24 @@ func TestExpandableReclaimSlack(t *testing.T) {
 // mark more than the excess when a free block allows, so it takes the
 // 110 MiB hole rather than the 100 MiB one that covers only the excess.
 func TestExpandableReclaimHeadroom(t *testing.T) {
-	a, sim := newExp(t, 4*giB, "")
+	a, sim := newExp(t, 8*giB, "")
 	s1, _ := sim.StreamCreate()
 	h100 := mustMalloc(t, a, 100*miB, 0)
 	sep1 := mustMalloc(t, a, 2*miB, 0)
 	h110 := mustMalloc(t, a, 110*miB, 0)
 	sep2 := mustMalloc(t, a, 2*miB, 0)
-	big := mustMalloc(t, a, 300*miB, 0)
+	big := mustMalloc(t, a, 4284*miB, 0)
 	sep3 := mustMalloc(t, a, 2*miB, 0)
 	mustFree(t, a, h100)
 	mustFree(t, a, h110)
-	expect(t, a, sim, 516*miB, 6, 0)
-	// Allocated peaked at 516 MiB, so reserved may reach 532 MiB: 114 MiB
-	// more passes that by 98 MiB, which the 100 MiB hole covers, but not
-	// with the 4 MiB headroom (1/128 of the 516 MiB mark).
+	expect(t, a, sim, 4500*miB, 6, 0)
+	// Allocated peaked at 4500 MiB, so the slack is 140 MiB (1/32, in
+	// 2 MiB pages) and the headroom 35 MiB (1/128). With the request,
+	// 4404 MiB are allocated: reserved may reach 4544 MiB, and 114 MiB
+	// more passes that by 70 MiB, which the 100 MiB hole covers, but not
+	// with the headroom.
 	p := mustMalloc(t, a, 114*miB, s1)
-	expect(t, a, sim, 520*miB, 7, 1)
+	expect(t, a, sim, 4504*miB, 7, 1)
 	snap := a.Snapshot()
 	if !mapped(snap.Segments, h100, 100*miB) || mapped(snap.Segments, h110, 1) {
 		t.Errorf("reclaim took the wrong hole: 100 MiB hole mapped %v (want true), 110 MiB hole mapped %v (want false)",
@@ -944,6 +946,37 @@ func TestExpandableReclaimHeadroom(t *testing.T) {
 	for _, x := range []cudart.Ptr{sep1, sep2, big, sep3, p} {
 		mustFree(t, a, x)
 	}
+}
+
+// TestExpandableSlackFromAllocatedNow: the slack that lets reserved memory
+// pass its high-water mark counts from what is allocated at the mapping,
+// not from the largest allocated figure. After a 200 MiB hole is freed, a
+// growth of 30 MiB on another stream would stay within the slack of the
+// old peak (1,204 + 36 MiB) but passes the mark while 1,034 MiB are
+// allocated: fragmentation, so it reclaims the hole's pages instead of
+// raising reserved memory.
+func TestExpandableSlackFromAllocatedNow(t *testing.T) {
+	a, sim := newExp(t, 4*giB, "")
+	s1, _ := sim.StreamCreate()
+	big := mustMalloc(t, a, 1000*miB, 0)
+	sep1 := mustMalloc(t, a, 2*miB, 0)
+	hole := mustMalloc(t, a, 200*miB, 0)
+	sep2 := mustMalloc(t, a, 2*miB, 0)
+	mustFree(t, a, hole)
+	expect(t, a, sim, 1204*miB, 4, 0)
+	p := mustMalloc(t, a, 30*miB, s1)
+	st := a.Stats()
+	if st.NumReclaims != 1 {
+		t.Errorf("%d reclaims, want 1: the growth passed the high-water mark 1/32 above the 1,034 MiB allocated", st.NumReclaims)
+	}
+	if r := uint64(st.ReservedBytes[PoolAll].Peak); r != 1204*miB {
+		t.Errorf("peak reserved %d MiB, want 1204 (the hole's pages moved to the new stream)", r/miB)
+	}
+	mustCheck(t, a)
+	for _, x := range []cudart.Ptr{big, sep1, sep2, p} {
+		mustFree(t, a, x)
+	}
+	mustCheck(t, a)
 }
 
 // TestExpandableMapsARangeAtOnce: a growth of many pages maps them in about

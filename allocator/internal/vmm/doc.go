@@ -52,9 +52,10 @@
 // (docs/fragmentation.md has the measurements):
 //
 //   - A mapping may raise reserved memory above its high-water mark (the
-//     largest reserved figure so far) only while reserved stays within
-//     1/32 of the largest allocated figure seen at a mapping (GrowthExcess
-//     is told it). Past both, the whole runs (below) of other free blocks
+//     largest reserved figure so far) only while reserved stays within a
+//     slack above what is allocated at that moment (GrowthExcess is told
+//     it); the slack is 1/32 of the largest allocated figure seen at a
+//     mapping. Past both, the whole runs (below) of other free blocks
 //     are unmapped first (Choose: the smallest block that covers the
 //     target, else the largest first), then the request is mapped. The
 //     target is the excess plus a headroom of 1/128 of the mark, so that

@@ -19,12 +19,15 @@ type reclaimCand struct {
 
 // GrowthExcess is how far serving size bytes from the candidate c would
 // raise reserved memory above what reclaim allows, 0 when not at all:
-// above the high-water mark and more than 1/32 above allocated, the
-// largest allocated figure seen at a mapping (the request included; the
-// caller passes the figure now). What the handle cache holds that c's
-// segment can map is already reserved, so only the rest of the pages to map counts. It
-// also remembers c and the blocks after it that the request would use,
-// which Choose then leaves alone.
+// above the high-water mark and more than the slack above allocated (the
+// figure now, the request included, which the caller passes); the slack
+// is 1/32 of the largest allocated figure seen at a mapping. A growth
+// past the high-water mark while allocated is below its own peak is
+// fragmentation, and reclaim moves free pages to serve it. What the
+// handle cache holds that c's segment can map is already reserved, so
+// only the rest of the pages to map counts. It also remembers c and the
+// blocks after it that the request would use, which Choose then leaves
+// alone.
 func (s *Space) GrowthExcess(c *blocks.Block, size, allocated uint64) uint64 {
 	s.allocMark = max(s.allocMark, allocated)
 	chain := s.chain[:0]
@@ -48,16 +51,16 @@ func (s *Space) GrowthExcess(c *blocks.Block, size, allocated uint64) uint64 {
 	if need > 0 {
 		need -= min(need, s.cachedFor(c.Segment))
 	}
-	limit := max(s.mark, s.allocMark+s.reclaimSlack())
+	limit := max(s.mark, allocated+s.reclaimSlack())
 	if s.reserved+need <= limit {
 		return 0
 	}
 	return s.reserved + need - limit
 }
 
-// reclaimSlack is how far reserved memory may rise above the largest
-// allocated figure seen at a mapping (allocMark) before a mapping past
-// the high-water mark reclaims.
+// reclaimSlack is how far reserved memory may rise above allocated memory
+// before a mapping past the high-water mark reclaims: 1/reclaimSlackDiv of
+// the largest allocated figure seen at a mapping (allocMark).
 func (s *Space) reclaimSlack() uint64 {
 	return s.allocMark / reclaimSlackDiv / s.cfg.SmallPage * s.cfg.SmallPage
 }
