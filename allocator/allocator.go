@@ -1116,7 +1116,7 @@ func (n native) emptyCache() error {
 	}
 	if a.exp != nil {
 		sums, _ := a.hotSums()
-		a.exp.StartOver(uint64(sums[3][PoolAll]))
+		a.exp.StartOver(uint64(sums[hotAllocatedBytes][PoolAll]))
 	}
 	return nil
 }

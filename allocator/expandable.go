@@ -137,7 +137,7 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 	}
 	if a.exp.Reclaims() {
 		sums, _ := a.hotSums()
-		if excess := a.exp.GrowthExcess(b, rounded, uint64(sums[3][PoolAll])+rounded); excess > 0 {
+		if excess := a.exp.GrowthExcess(b, rounded, uint64(sums[hotAllocatedBytes][PoolAll])+rounded); excess > 0 {
 			if err := a.reclaimPages(c, excess, p.small); err != nil {
 				return nil, err
 			}

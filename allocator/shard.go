@@ -72,6 +72,10 @@ const numHot = 7 // StatArrays in hotStats
 var hotNames = [numHot]string{"allocation", "active", "inactive_split",
 	"allocated_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"}
 
+// hotAllocatedBytes is allocated_bytes' position in that order: what
+// hotSums gives for memory allocated now.
+const hotAllocatedBytes = 3
+
 // arrays lists hotStats' arrays in a fixed order.
 func (h *hotStats) arrays() [numHot]*StatArray {
 	return [numHot]*StatArray{&h.Allocation, &h.Active, &h.InactiveSplit,
