@@ -324,3 +324,12 @@ func TestBusyAllocatorRetries(t *testing.T) {
 	}
 	mustFree(t, a, p)
 }
+
+// TestHotAllocatedBytes: hotAllocatedBytes is where hotSums puts
+// allocated_bytes.
+func TestHotAllocatedBytes(t *testing.T) {
+	var s Stats
+	if hotNames[hotAllocatedBytes] != "allocated_bytes" || s.hotArrays()[hotAllocatedBytes] != &s.AllocatedBytes {
+		t.Fatalf("hotAllocatedBytes %d names %q", hotAllocatedBytes, hotNames[hotAllocatedBytes])
+	}
+}
