@@ -4,7 +4,6 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/workload"
 )
 
@@ -24,18 +23,7 @@ func TestExpandableEmptyCacheStartsOver(t *testing.T) {
 			fresh := replayTrace(t, tc.second, modeExpandable).r
 			first, _ := loadOps(t, traceFile(t, tc.first))
 			second, _ := loadOps(t, traceFile(t, tc.second))
-			sim, err := simdev.New(simdev.Config{Capacity: 141 << 30, ManualEvents: true})
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg, err := allocator.ParseConfig("expandable_segments:True")
-			if err != nil {
-				t.Fatal(err)
-			}
-			a, err := allocator.New(sim, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
+			_, a := newExpandable(t)
 			defer a.Close()
 			replayChecked(t, first, a)
 			if err := workload.FreeLive(a); err != nil {

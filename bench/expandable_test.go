@@ -23,18 +23,7 @@ func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) wo
 // memory calls the Sim served before Close.
 func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option) (workload.ReplayResult, simdev.VMMCounters) {
 	t.Helper()
-	sim, err := simdev.New(simdev.Config{Capacity: 141 << 30, ManualEvents: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := allocator.ParseConfig("expandable_segments:True")
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := allocator.New(sim, cfg, opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sim, a := newExpandable(t, opts...)
 	r := replayChecked(t, ops, a)
 	vmm := sim.VMMCounters()
 	// The traces end with a few allocations never freed (the model).
@@ -48,6 +37,25 @@ func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option)
 		t.Errorf("after Close the device holds %d reservations, %d handles, %d mappings", c.LiveReservations, c.LiveHandles, c.LiveMappings)
 	}
 	return r, vmm
+}
+
+// newExpandable returns an allocator with expandable_segments:True on a
+// fresh 141 GiB Sim with manual events; the caller closes it.
+func newExpandable(t *testing.T, opts ...allocator.Option) (*simdev.Sim, *allocator.Allocator) {
+	t.Helper()
+	sim, err := simdev.New(simdev.Config{Capacity: 141 << 30, ManualEvents: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := allocator.ParseConfig("expandable_segments:True")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := allocator.New(sim, cfg, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sim, a
 }
 
 func mib(n int64) float64 { return math.Round(float64(n) / (1 << 20)) }
