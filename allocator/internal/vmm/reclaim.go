@@ -67,9 +67,9 @@ func (s *Space) reclaimSlack() uint64 {
 
 // The reclaim policy's two fractions (docs/fragmentation.md has the
 // measurements that chose them): reserved memory may pass the high-water
-// mark without a reclaim while it stays within 1/32 of the largest
-// allocated figure, and a reclaim unmaps 1/128 of the mark more than it
-// must.
+// mark without a reclaim while it stays within a slack above allocated
+// memory of 1/32 of the largest allocated figure, and a reclaim unmaps
+// 1/128 of the mark more than it must.
 const (
 	reclaimSlackDiv    = 32
 	reclaimHeadroomDiv = 128
