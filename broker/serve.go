@@ -313,19 +313,24 @@ func (b *Broker) admit(conn *net.UnixConn, h Hello, cred *unix.Ucred) (*client, 
 // mapped (a client cut off for a protocol error, or one that closed its
 // socket without returning them), and another tenant must never be
 // granted memory a live process can still write.
+//
+// A client reclaimed at once leaves the broker's list before a Stop
+// waiting for the last client returns (reclaim releases Stop), so Stop's
+// holders never include it; one whose process is awaited releases Stop
+// here and is listed as a holder until its process exits.
 func (b *Broker) disconnect(c *client) {
 	b.mu.Lock()
 	c.gone = true
 	c.conn = nil
-	holds := len(c.held) > 0
-	if b.stopping && b.liveClientsLocked() == 0 {
+	// Nothing held, no way to watch the process, or the client is this
+	// process (tests): its mappings are its own business.
+	now := len(c.held) == 0 || c.pidfd < 0 || c.pid == int32(os.Getpid())
+	if !now && b.stopping && b.liveClientsLocked() == 0 {
 		b.closeStopped()
 	}
 	b.mu.Unlock()
 	b.log.Info("client disconnected", zap.Uint64("client", c.id), zap.String("tenant", c.tenant), zap.Int32("pid", c.pid))
-	if !holds || c.pidfd < 0 || c.pid == int32(os.Getpid()) {
-		// Nothing held, no way to watch the process, or the client is this
-		// process (tests): its mappings are its own business.
+	if now {
 		b.reclaimAndClose(c)
 		return
 	}
