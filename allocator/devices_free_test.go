@@ -6,7 +6,6 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
-	"github.com/allocd/allocd/simdev"
 )
 
 // rangeless is a device that does not say its address range (a real GPU:
@@ -32,17 +31,14 @@ func TestDevicesFreeWithoutDevice(t *testing.T) {
 		{"two devices without ranges", 2, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var devs []cudart.Device
-			for i := range tc.n {
-				sim, err := simdev.New(simdev.Config{Index: i, Capacity: 4 * giB})
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { sim.Close() })
-				if tc.rangeless {
-					devs = append(devs, rangeless{sim})
-				} else {
-					devs = append(devs, sim)
+			indexes := make([]int, tc.n)
+			for i := range indexes {
+				indexes[i] = i
+			}
+			devs := asDevices(newTestSims(t, 4*giB, indexes...))
+			if tc.rangeless {
+				for i, dev := range devs {
+					devs[i] = rangeless{dev}
 				}
 			}
 			d, err := NewDevices(devs, defaultConfig(t))
@@ -83,11 +79,7 @@ func TestDevicesFreeWithoutDevice(t *testing.T) {
 // Devices.Free, as allocd_torch frees (no device given), on one device
 // without an address range (a GPU): no world lock, nothing allocated.
 func BenchmarkDevicesFree(b *testing.B) {
-	sim, err := simdev.New(simdev.Config{Capacity: 141 * giB})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer sim.Close()
+	sim := newTestSims(b, 141*giB, 0)[0]
 	d, err := NewDevices([]cudart.Device{rangeless{sim}}, defaultConfig(b))
 	if err != nil {
 		b.Fatal(err)
