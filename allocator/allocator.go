@@ -276,16 +276,28 @@ type Allocator struct {
 	allowed uint64 // per-process cap; total when no fraction is set
 	capped  bool   // per_process_memory_fraction set
 
-	stats      Stats
-	be         backend         // the policy behind the public calls (backend.go)
-	async      *asyncAllocator // be, for backend:cudaMallocAsync; nil otherwise
-	src        source          // where segments come from (segments.go)
-	mal        mallocSource    // the cudaMalloc source; src unless exp is set
-	exp        *vmm.Space      // expandable_segments:True's memory (expandable.go); nil otherwise
-	history    *history        // nil unless recording history
-	ownsDevice bool            // opened by Open: Close closes the device
-	broker     *broker.Client  // WithBroker, closed by Close when Open dialled it
-	brokerMem  *brokerMemory   // the broker's segment source, when there is one
+	stats   Stats
+	be      backend         // the policy behind the public calls (backend.go)
+	async   *asyncAllocator // be, for backend:cudaMallocAsync; nil otherwise
+	src     source          // where segments come from (segments.go)
+	mal     mallocSource    // the cudaMalloc source; src unless exp is set
+	exp     *vmm.Space      // expandable_segments:True's memory (expandable.go); nil otherwise
+	history *history        // nil unless recording history
+
+	// Private pools (pools.go), by id and by number; the captures under
+	// way (BeginAllocateToPool) in the order they began, and their count;
+	// the blocks whose events wait for the last capture to end. routes
+	// and livePools are what Malloc and MallocInPool read without locks.
+	private    map[PoolID]*privatePool
+	privateSeq map[uint64]*privatePool
+	captures   []capture
+	capturing  int
+	deferred   []*blocks.Block
+	routes     atomic.Pointer[[]capture]
+	livePools  atomic.Pointer[[]poolRef]
+	ownsDevice bool           // opened by Open: Close closes the device
+	broker     *broker.Client // WithBroker, closed by Close when Open dialled it
+	brokerMem  *brokerMemory  // the broker's segment source, when there is one
 }
 
 // call is the state of one Malloc or Free on its way down the slow path:
@@ -459,6 +471,13 @@ func (a *Allocator) poolOf(b *blocks.Block) *pool {
 // stream in use is no longer doomed (ReleaseStream): its handle may
 // belong to a new stream.
 func (a *Allocator) checkStream(s cudart.Stream) (*shard, error) {
+	var pp *privatePool
+	if uint64(s)&blocks.PoolStreamBit != 0 {
+		var err error
+		if pp, err = a.checkPoolStream(s); err != nil {
+			return nil, err
+		}
+	}
 	if sh := a.byStream[s]; sh != nil {
 		if sh.doomed {
 			sh.doomed = false
@@ -467,14 +486,20 @@ func (a *Allocator) checkStream(s cudart.Stream) (*shard, error) {
 		return sh, nil
 	}
 	if c, ok := a.dev.(cudart.StreamChecker); ok {
-		if err := c.CheckStream(s); err != nil {
-			return nil, fmt.Errorf("allocator: stream %#x: %w: %w", uint64(s), ErrInvalidStream, err)
+		ds := blocks.DeviceStream(uint64(s))
+		if err := c.CheckStream(cudart.Stream(ds)); err != nil {
+			return nil, fmt.Errorf("allocator: stream %#x: %w: %w", ds, ErrInvalidStream, err)
 		}
 	}
 	if err := a.makeRoom(s); err != nil {
 		return nil, err
 	}
-	return a.addShard(s), nil
+	sh := a.addShard(s)
+	if pp != nil {
+		sh.pool = pp
+		pp.shards++
+	}
+	return sh, nil
 }
 
 // Malloc returns size bytes of device memory for use on stream. The address
@@ -483,10 +508,36 @@ func (a *Allocator) checkStream(s cudart.Stream) (*shard, error) {
 //
 // A request the device cannot satisfy returns an *OOMError after the cache
 // has been released and the device asked again.
+//
+// While a capture is under way (BeginAllocateToPool), a Malloc on a stream
+// its filter accepts is served from its private pool.
 func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error) {
 	if size == 0 {
 		return 0, nil
 	}
+	if a.routes.Load() != nil || uint64(stream)&blocks.PoolStreamBit != 0 {
+		return a.routedMalloc(size, stream)
+	}
+	if sh := a.lookupShard(stream); sh != nil {
+		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
+			spinLockSlow(&sh.mu)
+		}
+		p, busy := a.fastMalloc(sh, size)
+		sh.mu.Unlock()
+		if p != 0 {
+			return p, nil
+		}
+		if busy {
+			return a.retryMalloc(size, stream)
+		}
+	}
+	return a.slowMalloc(size, stream)
+}
+
+// mallocStream is Malloc on stream, a device stream or a pool stream,
+// after routing. Malloc repeats its body inline: the call would cost
+// about 3 ns of a 60 ns cached pair (BenchmarkCachedPair).
+func (a *Allocator) mallocStream(size uint64, stream cudart.Stream) (cudart.Ptr, error) {
 	if sh := a.lookupShard(stream); sh != nil {
 		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
 			spinLockSlow(&sh.mu)
@@ -625,7 +676,7 @@ func (a *Allocator) backendFree(c *call, p cudart.Ptr) error {
 // every backend shares.
 func (n native) malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
 	a, stream := n.a, sh.stream
-	if a.pending > 0 {
+	if a.pending > 0 && a.capturing == 0 { // no event query during a capture
 		if err := a.processEvents(c); err != nil {
 			return 0, err
 		}
@@ -878,22 +929,31 @@ func (n native) free(c *call, p cudart.Ptr) error {
 	a.release(pl, b)
 	a.record(c, actionFreeRequested, b.Ptr, b.Requested, cudart.Stream(b.Segment.Stream))
 	if len(b.StreamUses) > 0 {
-		if err := a.insertEvents(b); err != nil {
-			// The block cannot be tracked by events; wait for the device
-			// instead, so that reusing it is safe, and log why.
-			a.log.Error("recording stream events failed; synchronising the device", zap.Error(err))
-			if serr := a.dev.Synchronize(); serr != nil {
-				a.log.Error("device synchronize failed", zap.Error(serr))
-			}
-			b.StreamUses = b.StreamUses[:0]
-			if b.EventCount == 0 {
-				a.freeBlock(c, pl, b)
-			}
+		if a.capturing > 0 {
+			a.deferEvents(b)
+			return nil
 		}
+		a.eventsOrSync(c, pl, b)
 		return nil
 	}
 	a.freeBlock(c, pl, b)
 	return nil
+}
+
+// eventsOrSync records events on the streams that used freed block b, or
+// when that fails waits for the device instead, so that reusing b is
+// safe, and logs why; b returns to pl when no event is pending.
+func (a *Allocator) eventsOrSync(c *call, pl *pool, b *blocks.Block) {
+	if err := a.insertEvents(b); err != nil {
+		a.log.Error("recording stream events failed; synchronising the device", zap.Error(err))
+		if serr := a.dev.Synchronize(); serr != nil {
+			a.log.Error("device synchronize failed", zap.Error(serr))
+		}
+		b.StreamUses = b.StreamUses[:0]
+	}
+	if b.EventCount == 0 {
+		a.freeBlock(c, pl, b)
+	}
 }
 
 // unknownPointer explains a bad address: a double free when p starts a
@@ -960,10 +1020,13 @@ func (n native) recordStream(p cudart.Ptr, s cudart.Stream) error {
 	if b == nil {
 		return a.unknownPointer("record stream", p)
 	}
+	if uint64(s)&blocks.PoolStreamBit != 0 {
+		return fmt.Errorf("allocator: record stream %#x: %w (not a CUDA stream)", uint64(s), ErrInvalidStream)
+	}
 	if _, err := a.checkStream(s); err != nil {
 		return err
 	}
-	if uint64(s) == b.Segment.Stream {
+	if uint64(s) == blocks.DeviceStream(b.Segment.Stream) {
 		return nil
 	}
 	for _, u := range b.StreamUses {
@@ -1098,6 +1161,9 @@ func (a *Allocator) EmptyCache() error {
 	if a.closed {
 		return fmt.Errorf("allocator: empty cache: %w", ErrClosed)
 	}
+	if a.capturing > 0 {
+		return fmt.Errorf("allocator: empty cache: %w", ErrCaptureUnderway)
+	}
 	a.stats.NumEmptyCache++
 	if err := a.be.emptyCache(); err != nil {
 		return err
@@ -1214,6 +1280,7 @@ func (a *Allocator) Stats() Stats {
 		}
 	}
 	s.LargestFreeBlock = int64(largest)
+	s.PrivateReservedBytes, s.PrivateAllocatedBytes = a.privateBytes()
 	if a.exp != nil {
 		s.HandleCacheBytes = int64(a.exp.Cached(false) + a.exp.Cached(true))
 		s.VMM = a.exp.Calls()
@@ -1311,6 +1378,7 @@ func (n native) check() error {
 		errs = append(errs, err)
 	}
 	errs = append(errs, a.checkShards()...)
+	errs = append(errs, a.checkPools()...)
 	folded := a.folded()
 	st := &folded
 	want := func(name string, got, exp int64) {
@@ -1351,7 +1419,8 @@ func (n native) check() error {
 			}
 		}
 	}
-	want("pending events", int64(a.pending), int64(events))
+	// A block whose events a capture deferred counts one (pools.go).
+	want("pending events", int64(a.pending+len(a.deferred)), int64(events))
 	errs = append(errs, a.checkPoolCounts(st)...)
 	errs = append(errs, a.src.check()...)
 	for _, sh := range a.shards {

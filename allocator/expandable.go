@@ -104,7 +104,7 @@ func (p *pool) vmPool() vmm.Pool {
 func (a *Allocator) growExpandable(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
 	allocSize := allocationSize(rounded)
 	b, err := a.allocExpandable(c, p, stream, rounded, allocSize, false)
-	if b == nil && err == nil {
+	if b == nil && err == nil && a.capturing == 0 { // nothing is released during a capture (pools.go)
 		if err = a.releaseCachedBlocks(c); err == nil {
 			b, err = a.allocExpandable(c, p, stream, rounded, allocSize, true)
 		}
@@ -135,7 +135,7 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 	if err != nil {
 		return nil, err
 	}
-	if a.exp.Reclaims() {
+	if a.exp.Reclaims() && a.capturing == 0 { // unmapping synchronises: not during a capture
 		sums, _ := a.hotSums()
 		if excess := a.exp.GrowthExcess(b, rounded, uint64(sums[hotAllocatedBytes][PoolAll])+rounded); excess > 0 {
 			if err := a.reclaimPages(c, excess, p.small); err != nil {

@@ -7,6 +7,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/snapshot"
 )
@@ -233,7 +234,7 @@ func (a *Allocator) record(c *call, action uint8, addr, size uint64, stream cuda
 	if c != nil {
 		stack = c.stack
 	}
-	h.add(historyEntry{action: action, addr: addr, size: size, stream: uint64(stream), timeUS: time.Now().UnixMicro(), stack: stack})
+	h.add(historyEntry{action: action, addr: addr, size: size, stream: blocks.DeviceStream(uint64(stream)), timeUS: time.Now().UnixMicro(), stack: stack})
 	if h.live != nil {
 		switch action {
 		case actionAlloc:

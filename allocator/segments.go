@@ -194,15 +194,18 @@ func allocationSize(size uint64) uint64 {
 // configured), ask the device, release oversize cached blocks and ask
 // again, release every cached segment and ask a last time.
 func (a *Allocator) growMalloc(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
-	if a.gcEnabled() {
+	// While a capture is under way nothing is released: a device free
+	// or an event wait would end it (pools.go).
+	capturing := a.capturing > 0
+	if a.gcEnabled() && !capturing {
 		a.garbageCollect(c)
 	}
 	allocSize := allocationSize(rounded)
 	b, err := a.allocBlock(c, p, stream, allocSize, false)
-	if b == nil && err == nil && a.releaseAvailableCachedBlocks(c, p, uint64(stream), rounded) {
+	if b == nil && err == nil && !capturing && a.releaseAvailableCachedBlocks(c, p, uint64(stream), rounded) {
 		b, err = a.allocBlock(c, p, stream, allocSize, false)
 	}
-	if b == nil && err == nil {
+	if b == nil && err == nil && !capturing {
 		if err = a.releaseCachedBlocks(c); err == nil {
 			b, err = a.allocBlock(c, p, stream, allocSize, true)
 		}

@@ -127,8 +127,9 @@ type shard struct {
 	pendingEv int
 	busy      int
 	stamp     int64
-	dirFull   *dirPage // the directory's page of a region all this shard's (dirfast.go)
-	_padding  [64]byte // keep shards on their own cache lines
+	dirFull   *dirPage     // the directory's page of a region all this shard's (dirfast.go)
+	pool      *privatePool // the private pool of a pool stream's shard, else nil (pools.go)
+	_padding  [64]byte     // keep shards on their own cache lines
 }
 
 // reservoir is slack that no shard holds as cap: a hot path whose change
@@ -769,10 +770,16 @@ func (a *Allocator) freeIndexes() []*blocks.FreeIndex {
 }
 
 // pools lists every shard's pool of one kind, in stream order (world
-// mode): the order of PyTorch's one free index over all streams.
+// mode): the order of PyTorch's one free index over all streams. It
+// leaves out the held shards of private pools with users (pools.go),
+// whose cached memory nothing may release: pools is what the release
+// paths (EmptyCache, the OOM path, garbage collection, reclaim) walk.
 func (a *Allocator) pools(small bool) []*pool {
 	out := make([]*pool, 0, len(a.shards))
 	for _, sh := range a.shards {
+		if sh.held() {
+			continue
+		}
 		if small {
 			out = append(out, &sh.small)
 		} else {

@@ -69,7 +69,8 @@ func (a *Allocator) WriteSnapshot(w io.Writer) error {
 
 // segmentInfo describes segment s from address addr on, without blocks.
 func (a *Allocator) segmentInfo(s *blocks.Segment, addr uint64) snapshot.Segment {
-	si := snapshot.Segment{Device: a.info.Index, Address: addr, Stream: s.Stream, SegmentType: "large", IsExpandable: s.Expandable, Blocks: []snapshot.Block{}}
+	si := snapshot.Segment{Device: a.info.Index, Address: addr, Stream: blocks.DeviceStream(s.Stream), SegmentType: "large",
+		IsExpandable: s.Expandable, PoolID: a.poolIDOf(s.Stream), Blocks: []snapshot.Block{}}
 	if s.Small {
 		si.SegmentType = "small"
 	}

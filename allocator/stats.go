@@ -164,6 +164,12 @@ type Stats struct {
 	// PyTorch key). It is held from the device, so ReservedBytes counts
 	// it; EmptyCache, the out-of-memory path and a cap release it.
 	HandleCacheBytes int64
+	// PrivateReservedBytes and PrivateAllocatedBytes are the parts of
+	// ReservedBytes and AllocatedBytes (all pools) that private pools
+	// (CUDA graphs, MemPool; CreatePool) hold and have allocated (allocd
+	// only; not PyTorch keys). Only Stats fills them in.
+	PrivateReservedBytes  int64
+	PrivateAllocatedBytes int64
 	// VMM counts the driver's virtual memory calls that expandable
 	// segments made, and the time they took (allocd only).
 	VMM VMMCalls
@@ -184,7 +190,8 @@ type VMMCalls = vmm.Calls
 // "segment.large_pool.peak", "num_ooms", …; allocd's own expandable
 // reclaim counters follow the same style: "num_reclaims",
 // "num_pages_moved", "num_pages_moved_across_streams",
-// "handle_cache_bytes".
+// "handle_cache_bytes"; and the private pools' "private_reserved_bytes"
+// and "private_allocated_bytes".
 func (s *Stats) Flat() map[string]int64 {
 	m := make(map[string]int64, 128)
 	for _, st := range s.namedArrays() {
@@ -204,6 +211,8 @@ func (s *Stats) Flat() map[string]int64 {
 	m["num_pages_moved"] = s.NumPagesMoved
 	m["num_pages_moved_across_streams"] = s.NumPagesMovedAcrossStreams
 	m["handle_cache_bytes"] = s.HandleCacheBytes
+	m["private_reserved_bytes"] = s.PrivateReservedBytes
+	m["private_allocated_bytes"] = s.PrivateAllocatedBytes
 	return m
 }
 

@@ -105,7 +105,7 @@ func (a *Allocator) ReleaseStream(s cudart.Stream) error {
 	if sh == nil || s == cudart.DefaultStream {
 		return nil
 	}
-	if a.idle(sh) {
+	if a.idle(sh) && a.capturing == 0 {
 		return a.releaseShard(sh)
 	}
 	if !sh.doomed {
@@ -120,7 +120,7 @@ func (a *Allocator) ReleaseStream(s cudart.Stream) error {
 // events, no world-mode call under way on it.
 func (a *Allocator) idle(sh *shard) bool {
 	return sh.stream != cudart.DefaultStream && sh.active.len() == 0 &&
-		sh.parked == nil && sh.pendingEv == 0 && sh.busy == 0
+		sh.parked == nil && sh.pendingEv == 0 && sh.busy == 0 && !sh.held()
 }
 
 // releaseShard returns sh's cached segments to the device and drops its
@@ -221,6 +221,10 @@ func (a *Allocator) dropShard(sh *shard) {
 		a.favored = nil
 	}
 	a.capsDirty = true
+	if p := sh.pool; p != nil {
+		p.shards--
+		a.forgetPool(p)
+	}
 	sh.doomed, sh.released = true, true
 	// Off the shard list, refreshGates no longer reaches it: close its
 	// gates here, for a hot path that looked it up before the drop.
@@ -231,6 +235,9 @@ func (a *Allocator) dropShard(sh *shard) {
 // reapDoomed releases the doomed shards that have become idle (world
 // mode, at the end of a call).
 func (a *Allocator) reapDoomed() {
+	if a.capturing > 0 { // releasing would synchronise
+		return
+	}
 	for i := 0; i < len(a.doomed); {
 		sh := a.doomed[i]
 		if !a.idle(sh) {
@@ -254,6 +261,9 @@ func (a *Allocator) dropIdle() {
 // else those that allocated nothing since the last sweep; it stamps the
 // others. No call may hold a pointer to an idle shard (see busy).
 func (a *Allocator) sweep(all bool) {
+	if a.capturing > 0 { // releasing would synchronise
+		return
+	}
 	for i := 0; i < len(a.shards); {
 		sh := a.shards[i]
 		n := sh.stats.Allocation[PoolAll].Allocated

@@ -95,7 +95,8 @@ type Segment struct {
 	// Size is the segment's size in bytes.
 	Size uint64
 	// Stream is the stream the segment was allocated for; its blocks serve
-	// only that stream.
+	// only that stream. A private pool's segment has a pool stream
+	// (PoolStream): DeviceStream gives the stream it was allocated for.
 	Stream uint64
 	// Small is true for the small pool (requests of at most 1 MiB).
 	Small bool
@@ -241,4 +242,47 @@ func absorbNext(b *Block, r *Recycler) uint64 {
 	}
 	r.Put(q)
 	return size
+}
+
+// Private pools' streams. An allocator keeps a private memory pool's
+// blocks apart from the general cache's by giving its segments a pool
+// stream: the device stream with PoolStreamBit set and the pool's
+// sequence number in the bits from PoolSeqShift up. Blocks never cross
+// streams, so a pool's free blocks serve only the allocations routed to
+// the pool. A device stream must be below 1<<PoolSeqShift to be routed
+// into a pool: CUDA streams are host pointers, and user-space addresses
+// stay below 1<<47.
+const (
+	PoolStreamBit = 1 << 63
+	PoolSeqShift  = 47
+	// MaxPoolSeq is the largest sequence number a pool stream holds.
+	MaxPoolSeq = 1<<(63-PoolSeqShift) - 1
+)
+
+// PoolStream returns the pool stream of the private pool numbered seq
+// (1..MaxPoolSeq) on device stream s, and false when s is too large to
+// carry one.
+func PoolStream(seq, s uint64) (uint64, bool) {
+	if s>>PoolSeqShift != 0 || seq == 0 || seq > MaxPoolSeq {
+		return 0, false
+	}
+	return PoolStreamBit | seq<<PoolSeqShift | s, true
+}
+
+// DeviceStream returns the device stream of stream s: s itself, or for a
+// pool stream the stream it was made from.
+func DeviceStream(s uint64) uint64 {
+	if s&PoolStreamBit == 0 {
+		return s
+	}
+	return s & (1<<PoolSeqShift - 1)
+}
+
+// PoolSeq returns the pool sequence number of stream s, 0 when s is not a
+// pool stream.
+func PoolSeq(s uint64) uint64 {
+	if s&PoolStreamBit == 0 {
+		return 0
+	}
+	return s &^ PoolStreamBit >> PoolSeqShift
 }

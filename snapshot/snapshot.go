@@ -138,6 +138,9 @@ type Segment struct {
 	SegmentType string `json:"segment_type"`
 	// IsExpandable is true for an expandable segment.
 	IsExpandable bool `json:"is_expandable"`
+	// PoolID is the private pool that owns the segment (torch's
+	// MempoolId_t), {0, 0} for the general cache.
+	PoolID [2]uint64 `json:"segment_pool_id"`
 	// Blocks tile the segment in address order.
 	Blocks []Block `json:"blocks"`
 	// Frames is the stack that allocated the segment, innermost first; nil

@@ -165,6 +165,10 @@ var metrics = []MetricInfo{
 		"", func(s *allocator.Stats) int64 { return s.NumPagesMovedAcrossStreams }),
 	plainMetric("expandable_handle_cache_bytes", "gauge", "Physical memory that reclaim unmapped and keeps for the next growths to map again; held from the device, so counted in reserved bytes.",
 		"", func(s *allocator.Stats) int64 { return s.HandleCacheBytes }),
+	plainMetric("private_pool_reserved_bytes", "gauge", "Memory that private pools (CUDA graphs, torch.cuda.MemPool) hold; counted in reserved bytes too.",
+		"", func(s *allocator.Stats) int64 { return s.PrivateReservedBytes }),
+	plainMetric("private_pool_allocated_bytes", "gauge", "Memory allocated from private pools (CUDA graphs, torch.cuda.MemPool); counted in allocated bytes too.",
+		"", func(s *allocator.Stats) int64 { return s.PrivateAllocatedBytes }),
 
 	{Name: Namespace + "_device_free_bytes", Type: "gauge", Help: "Free device memory as the device reports it (cudaMemGetInfo), all processes counted.",
 		Labels: deviceLabels, PyTorch: "torch.cuda.mem_get_info()[0]", kind: kindDeviceFree},

@@ -142,7 +142,7 @@ func (s *Space) SyncStreams(list []*blocks.Block) error {
 	var done [8]uint64
 	synced := done[:0]
 	for _, b := range list {
-		st := b.Segment.Stream
+		st := blocks.DeviceStream(b.Segment.Stream)
 		if slices.Contains(synced, st) {
 			continue
 		}
