@@ -27,11 +27,18 @@ func newTestAllocator(t testing.TB, capacity uint64, conf string, simCfg ...simd
 	if err != nil {
 		t.Fatal(err)
 	}
+	return newTestAllocatorOn(t, sim, sim, conf), sim
+}
+
+// newTestAllocatorOn is newTestAllocator over dev, which is sim or wraps
+// it.
+func newTestAllocatorOn(t testing.TB, dev cudart.Device, sim *simdev.Sim, conf string) *Allocator {
+	t.Helper()
 	cfg, err := ParseConfig(conf)
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, err := New(sim, cfg)
+	a, err := New(dev, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,7 +51,7 @@ func newTestAllocator(t testing.TB, capacity uint64, conf string, simCfg ...simd
 			t.Errorf("after Close the device still holds %d bytes", used)
 		}
 	})
-	return a, sim
+	return a
 }
 
 func mustMalloc(t testing.TB, a *Allocator, size uint64, s cudart.Stream) cudart.Ptr {

@@ -201,7 +201,12 @@ func (a *Allocator) ReleasePool(id PoolID) error {
 				continue // dropped: the next shard moved to i
 			}
 		} else if a.capturing == 0 && a.exp == nil {
-			a.releaseWholeOf(sh)
+			// Its free segments go now, the rest with the shard. A
+			// failure is logged: they go with the shard too.
+			if err := a.releaseWholeOf(sh); err != nil {
+				a.log.Warn("releasing a released pool's free segments failed",
+					zap.Uint64("stream", blocks.DeviceStream(uint64(sh.stream))), zap.Error(err))
+			}
 		}
 		if !sh.doomed {
 			sh.doomed = true
@@ -211,26 +216,6 @@ func (a *Allocator) ReleasePool(id PoolID) error {
 	}
 	a.forgetPool(p)
 	return nil
-}
-
-// releaseWholeOf returns the whole free segments of sh, a released
-// pool's shard that still holds allocations, to the device (world mode;
-// cudaMalloc segments). A failure is logged: the segments go with the
-// shard.
-func (a *Allocator) releaseWholeOf(sh *shard) {
-	list := a.scratch[:0]
-	for _, p := range [2]*pool{&sh.large, &sh.small} {
-		p.free.Ascend(func(b *blocks.Block) bool {
-			if !b.IsSplit() {
-				list = append(list, b)
-			}
-			return true
-		})
-	}
-	a.scratch = list[:0]
-	if err := a.releaseAll(nil, list); err != nil {
-		a.log.Warn("releasing a released pool's free segments failed", zap.Uint64("stream", blocks.DeviceStream(uint64(sh.stream))), zap.Error(err))
-	}
 }
 
 // forgetPool drops p once it has neither users nor shards (world mode).

@@ -82,24 +82,7 @@ func newGuardedAllocator(t testing.TB, capacity uint64, conf string, sc simdev.C
 		t.Fatal(err)
 	}
 	g := &captureGuard{Sim: sim}
-	cfg, err := ParseConfig(conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := New(g, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := a.Check(); err != nil {
-			t.Errorf("invariants at end of test: %v", err)
-		}
-		_ = a.Close()
-		if used := sim.Used(); used != 0 {
-			t.Errorf("after Close the device still holds %d bytes", used)
-		}
-	})
-	return a, g
+	return newTestAllocatorOn(t, g, sim, conf), g
 }
 
 // segmentPool returns the pool id of the segment that holds p.

@@ -147,6 +147,12 @@ func (a *Allocator) releaseShardSegments(sh *shard) error {
 		return a.releaseExpandableStream(sh)
 	}
 	// Idle, so each segment is one whole free block.
+	return a.releaseWholeOf(sh)
+}
+
+// releaseWholeOf returns sh's whole free segments to the device (world
+// mode; cudaMalloc segments), stopping at the first error.
+func (a *Allocator) releaseWholeOf(sh *shard) error {
 	list := a.scratch[:0]
 	for _, p := range [2]*pool{&sh.large, &sh.small} {
 		p.free.Ascend(func(b *blocks.Block) bool {
