@@ -778,7 +778,8 @@ func splits(small, expandable bool, blockSize, size, maxSplit uint64) bool {
 
 // mallocDeltaOf is mallocDelta for handing out the free block b of pool p.
 func (a *Allocator) mallocDeltaOf(d *delta, p *pool, b *blocks.Block, rounded, requested uint64) {
-	mallocDelta(d, p.small, b.Segment.Expandable, b.IsSplit(), b.Size, rounded, requested, a.cfg.MaxSplitSize)
+	exp, maxSplit := b.Segment.Expandable, a.cfg.MaxSplitSize
+	mallocDelta(d, exp, b.IsSplit(), splits(p.small, exp, b.Size, rounded, maxSplit), b.Size, rounded, requested, maxSplit)
 }
 
 // allocFoundBlock is PyTorch's alloc_found_block: split off the remainder

@@ -34,7 +34,8 @@ func TestMallocDelta(t *testing.T) {
 			delta{allocs: 1, allocBytes: 20 * mb, active: 1, activeBytes: 20 * mb, requested: 20 * mb}},
 	} {
 		got := delta{allocs: 7, split: 7, over: 7} // overwritten
-		if mallocDelta(&got, tc.small, tc.expandable, tc.wasSplit, tc.size, tc.rounded, tc.req, tc.maxSplit); got != tc.want {
+		split := splits(tc.small, tc.expandable, tc.size, tc.rounded, tc.maxSplit)
+		if mallocDelta(&got, tc.expandable, tc.wasSplit, split, tc.size, tc.rounded, tc.req, tc.maxSplit); got != tc.want {
 			t.Errorf("%s: %+v, want %+v", tc.name, got, tc.want)
 		}
 	}

@@ -105,7 +105,7 @@ func (a *Allocator) takeParked(sh *shard, size, rounded uint64) cudart.Ptr {
 	// (the checks above leave it whole or split at b's end).
 	wasSplit := b.Prev != nil || (right == nil && b.Next != nil) || (right != nil && right.Next != nil)
 	var d delta
-	mallocDelta(&d, p.small, false, wasSplit, msize, rounded, size, maxSplit)
+	mallocDelta(&d, false, wasSplit, splits(p.small, false, msize, rounded, maxSplit), msize, rounded, size, maxSplit)
 	if !a.fitsOrBorrow(sh, p.stat, &d) {
 		return 0
 	}

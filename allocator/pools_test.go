@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 
@@ -732,4 +733,241 @@ func FuzzPoolOps(f *testing.F) {
 		}
 		d.finish()
 	})
+}
+
+// poolLayout is a pool's blocks as a checkpoint records them, from the
+// allocator's segments now.
+func poolLayout(a *Allocator, id PoolID) []checkpointSegment {
+	a.lockWorld()
+	defer a.unlockWorld()
+	var out []checkpointSegment
+	for _, s := range a.segs.list {
+		if a.poolIDOf(s.Stream) != id {
+			continue
+		}
+		cs := checkpointSegment{ptr: s.Ptr, size: s.Size}
+		for b := s.Head; b != nil; b = b.Next {
+			cs.blocks = append(cs.blocks, checkpointBlock{ptr: b.Ptr, size: b.Size, allocated: b.Allocated, unmapped: b.Unmapped})
+		}
+		out = append(out, cs)
+	}
+	return out
+}
+
+// sameLayout reports how got differs from the checkpoint's segments:
+// every checkpointed segment is there with its mapped blocks as they
+// were (requested sizes aside); segments made since hold nothing.
+func sameLayout(ck *PoolCheckpoint, got []checkpointSegment) error {
+	bySeg := map[uint64]checkpointSegment{}
+	for _, s := range got {
+		bySeg[s.ptr] = s
+	}
+	for _, cs := range ck.segs {
+		s, ok := bySeg[cs.ptr]
+		if !ok {
+			return fmt.Errorf("segment %#x is gone", cs.ptr)
+		}
+		delete(bySeg, cs.ptr)
+		for i, kb := range cs.blocks {
+			if kb.unmapped {
+				for _, b := range s.blocks[i:] {
+					if b.allocated {
+						return fmt.Errorf("segment %#x: %#x allocated past the checkpoint's mapped blocks", cs.ptr, b.ptr)
+					}
+				}
+				break
+			}
+			if i >= len(s.blocks) {
+				return fmt.Errorf("segment %#x: block %d missing", cs.ptr, i)
+			}
+			b := s.blocks[i]
+			if !kb.allocated && i+1 < len(cs.blocks) && cs.blocks[i+1].unmapped && b.ptr == kb.ptr && !b.allocated && !b.unmapped && b.size >= kb.size {
+				continue // free up to pages mapped since: it grew
+			}
+			if b.ptr != kb.ptr || b.size != kb.size || b.allocated != kb.allocated || b.unmapped {
+				return fmt.Errorf("segment %#x: block %d is %+v, the checkpoint's %+v", cs.ptr, i, b, kb)
+			}
+		}
+	}
+	for _, s := range bySeg {
+		for _, b := range s.blocks {
+			if b.allocated {
+				return fmt.Errorf("segment %#x, made since the checkpoint, holds %#x", s.ptr, b.ptr)
+			}
+		}
+	}
+	return nil
+}
+
+func TestPoolCheckpointRestore(t *testing.T) {
+	for _, conf := range []string{"", "max_split_size_mb:20", "expandable_segments:True"} {
+		t.Run("conf="+conf, func(t *testing.T) {
+			a, sim := newTestAllocator(t, giB, conf, simdev.Config{ManualEvents: true})
+			id := PoolID{4, 0}
+			if err := a.CreatePool(id); err != nil {
+				t.Fatal(err)
+			}
+			in := func(size uint64) cudart.Ptr {
+				t.Helper()
+				p, err := a.MallocInPool(id, size, cudart.DefaultStream)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return p
+			}
+			pa, pb, pc := in(3*miB), in(5*miB), in(100*kiB)
+			mustFree(t, a, pb)
+			ck, err := a.CheckpointPool(id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			mustFree(t, a, pa)
+			pd, pe, pf := in(7*miB), in(miB), in(40*miB)
+			freed, allocated, err := a.RestorePool(ck)
+			if err != nil {
+				t.Fatal(err)
+			}
+			mustCheck(t, a)
+			if fmt.Sprint(sortPtrs(freed)) != fmt.Sprint(sortPtrs([]cudart.Ptr{pc, pd, pe, pf})) {
+				t.Errorf("freed %#x, want the blocks allocated before the restore", freed)
+			}
+			if fmt.Sprint(sortPtrs(allocated)) != fmt.Sprint(sortPtrs([]cudart.Ptr{pa, pc})) || fmt.Sprint(allocated) != fmt.Sprint(ck.Allocated()) {
+				t.Errorf("allocated %#x, want the checkpoint's %#x", allocated, ck.Allocated())
+			}
+			if err := sameLayout(ck, poolLayout(a, id)); err != nil {
+				t.Error(err)
+			}
+			// The restored blocks are ordinary allocations.
+			mustFree(t, a, pa)
+			mustFree(t, a, pc)
+
+			// Calls that must fail and change nothing.
+			if err := a.BeginAllocateToPool(id, nil); err != nil {
+				t.Fatal(err)
+			}
+			if _, _, err := a.RestorePool(ck); !errors.Is(err, ErrCaptureUnderway) {
+				t.Errorf("restore during a capture: %v", err)
+			}
+			if err := a.EndAllocateToPool(id); err != nil {
+				t.Fatal(err)
+			}
+			if err := a.ReleasePool(id); err != nil { // the capture's use
+				t.Fatal(err)
+			}
+			side, _ := sim.StreamCreate()
+			pg := in(2 * miB)
+			if err := a.RecordStream(pg, side); err != nil {
+				t.Fatal(err)
+			}
+			before := poolLayout(a, id)
+			if _, _, err := a.RestorePool(ck); !errors.Is(err, ErrCheckpointMismatch) {
+				t.Errorf("restore with a block another stream used: %v", err)
+			}
+			if fmt.Sprint(poolLayout(a, id)) != fmt.Sprint(before) {
+				t.Error("a refused restore changed the pool")
+			}
+			mustFree(t, a, pg)
+			sim.CompleteAll()
+			if err := a.ReleasePool(id); err != nil {
+				t.Fatal(err)
+			}
+			if _, _, err := a.RestorePool(ck); !errors.Is(err, ErrUnknownPool) {
+				t.Errorf("restore of a released pool: %v", err)
+			}
+			if _, err := a.CheckpointPool(id); !errors.Is(err, ErrUnknownPool) {
+				t.Errorf("checkpoint of a released pool: %v", err)
+			}
+			if err := a.EmptyCache(); err != nil {
+				t.Fatal(err)
+			}
+			if sim.Used() != 0 {
+				t.Errorf("device holds %d bytes at the end", sim.Used())
+			}
+		})
+	}
+}
+
+func sortPtrs(p []cudart.Ptr) []cudart.Ptr {
+	out := append([]cudart.Ptr(nil), p...)
+	slices.Sort(out)
+	return out
+}
+
+// TestPoolCheckpointRandom takes checkpoints of a pool at random moments
+// of random allocation and restores them later, as CUDA graph trees do:
+// after each restore the pool's layout is the checkpoint's and the live
+// set is its allocations; Check holds after every step.
+func TestPoolCheckpointRandom(t *testing.T) {
+	steps := 3000
+	if testing.Short() {
+		steps = 1000
+	}
+	for _, conf := range []string{"", "expandable_segments:True", "max_split_size_mb:20,roundup_power2_divisions:4"} {
+		t.Run("conf="+conf, func(t *testing.T) {
+			a, _ := newTestAllocator(t, giB, conf)
+			id := PoolID{9, 0}
+			if err := a.CreatePool(id); err != nil {
+				t.Fatal(err)
+			}
+			rng := rand.New(rand.NewPCG(11, 12))
+			live := map[cudart.Ptr]bool{}
+			var cks []*PoolCheckpoint
+			restores := 0
+			for step := range steps {
+				switch r := rng.IntN(20); {
+				case r < 9:
+					if p, err := a.MallocInPool(id, sizeFor(rng.Uint64()), cudart.DefaultStream); err == nil {
+						live[p] = true
+					} else if !errors.Is(err, ErrOutOfMemory) {
+						t.Fatalf("step %d: %v", step, err)
+					}
+				case r < 17:
+					for p := range live {
+						mustFree(t, a, p)
+						delete(live, p)
+						break
+					}
+				case r < 18:
+					ck, err := a.CheckpointPool(id)
+					if err != nil {
+						t.Fatal(err)
+					}
+					cks = append(cks, ck)
+				default:
+					if len(cks) == 0 {
+						continue
+					}
+					ck := cks[rng.IntN(len(cks))]
+					freed, allocated, err := a.RestorePool(ck)
+					if err != nil {
+						t.Fatalf("step %d: restore: %v", step, err)
+					}
+					if len(freed) != len(live) {
+						t.Fatalf("step %d: freed %d blocks, %d were live", step, len(freed), len(live))
+					}
+					live = map[cudart.Ptr]bool{}
+					for _, p := range allocated {
+						live[p] = true
+					}
+					if err := sameLayout(ck, poolLayout(a, id)); err != nil {
+						t.Fatalf("step %d: after restore: %v", step, err)
+					}
+					restores++
+				}
+				mustCheck(t, a)
+				if got := a.Stats().Allocation[PoolAll].Current; got != int64(len(live)) {
+					t.Fatalf("step %d: %d allocations, %d live", step, got, len(live))
+				}
+			}
+			if restores == 0 {
+				t.Error("no restore ran")
+			}
+			for p := range live {
+				mustFree(t, a, p)
+			}
+			if err := a.ReleasePool(id); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
 }

@@ -302,7 +302,7 @@ type delta struct {
 // mallocDelta sets d to the change of handing out a free block of size bytes
 // for a request of requested bytes, rounded to rounded (PyTorch's
 // alloc_found_block): the block is split, and only rounded bytes handed
-// out, when splits says so. It counts one allocation, active block and
+// out, when split is set. It counts one allocation, active block and
 // oversize allocation (oversize from maxSplit bytes up), the bytes handed
 // out and requested, and the inactive split blocks: the block, when it
 // was part of a larger segment, stops counting; its remainder, when split
@@ -312,8 +312,10 @@ type delta struct {
 // than return one: a returned struct is copied in 16-byte moves that
 // cannot take the 8-byte values just stored, which cost the hot path
 // more than the rest of its statistics.
-func mallocDelta(d *delta, small, expandable, wasSplit bool, size, rounded, requested, maxSplit uint64) {
-	split := splits(small, expandable, size, rounded, maxSplit)
+//
+// The caller decides the split: splits(…) for a malloc, as PyTorch's
+// alloc_found_block; RestorePool as a checkpoint says.
+func mallocDelta(d *delta, expandable, wasSplit, split bool, size, rounded, requested, maxSplit uint64) {
 	got := size
 	if split {
 		got = rounded
