@@ -29,6 +29,16 @@ int liballocd_go_reset_accumulated_stats(int device);
 double liballocd_go_memory_fraction(int device);
 long long liballocd_go_largest_free_block(int device);
 long long liballocd_go_snapshot_flat(int traces, long long *buf, size_t n);
+int liballocd_go_create_pool(int device, uint64_t id0, uint64_t id1);
+int liballocd_go_release_pool(int device, uint64_t id0, uint64_t id1);
+int liballocd_go_begin_pool(int device, uint64_t id0, uint64_t id1);
+int liballocd_go_end_pool(int device, uint64_t id0, uint64_t id1);
+int liballocd_go_empty_pool_cache(int device, uint64_t id0, uint64_t id1);
+int liballocd_go_pool_use_count(int device, uint64_t id0, uint64_t id1);
+uintptr_t liballocd_go_malloc_pool(size_t size, int device, uintptr_t stream, uint64_t id0, uint64_t id1);
+uintptr_t liballocd_go_checkpoint_pool(int device, uint64_t id0, uint64_t id1);
+void liballocd_go_checkpoint_free(uintptr_t checkpoint);
+long long liballocd_go_restore_pool(int device, uintptr_t checkpoint, long long **out);
 #pragma GCC visibility pop
 
 #endif

@@ -1,8 +1,9 @@
 //go:build cgo
 
 // forkguard.c: the fork check of every export, and the exports written in
-// C that only check it and call their Go half (exports.go). allocd_torch_malloc,
-// allocd_torch_free and allocd_last_error are in freequeue.c.
+// C that only check it and call their Go half (exports.go, torchapi.go,
+// pools.go). allocd_torch_malloc, allocd_torch_malloc_pool, allocd_torch_free
+// and allocd_last_error are in freequeue.c.
 
 #include <pthread.h>
 #include <string.h>
@@ -159,4 +160,76 @@ API long long allocd_largest_free_block(int device) {
 API long long allocd_snapshot_flat(int traces, long long *buf, size_t n) {
 	FORKED(-1);
 	return liballocd_go_snapshot_flat(traces, buf, n);
+}
+
+// The private pools of torch's CUDA graphs and torch.cuda.MemPool (pools.go):
+// each names its pool as torch's MempoolId_t pair (id0, id1). The int
+// functions return 0, or -1 with allocd_last_error; allocd_torch_malloc_pool
+// is in freequeue.c.
+
+// allocd_torch_create_pool: the pool gains a user, created when it has none.
+API int allocd_torch_create_pool(int device, uint64_t id0, uint64_t id1) {
+	FORKED(-1);
+	return liballocd_go_create_pool(device, id0, id1);
+}
+
+// allocd_torch_release_pool: one user lets go; at the last the pool's memory
+// returns to the device.
+API int allocd_torch_release_pool(int device, uint64_t id0, uint64_t id1) {
+	FORKED(-1);
+	return liballocd_go_release_pool(device, id0, id1);
+}
+
+// allocd_torch_begin_pool: the pool gains a user, and a capture to it is
+// under way until allocd_torch_end_pool.
+API int allocd_torch_begin_pool(int device, uint64_t id0, uint64_t id1) {
+	FORKED(-1);
+	return liballocd_go_begin_pool(device, id0, id1);
+}
+
+// allocd_torch_end_pool: the earliest capture to the pool under way ends.
+API int allocd_torch_end_pool(int device, uint64_t id0, uint64_t id1) {
+	FORKED(-1);
+	return liballocd_go_end_pool(device, id0, id1);
+}
+
+// allocd_torch_empty_pool_cache: torch's emptyCache(pool); releases nothing
+// (pools.go says why). device -1: every device.
+API int allocd_torch_empty_pool_cache(int device, uint64_t id0, uint64_t id1) {
+	FORKED(-1);
+	return liballocd_go_empty_pool_cache(device, id0, id1);
+}
+
+// allocd_torch_pool_use_count: the pool's users, 0 when it has none; -1 with
+// allocd_last_error.
+API int allocd_torch_pool_use_count(int device, uint64_t id0, uint64_t id1) {
+	FORKED(-1);
+	return liballocd_go_pool_use_count(device, id0, id1);
+}
+
+// allocd_torch_checkpoint_pool: the pool's layout (torch's getCheckpointState), as
+// a handle for allocd_torch_restore_pool, dropped with allocd_torch_checkpoint_free;
+// 0 with allocd_last_error.
+API uintptr_t allocd_torch_checkpoint_pool(int device, uint64_t id0, uint64_t id1) {
+	FORKED(0);
+	return liballocd_go_checkpoint_pool(device, id0, id1);
+}
+
+// allocd_torch_checkpoint_free: drops a checkpoint's handle.
+API void allocd_torch_checkpoint_free(uintptr_t checkpoint) {
+	FORKED();
+	liballocd_go_checkpoint_free(checkpoint);
+}
+
+// allocd_torch_restore_pool: the checkpoint's pool set back to it (torch's
+// setCheckpointPoolState). *out gets a malloc'd array, for the caller to free():
+// the numbers of blocks freed and allocated, then their addresses. Returns its
+// length, or -1 with allocd_last_error (*out NULL unless a failed restore did
+// part of its work: then what it did).
+API long long allocd_torch_restore_pool(int device, uintptr_t checkpoint, long long **out) {
+	if (out != NULL) {
+		*out = NULL;
+	}
+	FORKED(-1);
+	return liballocd_go_restore_pool(device, checkpoint, out);
 }

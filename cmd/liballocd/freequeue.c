@@ -83,6 +83,17 @@ __attribute__((visibility("default"))) void *allocd_torch_malloc(size_t size, in
 	return (void *)liballocd_go_malloc(size, device, (uintptr_t)stream);
 }
 
+// allocd_torch_malloc_pool is allocd_torch_malloc into private pool (id0, id1)
+// of device, which must have a user: NULL with allocd_last_error on failure.
+__attribute__((visibility("default"))) void *allocd_torch_malloc_pool(size_t size, int device, void *stream, uint64_t id0,
+                                                                      uint64_t id1) {
+	if (liballocd_forked_child()) {
+		liballocd_fork_error();
+		return NULL;
+	}
+	return (void *)liballocd_go_malloc_pool(size, device, (uintptr_t)stream, id0, id1);
+}
+
 // allocd_last_error is C too: it calls into Go only when frees are queued, so
 // that a bad free's message (set when the free is applied) is there to read,
 // and never in a forked child.

@@ -1,7 +1,8 @@
 // Command liballocd is allocd as a shared library that PyTorch loads as its
 // CUDA allocator (through allocd_torch's C++ class derived from c10's
 // CUDAAllocator, which calls the C API; torchapi.go holds the exports that
-// answer torch's statistics and snapshot calls). Build it with
+// answer torch's statistics and snapshot calls, pools.go those of its
+// private memory pools: CUDA graphs, torch.cuda.MemPool). Build it with
 //
 //	go build -buildmode=c-shared -o liballocd.so ./cmd/liballocd
 //

@@ -26,8 +26,9 @@ import (
 
 // abi is liballocd.so's C API: exactly these allocd_* symbols are exported.
 //
-// allocd_torch_malloc, allocd_torch_free and allocd_last_error are C
-// (freequeue.c); the others are Go exports (exports.go).
+// allocd_torch_malloc, allocd_torch_malloc_pool, allocd_torch_free and
+// allocd_last_error are C (freequeue.c); the others are C functions of
+// forkguard.c that call Go exports (exports.go, torchapi.go, pools.go).
 var abi = []string{
 	"allocd_init", "allocd_last_error",
 	"allocd_torch_malloc", "allocd_torch_free", "allocd_torch_record_stream",
@@ -39,6 +40,10 @@ var abi = []string{
 	"allocd_metrics_address",
 	"allocd_device_stats", "allocd_reset_accumulated_stats", "allocd_memory_fraction",
 	"allocd_largest_free_block", "allocd_snapshot_flat",
+	"allocd_torch_malloc_pool", "allocd_torch_create_pool", "allocd_torch_release_pool",
+	"allocd_torch_begin_pool", "allocd_torch_end_pool", "allocd_torch_empty_pool_cache",
+	"allocd_torch_pool_use_count", "allocd_torch_checkpoint_pool", "allocd_torch_checkpoint_free",
+	"allocd_torch_restore_pool",
 }
 
 // goToolchainSymbol reports the dynamic symbols every cgo c-shared library
@@ -449,6 +454,23 @@ func TestReleaseStream(t *testing.T) {
 func TestTorchAPI(t *testing.T) {
 	runCTest(t, "torchapi", "ALLOCD_DEVICE=sim:2", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=",
 		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=warn")
+}
+
+// TestPools runs testdata/pools.c, which checks the private pool exports
+// that allocd_torch's CUDAAllocator answers torch's CUDA graph and MemPool
+// calls with: use counts (create, begin, release), refusals (no pool, a
+// device not created or out of range, the general cache's (0, 0), a
+// second end, a release of a capture's own use), malloc into a pool (its
+// segments private and named by the flat snapshot, its freed blocks
+// reused by it alone), a plain malloc during a capture staying in the
+// general cache, empty_cache failing during a capture and keeping a
+// pool's memory, a pool shared by two captures, a released pool's
+// memory going back at the release and at the free of its last block, and
+// a checkpoint restored (twice; refused on another device and during a
+// capture).
+func TestPools(t *testing.T) {
+	runCTest(t, "pools", "ALLOCD_DEVICE=sim:2", "ALLOCD_SIM_CAPACITY=1GiB", "ALLOCD_SIM_MANUAL_EVENTS=",
+		"ALLOCD_CONF=", "ALLOCD_LOG_LEVEL=error")
 }
 
 // TestFork runs testdata/fork.c: 20 forks while 4 threads are inside the

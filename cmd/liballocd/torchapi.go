@@ -52,8 +52,8 @@ func deviceStatsValues(st *allocator.Stats) []int64 {
 }
 
 // snapshotFormat is the version of flattenSnapshot's layout, its first
-// value.
-const snapshotFormat = 1
+// value. 2 added each segment's pool id.
+const snapshotFormat = 2
 
 // Trace actions as numbers: the order of c10's TraceEntry::Action.
 var actionCodes = map[snapshot.Action]int64{
@@ -76,7 +76,7 @@ const (
 	stateActivePendingFree = 2
 
 	snapshotHeaderFields = 3
-	segmentFields        = 10
+	segmentFields        = 12
 	blockFields          = 4
 	traceEntryFields     = 5
 )
@@ -87,7 +87,9 @@ const (
 //	snapshotFormat, number of segments, number of device traces
 //	per segment: device, address, total_size, requested_size,
 //	    allocated_size, active_size, stream, is_large (0/1),
-//	    is_expandable (0/1), number of blocks;
+//	    is_expandable (0/1), the two values of the private pool that owns
+//	    it (torch's MempoolId_t; 0, 0 for the general cache), number of
+//	    blocks;
 //	    then per block: address, size, requested_size, state
 //	    (0 inactive, 1 active_allocated, 2 active_pending_free)
 //	per device trace: number of entries;
@@ -95,8 +97,8 @@ const (
 //	    device's free bytes for an OOM), size, stream, time in
 //	    microseconds since the Unix epoch
 //
-// Without traces the trace count is 0. Addresses, sizes and streams are
-// uint64 values stored as int64 bits.
+// Without traces the trace count is 0. Addresses, sizes, streams and pool
+// ids are uint64 values stored as int64 bits.
 func flattenSnapshot(s *snapshot.Snapshot, traces bool) ([]int64, error) {
 	n := snapshotHeaderFields
 	for i := range s.Segments {
@@ -123,7 +125,8 @@ func flattenSnapshot(s *snapshot.Snapshot, traces bool) ([]int64, error) {
 			exp = 1
 		}
 		out = append(out, int64(sg.Device), int64(sg.Address), int64(sg.TotalSize), int64(sg.RequestedSize),
-			int64(sg.AllocatedSize), int64(sg.ActiveSize), int64(sg.Stream), large, exp, int64(len(sg.Blocks)))
+			int64(sg.AllocatedSize), int64(sg.ActiveSize), int64(sg.Stream), large, exp,
+			int64(sg.PoolID[0]), int64(sg.PoolID[1]), int64(len(sg.Blocks)))
 		for j := range sg.Blocks {
 			b := &sg.Blocks[j]
 			var state int64

@@ -24,8 +24,22 @@
 // segment_map, segment_unmap), free_completed and oom come from allocd's own history,
 // switched on and off with ours. snapshot() merges the two by time.
 //
-// Not supported yet, each refused with torch's error naming allocd: private memory pools
-// (CUDA graph capture, torch.cuda.MemPool, graph trees) and CUDA IPC of tensors.
+// Private memory pools (CUDA graph capture, torch.cuda.MemPool and use_mem_pool, the pools of
+// torch.compile's CUDA graph trees) are allocd's: torch's pool calls create, share and release
+// them through liballocd (allocd_torch_*_pool), and each segment of a snapshot names its pool.
+// torch's beginAllocateToPool passes a filter of streams (a std::function, which Go cannot
+// call): the filters stay here, per device, and while a capture is under way a malloc whose
+// stream one of them accepts goes to that capture's pool (allocd_torch_malloc_pool), the first
+// in the order they began, as torch's allocator routes it, under the relaxed capture mode that
+// torch's own cudaMalloc during a capture takes; allocd itself only knows that a capture is
+// under way. When none is, malloc pays one relaxed atomic load for it.
+//
+// torch.compile's CUDA graph trees checkpoint their pool after each recording and set it back
+// before they leave a replayed path: allocd's checkpoints (allocd_torch_checkpoint_pool,
+// allocd_torch_restore_pool).
+//
+// Not supported, each refused with torch's error naming allocd: a MemPool with an allocator of
+// its own, MemPool's use_on_oom and no_split, and CUDA IPC of tensors.
 //
 // Fork: liballocd.so runs a Go runtime, which does not survive fork(). A DataLoader worker is
 // a forked child that may still drop (free) CUDA tensors it inherited, so after a fork frees
@@ -52,6 +66,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -80,6 +95,17 @@ struct Lib {
   long long (*largest_free)(int);
   long long (*snapshot_flat)(int, long long*, size_t);
   int (*record_history)(int, long long, int);
+  // Private pools: each names its pool as torch's MempoolId_t pair.
+  void* (*malloc_pool)(size_t, int, void*, uint64_t, uint64_t);
+  int (*create_pool)(int, uint64_t, uint64_t);
+  int (*release_pool)(int, uint64_t, uint64_t);
+  int (*begin_pool)(int, uint64_t, uint64_t);
+  int (*end_pool)(int, uint64_t, uint64_t);
+  int (*empty_pool_cache)(int, uint64_t, uint64_t);
+  int (*pool_use_count)(int, uint64_t, uint64_t);
+  uintptr_t (*checkpoint_pool)(int, uint64_t, uint64_t);
+  void (*checkpoint_free)(uintptr_t);
+  long long (*restore_pool)(int, uintptr_t, long long**);
 };
 constexpr int kLibFunctions = sizeof(Lib) / sizeof(void*);
 
@@ -123,9 +149,13 @@ void copy_out(const std::string& s, char* buf, size_t n) {
 // Layout of allocd_device_stats (liballocd's torchapi.go): 9 arrays x 3 pools x (current, peak,
 // allocated, freed), then oversize_allocations and oversize_segments, then 6 counters.
 constexpr int kDeviceStats = 9 * 3 * 4 + 4 + 4 + 6;
-// Layout of allocd_snapshot_flat: format 1.
-constexpr long long kSnapshotFormat = 1;
-constexpr int kSegmentFields = 10, kBlockFields = 4, kEntryFields = 5;
+// Layout of allocd_snapshot_flat: format 2. A segment's fields: device, address, total_size,
+// requested_size, allocated_size, active_size, stream, is_large, is_expandable, its pool's id
+// (two values), number of blocks; a block's: address, size, requested_size, state (0 inactive,
+// 1 active_allocated, 2 active_pending_free).
+constexpr long long kSnapshotFormat = 2;
+constexpr int kSegmentFields = 12, kBlockFields = 4, kEntryFields = 5;
+constexpr long long kActiveAllocated = 1;
 
 int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
@@ -153,6 +183,42 @@ int cause_rank(CDA::TraceEntry::Action a) {
 }
 
 bool pool_is_default(const c10::MempoolId_t& id) { return id.first == 0 && id.second == 0; }
+
+std::string pool_name(const c10::MempoolId_t& id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
+// FlatSegment is one segment of allocd_snapshot_flat's values: its kSegmentFields fields, then
+// its blocks, kBlockFields values each.
+struct FlatSegment {
+  const long long* f;
+  const long long* blocks;
+  long long nblocks;
+  c10::MempoolId_t pool() const {
+    return {static_cast<c10::CaptureId_t>(f[9]), static_cast<c10::CaptureId_t>(f[10])};
+  }
+};
+
+// walk_segments checks allocd_snapshot_flat's values v (their header and bounds), calls fn for
+// each segment, and returns the position after the segments, where the traces start.
+template <typename F>
+size_t walk_segments(const std::vector<long long>& v, F fn) {
+  auto need = [&](size_t pos, size_t k) {
+    TORCH_CHECK(pos + k <= v.size(), "allocd: snapshot: truncated data from liballocd.so (", v.size(), " values)");
+  };
+  need(0, 3);
+  TORCH_CHECK(v[0] == kSnapshotFormat, "allocd: snapshot format ", v[0], " from liballocd.so, this build of "
+              "allocd_torch reads format ", kSnapshotFormat, ": rebuild it");
+  size_t pos = 3;
+  for (long long i = 0; i < v[1]; i++) {
+    need(pos, kSegmentFields);
+    long long nb = std::max(v[pos + kSegmentFields - 1], 0LL);
+    need(pos + kSegmentFields, static_cast<size_t>(nb) * kBlockFields);
+    fn(FlatSegment{v.data() + pos, v.data() + pos + kSegmentFields, nb});
+    pos += kSegmentFields + static_cast<size_t>(nb) * kBlockFields;
+  }
+  return pos;
+}
 
 // The raw deleter: every DataPtr allocd hands out has the block's address as its context.
 void raw_delete_fn(void* ptr);
@@ -193,7 +259,9 @@ class AllocdAllocator final : public CA::CUDAAllocator {
                   "). allocd's Go runtime does not survive fork(), and CUDA cannot be used after fork "
                   "anyway: start processes that use CUDA with the 'spawn' method.");
     }
-    void* p = g_lib.malloc(n, device, stream);
+    // One relaxed load when no capture is under way (captures_): the plain malloc.
+    void* p = capturing_.load(std::memory_order_relaxed) == 0 ? g_lib.malloc(n, device, stream)
+                                                                : routed_malloc(n, device, stream);
     if (p == nullptr) fail_malloc(n, device, stream);
     if (observed_.load(std::memory_order_relaxed)) observe(CDA::TraceEntry::ALLOC, p, n, device, stream);
     return p;
@@ -214,9 +282,17 @@ class AllocdAllocator final : public CA::CUDAAllocator {
   }
 
   void emptyCache(c10::MempoolId_t mempool_id) override {
-    if (!pool_is_default(mempool_id)) return;  // no private pools exist under allocd: nothing cached there
     if (in_forked_child()) return;
-    g_lib.empty_cache();
+    if (pool_is_default(mempool_id)) {
+      g_lib.empty_cache();
+      return;
+    }
+    // A private pool: a MemPool's destructor calls this right after its releasePool. allocd has
+    // nothing to release (liballocd's pools.go says why: a pool without users went back at its
+    // release, one with users keeps its memory for them). torch's emptyCache(pool) has no
+    // device: -1, every device. Not checked: torch calls it from a destructor, and liballocd
+    // logs a failure.
+    (void)g_lib.empty_pool_cache(-1, mempool_id.first, mempool_id.second);
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
@@ -295,9 +371,10 @@ class AllocdAllocator final : public CA::CUDAAllocator {
     info.config_metadata.pinned_use_host_register = false;
     info.config_metadata.graph_capture_record_stream_reuse = false;
     info.config_metadata.last_allocator_settings = "allocd:" + g_settings;
-    if (!pool_is_default(mempool_id) || in_forked_child()) return info;  // no private pools under allocd
+    if (in_forked_child()) return info;
+    // A private pool's snapshot keeps that pool's segments only, as torch's does.
     std::vector<long long> flat = snapshot_values(include_traces);
-    decode_snapshot(flat, include_traces, &info);
+    decode_snapshot(flat, include_traces, mempool_id, &info);
     return info;
   }
 
@@ -358,25 +435,166 @@ class AllocdAllocator final : public CA::CUDAAllocator {
     TORCH_CHECK(false, "allocd does not support opening CUDA tensors of another process (CUDA IPC) yet");
   }
 
-  void beginAllocateToPool(c10::DeviceIndex /*device*/, c10::MempoolId_t /*mempool_id*/,
-                           std::function<bool(cudaStream_t)> /*filter*/) override {
-    TORCH_CHECK(false, kNoPools);
+  // --- private pools ---------------------------------------------------------------------------
+  // torch's beginAllocateToPool (CUDAGraph::capture_begin, use_mem_pool, the graph trees'
+  // warmup): the pool gains a user in allocd, which marks a capture under way, and the filter
+  // routes this device's mallocs (routed_malloc) until endAllocateToPool.
+  void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    refuse_in_child("beginAllocateToPool");
+    TORCH_CHECK(device >= 0, "allocd: beginAllocateToPool on device ", int(device));
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    if (captures_.size() <= static_cast<size_t>(device)) captures_.resize(static_cast<size_t>(device) + 1);
+    auto& caps = captures_[static_cast<size_t>(device)];
+    for (const Capture& c : caps) {
+      TORCH_CHECK(c.id != mempool_id, "beginAllocateToPool: already recording to mempool_id ", pool_name(mempool_id));
+    }
+    TORCH_CHECK(g_lib.begin_pool(device, mempool_id.first, mempool_id.second) == 0, last_error());
+    caps.push_back(Capture{mempool_id, std::move(filter)});
+    capturing_.fetch_add(1, std::memory_order_relaxed);
   }
-  // Nothing is ever allocated to a pool (beginAllocateToPool refuses), so ending or releasing
-  // one has nothing to do; they must not throw, as torch calls them from destructors.
-  void endAllocateToPool(c10::DeviceIndex /*device*/, c10::MempoolId_t /*mempool_id*/) override {}
-  void releasePool(c10::DeviceIndex /*device*/, c10::MempoolId_t /*mempool_id*/) override {}
-  void createOrIncrefPool(c10::DeviceIndex /*device*/, c10::MempoolId_t /*mempool_id*/,
-                          std::shared_ptr<CA::CUDAAllocator> /*allocator*/) override {
-    TORCH_CHECK(false, kNoPools);
+
+  // torch's endAllocateToPool: the earliest capture to the pool stops routing; its user stays
+  // until releasePool.
+  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
+    if (in_forked_child()) return;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      bool found = false;
+      if (device >= 0 && static_cast<size_t>(device) < captures_.size()) {
+        auto& caps = captures_[static_cast<size_t>(device)];
+        auto it = std::find_if(caps.begin(), caps.end(), [&](const Capture& c) { return c.id == mempool_id; });
+        if (it != caps.end()) {
+          caps.erase(it);
+          capturing_.fetch_sub(1, std::memory_order_relaxed);
+          found = true;
+        }
+      }
+      TORCH_CHECK(found, "endAllocatePool: not currently recording to mempool_id ", pool_name(mempool_id));
+    }
+    TORCH_CHECK(g_lib.end_pool(device, mempool_id.first, mempool_id.second) == 0, last_error());
   }
-  std::shared_ptr<CA::AllocatorState> getCheckpointState(c10::DeviceIndex /*device*/,
-                                                         c10::MempoolId_t /*id*/) override {
-    TORCH_CHECK(false, kNoPools);
+
+  // torch's releasePool (a CUDA graph's reset, a MemPool's destruction, the end of
+  // use_mem_pool): at the last user the pool's memory goes back to the device, its free
+  // segments at once, the rest as their blocks are freed (torch keeps it until the next
+  // empty_cache instead).
+  void releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
+    if (in_forked_child()) return;
+    TORCH_CHECK(g_lib.release_pool(device, mempool_id.first, mempool_id.second) == 0, last_error());
   }
-  CA::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex /*device*/,
-                                             std::shared_ptr<CA::AllocatorState> /*pps*/) override {
-    TORCH_CHECK(false, kNoPools);
+
+  int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
+    if (in_forked_child()) return 0;
+    int n = g_lib.pool_use_count(device, mempool_id.first, mempool_id.second);
+    TORCH_CHECK(n >= 0, last_error());
+    return n;
+  }
+
+  // torch's createOrIncrefPool (torch.cuda.MemPool): the pool gains a user, created when it has
+  // none. A MemPool's own allocator (ncclMemAlloc, say) would serve its memory from outside
+  // allocd: refused.
+  void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                          std::shared_ptr<CA::CUDAAllocator> allocator) override {
+    if (allocator != nullptr && allocator.get() != this) {
+      TORCH_CHECK(false, "allocd does not support torch.cuda.MemPool with an allocator of its own (",
+                  allocator->name(), "): under allocd every private pool's memory comes from allocd. "
+                  "Create the MemPool without an allocator, or run this program with PyTorch's own allocator.");
+    }
+    refuse_in_child("createOrIncrefPool");
+    TORCH_CHECK(g_lib.create_pool(device, mempool_id.first, mempool_id.second) == 0, last_error());
+  }
+
+  // MemPool(use_on_oom=True) lets torch serve other allocations from the pool's free memory when
+  // the device runs out; allocd never lends a pool's memory. A MemPool's destructor calls it with
+  // false for every pool: nothing to undo. (A refused MemPool's pool keeps the user its
+  // constructor gave it, with no memory.)
+  void setUseOnOOM(c10::DeviceIndex /*device*/, c10::MempoolId_t mempool_id, bool use_on_oom) override {
+    if (!use_on_oom) return;
+    TORCH_CHECK(false, "allocd does not support torch.cuda.MemPool(use_on_oom=True) (pool ", pool_name(mempool_id),
+                "): allocd never serves other allocations from a private pool's memory. Create the MemPool "
+                "without use_on_oom, or run this program with PyTorch's own allocator.");
+  }
+
+  void setNoSplit(c10::DeviceIndex /*device*/, c10::MempoolId_t mempool_id) override {
+    TORCH_CHECK(false, "allocd does not support torch.cuda.MemPool(no_split=True) (pool ", pool_name(mempool_id),
+                "): allocd splits a pool's segments as it splits the general cache's. Create the MemPool "
+                "without no_split, or run this program with PyTorch's own allocator.");
+  }
+
+  // Whether the pool's allocated blocks on device are exactly expected_live_allocations
+  // (torch.compile's CUDA graph trees check their pool with it): read from allocd's snapshot.
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected_live_allocations) override {
+    if (in_forked_child()) return expected_live_allocations.empty();
+    std::vector<long long> flat = snapshot_values(false);
+    size_t allocated = 0;
+    bool unexpected = false;
+    walk_segments(flat, [&](const FlatSegment& sg) {
+      if (sg.f[0] != device || sg.pool() != mempool_id) return;
+      for (long long j = 0; j < sg.nblocks; j++) {
+        const long long* b = sg.blocks + j * kBlockFields;
+        if (b[3] != kActiveAllocated) continue;
+        allocated++;
+        if (expected_live_allocations.count(reinterpret_cast<void*>(static_cast<uintptr_t>(b[0]))) == 0) {
+          unexpected = true;
+        }
+      }
+    });
+    return !unexpected && allocated == expected_live_allocations.size();
+  }
+
+  // torch.compile's CUDA graph trees take a checkpoint of their pool after every recording
+  // (getCheckpointState) and set the pool back to it (setCheckpointPoolState) when a program
+  // leaves a replayed path for eager code or a new recording: the blocks allocated in the pool
+  // then are freed, and those allocated at the checkpoint are allocated again at their
+  // addresses, handed to torch as DataPtrs for the tensors still live. The checkpoint is
+  // allocd's (Allocator.CheckpointPool), held through a handle that the state drops.
+  struct PoolCheckpoint : CA::AllocatorState {
+    PoolCheckpoint(c10::DeviceIndex d, uintptr_t h) : device(d), handle(h) {}
+    ~PoolCheckpoint() override {
+      if (!in_forked_child()) g_lib.checkpoint_free(handle);
+    }
+    PoolCheckpoint(const PoolCheckpoint&) = delete;
+    PoolCheckpoint& operator=(const PoolCheckpoint&) = delete;
+    c10::DeviceIndex device;
+    uintptr_t handle;
+  };
+
+  std::shared_ptr<CA::AllocatorState> getCheckpointState(c10::DeviceIndex device, c10::MempoolId_t id) override {
+    refuse_in_child("getCheckpointState");
+    uintptr_t h = g_lib.checkpoint_pool(device, id.first, id.second);
+    TORCH_CHECK(h != 0, last_error());
+    return std::make_shared<PoolCheckpoint>(device, h);
+  }
+
+  CA::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                             std::shared_ptr<CA::AllocatorState> pps) override {
+    refuse_in_child("setCheckpointPoolState");
+    auto ck = std::dynamic_pointer_cast<PoolCheckpoint>(pps);
+    TORCH_CHECK(ck != nullptr, "allocd: setCheckpointPoolState: the state is not one of allocd's getCheckpointState");
+    long long* out = nullptr;
+    long long n = g_lib.restore_pool(device, ck->handle, &out);
+    std::unique_ptr<long long, void (*)(void*)> held(out, &std::free);
+    // A restore that failed half way (n < 0 with an array) freed and allocated blocks that torch
+    // will not know of: the pool is not as torch thinks, and the error says so.
+    TORCH_CHECK(n >= 0, last_error(), out != nullptr ? " (the pool was changed part way: it no longer matches "
+                                                        "torch's tensors)" : "");
+    TORCH_CHECK(n >= 2 && out != nullptr && out[0] >= 0 && out[1] >= 0 && 2 + out[0] + out[1] == n,
+                "allocd: restore pool: a malformed result from liballocd.so (", n, " values)");
+    CA::CheckpointDelta delta;
+    const long long* freed = out + 2;
+    const long long* allocated = freed + out[0];
+    for (long long i = 0; i < out[0]; i++) {
+      void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(freed[i]));
+      delta.ptrs_freed.push_back(p);
+      if (observed_.load(std::memory_order_relaxed)) observe(CDA::TraceEntry::FREE_REQUESTED, p, 0, -1, nullptr);
+    }
+    for (long long i = 0; i < out[1]; i++) {
+      void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(allocated[i]));
+      delta.dataptrs_allocd.emplace_back(p, p, &raw_delete_fn, c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
   }
 
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
@@ -402,10 +620,59 @@ class AllocdAllocator final : public CA::CUDAAllocator {
   }
 
  private:
-  static constexpr const char* kNoPools =
-      "allocd does not support private memory pools yet: CUDA graph capture (torch.cuda.graph, "
-      "torch.cuda.CUDAGraph, torch.compile(mode=\"reduce-overhead\")) and torch.cuda.MemPool need "
-      "them. Run these programs with PyTorch's own allocator.";
+  // A capture under way on a device: its pool and torch's filter of the streams it takes.
+  struct Capture {
+    c10::MempoolId_t id;
+    std::function<bool(cudaStream_t)> filter;
+  };
+
+  // routed_malloc is malloc while a capture is under way: the stream goes to the pool of the
+  // first capture of the device, in the order they began, whose filter accepts it, else to the
+  // general cache. The filters run under pools_mu_, as torch's run under its allocator's lock.
+  void* routed_malloc(size_t n, c10::DeviceIndex device, cudaStream_t stream) {
+    c10::MempoolId_t pool{0, 0};
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      if (device >= 0 && static_cast<size_t>(device) < captures_.size()) {
+        for (const Capture& c : captures_[static_cast<size_t>(device)]) {
+          if (!c.filter || c.filter(stream)) {
+            pool = c.id;
+            break;
+          }
+        }
+      }
+    }
+    if (pool_is_default(pool)) return g_lib.malloc(n, device, stream);
+    RelaxedCaptureMode relaxed;
+    return g_lib.malloc_pool(n, device, stream, pool.first, pool.second);
+  }
+
+  // RelaxedCaptureMode relaxes the calling thread's stream capture mode while it lives, as torch's
+  // allocator does around its cudaMalloc during a capture (cudaMallocMaybeCapturing): under a
+  // global or thread-local capture (torch.cuda.graph's default, the graph trees' mode) CUDA
+  // refuses a cudaMalloc on the capturing thread, and the refusal invalidates the capture.
+  // allocd's Go code runs on the calling thread, so a segment it makes for the pool is made
+  // under the relaxed mode. (It never frees one during a capture.)
+  struct RelaxedCaptureMode {
+    RelaxedCaptureMode() {
+      if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) {
+        (void)cudaGetLastError();
+        swapped = false;
+      }
+    }
+    ~RelaxedCaptureMode() {
+      if (swapped) (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    }
+    RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+    RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    bool swapped = true;
+  };
+
+  void refuse_in_child(const char* what) {
+    TORCH_CHECK(!in_forked_child(), "allocd_torch: ", what, " in a forked child process (pid ", getpid(),
+                "; allocd was set up in pid ", g_setup_pid, "): allocd's Go runtime does not survive fork().");
+  }
 
   [[noreturn]] void fail_malloc(size_t n, c10::DeviceIndex device, cudaStream_t stream) {
     std::string msg = last_error();
@@ -504,41 +771,36 @@ class AllocdAllocator final : public CA::CUDAAllocator {
 
   // decode_snapshot turns allocd_snapshot_flat's values into torch's structures, with the
   // contexts of live blocks, and merges this file's alloc/free trace with allocd's other
-  // entries.
-  void decode_snapshot(const std::vector<long long>& v, bool include_traces, CA::SnapshotInfo* info) {
-    size_t pos = 0;
-    auto need = [&](size_t k) {
+  // entries. A private pool's id (only) keeps that pool's segments alone.
+  void decode_snapshot(const std::vector<long long>& v, bool include_traces, c10::MempoolId_t only,
+                       CA::SnapshotInfo* info) {
+    auto need = [&](size_t pos, size_t k) {
       TORCH_CHECK(pos + k <= v.size(), "allocd: snapshot: truncated data from liballocd.so (", v.size(), " values)");
     };
-    need(3);
-    TORCH_CHECK(v[0] == kSnapshotFormat, "allocd: snapshot format ", v[0], " from liballocd.so, this build of "
-                "allocd_torch reads format ", kSnapshotFormat, ": rebuild it");
-    long long nseg = v[1], ntraces = v[2];
-    pos = 3;
     std::lock_guard<std::mutex> lock(mu_);
-    info->segments.reserve(static_cast<size_t>(std::max(nseg, 0LL)));
-    for (long long i = 0; i < nseg; i++) {
-      need(kSegmentFields);
+    size_t pos = walk_segments(v, [&](const FlatSegment& sg) {
+      if (!pool_is_default(only) && sg.pool() != only) return;
+      const long long* f = sg.f;
       CDA::SegmentInfo s;
-      s.device = static_cast<c10::DeviceIndex>(v[pos]);
-      s.address = static_cast<size_t>(v[pos + 1]);
-      s.total_size = static_cast<size_t>(v[pos + 2]);
-      s.requested_size = static_cast<size_t>(v[pos + 3]);
-      s.allocated_size = static_cast<size_t>(v[pos + 4]);
-      s.active_size = static_cast<size_t>(v[pos + 5]);
-      s.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(v[pos + 6]));
-      s.is_large = v[pos + 7] != 0;
-      s.is_expandable = v[pos + 8] != 0;
-      long long nb = v[pos + 9];
-      pos += kSegmentFields;
-      need(static_cast<size_t>(std::max(nb, 0LL)) * kBlockFields);
-      for (long long j = 0; j < nb; j++, pos += kBlockFields) {
+      s.device = static_cast<c10::DeviceIndex>(f[0]);
+      s.address = static_cast<size_t>(f[1]);
+      s.total_size = static_cast<size_t>(f[2]);
+      s.requested_size = static_cast<size_t>(f[3]);
+      s.allocated_size = static_cast<size_t>(f[4]);
+      s.active_size = static_cast<size_t>(f[5]);
+      s.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(f[6]));
+      s.is_large = f[7] != 0;
+      s.is_expandable = f[8] != 0;
+      s.owner_private_pool_id = sg.pool();
+      s.blocks.reserve(static_cast<size_t>(sg.nblocks));
+      for (long long j = 0; j < sg.nblocks; j++) {
+        const long long* bf = sg.blocks + j * kBlockFields;
         CDA::BlockInfo b;
-        void* addr = reinterpret_cast<void*>(static_cast<uintptr_t>(v[pos]));
-        b.size = static_cast<size_t>(v[pos + 1]);
-        b.requested_size = static_cast<size_t>(v[pos + 2]);
-        b.allocated = v[pos + 3] == 1;
-        b.active = v[pos + 3] != 0;
+        void* addr = reinterpret_cast<void*>(static_cast<uintptr_t>(bf[0]));
+        b.size = static_cast<size_t>(bf[1]);
+        b.requested_size = static_cast<size_t>(bf[2]);
+        b.allocated = bf[3] == kActiveAllocated;
+        b.active = bf[3] != 0;
         if (b.allocated) {
           auto it = live_.find(addr);
           if (it != live_.end()) b.context_when_allocated = it->second.ctx;
@@ -546,12 +808,13 @@ class AllocdAllocator final : public CA::CUDAAllocator {
         s.blocks.push_back(std::move(b));
       }
       info->segments.push_back(std::move(s));
-    }
+    });
+    long long ntraces = v[2];
     if (!include_traces) return;
     for (long long d = 0; d < ntraces; d++) {
-      need(1);
+      need(pos, 1);
       long long ne = v[pos++];
-      need(static_cast<size_t>(std::max(ne, 0LL)) * kEntryFields);
+      need(pos, static_cast<size_t>(std::max(ne, 0LL)) * kEntryFields);
       std::vector<CDA::TraceEntry> merged;
       const std::deque<CDA::TraceEntry>* mine = static_cast<size_t>(d) < traces_.size() ? &traces_[d] : nullptr;
       auto m = mine ? mine->begin() : std::deque<CDA::TraceEntry>::const_iterator();
@@ -605,6 +868,11 @@ class AllocdAllocator final : public CA::CUDAAllocator {
   std::unordered_map<void*, Live> live_;
   std::vector<CA::OutOfMemoryObserver> oom_observers_;
   std::vector<CA::AllocatorTraceTracker> trackers_;
+  // capturing_ counts the captures under way on every device, for malloc's one relaxed load;
+  // captures_ holds them per device, in the order they began.
+  std::atomic<int> capturing_{0};
+  std::mutex pools_mu_;  // guards captures_
+  std::vector<std::vector<Capture>> captures_;
 };
 
 std::shared_ptr<AllocdAllocator> g_allocator;

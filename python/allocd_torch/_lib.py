@@ -3,8 +3,9 @@
 liballocd.so is allocd built with ``go build -buildmode=c-shared``. Its C ABI:
 ``allocd_init``, ``allocd_last_error``, the PyTorch allocator entry points
 (``allocd_torch_malloc``, ``allocd_torch_free``, ``allocd_torch_record_stream``,
-``allocd_torch_empty_cache``, ``allocd_torch_set_memory_fraction``) and the
-queries behind memory_stats, memory_summary and the snapshot.
+``allocd_torch_empty_cache``, ``allocd_torch_set_memory_fraction``), the private pool
+functions of CUDA graphs and torch.cuda.MemPool (``allocd_torch_*_pool``, which the C++
+allocator calls) and the queries behind memory_stats, memory_summary and the snapshot.
 
 The Go runtime does not survive fork(): a child process has only the thread that
 forked, and a call into Go there can hang. Every method of Library therefore
@@ -58,6 +59,7 @@ def find_library(environ=None):
 
 _c_size = ctypes.c_size_t
 _c_ll = ctypes.c_longlong
+_c_u64 = ctypes.c_uint64
 
 # name: (restype, argtypes)
 _PROTOTYPES = {
@@ -79,6 +81,18 @@ _PROTOTYPES = {
     "allocd_record_history": (ctypes.c_int, [ctypes.c_int, _c_ll, ctypes.c_int]),
     "allocd_dump_snapshot": (ctypes.c_int, [ctypes.c_char_p]),
     "allocd_metrics_address": (_c_size, [ctypes.c_char_p, _c_size]),
+    # Private pools (CUDA graphs, torch.cuda.MemPool): only the C++ allocator calls them, through
+    # their addresses; listed so that a liballocd.so without them is refused at load.
+    "allocd_torch_malloc_pool": (ctypes.c_void_p, [_c_size, ctypes.c_int, ctypes.c_void_p, _c_u64, _c_u64]),
+    "allocd_torch_create_pool": (ctypes.c_int, [ctypes.c_int, _c_u64, _c_u64]),
+    "allocd_torch_release_pool": (ctypes.c_int, [ctypes.c_int, _c_u64, _c_u64]),
+    "allocd_torch_begin_pool": (ctypes.c_int, [ctypes.c_int, _c_u64, _c_u64]),
+    "allocd_torch_end_pool": (ctypes.c_int, [ctypes.c_int, _c_u64, _c_u64]),
+    "allocd_torch_empty_pool_cache": (ctypes.c_int, [ctypes.c_int, _c_u64, _c_u64]),
+    "allocd_torch_pool_use_count": (ctypes.c_int, [ctypes.c_int, _c_u64, _c_u64]),
+    "allocd_torch_checkpoint_pool": (ctypes.c_void_p, [ctypes.c_int, _c_u64, _c_u64]),
+    "allocd_torch_checkpoint_free": (None, [ctypes.c_void_p]),
+    "allocd_torch_restore_pool": (_c_ll, [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(_c_ll))]),
 }
 
 

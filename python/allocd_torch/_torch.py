@@ -107,7 +107,11 @@ LIB_FUNCTIONS = ("allocd_torch_malloc", "allocd_torch_free", "allocd_torch_recor
                  "allocd_torch_empty_cache", "allocd_torch_set_memory_fraction", "allocd_last_error",
                  "allocd_device_stats", "allocd_reset_peak_stats", "allocd_reset_accumulated_stats",
                  "allocd_memory_fraction", "allocd_largest_free_block", "allocd_snapshot_flat",
-                 "allocd_record_history")
+                 "allocd_record_history",
+                 "allocd_torch_malloc_pool", "allocd_torch_create_pool", "allocd_torch_release_pool",
+                 "allocd_torch_begin_pool", "allocd_torch_end_pool", "allocd_torch_empty_pool_cache",
+                 "allocd_torch_pool_use_count", "allocd_torch_checkpoint_pool", "allocd_torch_checkpoint_free",
+                 "allocd_torch_restore_pool")
 _SETUP_IGNORE_RECORD_STREAM = 1
 
 

@@ -61,22 +61,46 @@ def too_late():
 
 
 def cuda_graph():
-    """A CUDA graph capture under allocd: refused, naming allocd, before anything is captured.
-    In a process of its own: torch's capture_begin registers the CUDA RNG with the graph before
-    it asks the allocator for a pool, so after the refusal random ops of that process raise
-    "Offset increment outside graph capture"."""
+    """A CUDA graph captured under allocd and replayed with new inputs: its output equals eager's,
+    lies in a segment that the snapshot marks with the graph's pool, and the process's CUDA
+    (random ops included) works after. In a process of its own, so that a failed capture leaves
+    the test process's CUDA state alone."""
     import torch
     import allocd_torch
     allocd_torch.enable()
+    torch.manual_seed(0)
+    x = torch.randn(512, 512, device="cuda")
+    w = torch.randn(512, 512, device="cuda")
+    s = torch.cuda.Stream()
+    # Warm up on the capture stream first, as torch's docs ask (cuBLAS's workspace for that
+    # stream is made outside the capture).
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            torch.tanh(x @ w) * 2
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    x = torch.ones(1024, device="cuda")
     try:
-        with torch.cuda.graph(g):
-            y = x * 2  # noqa: F841
+        with torch.cuda.graph(g, stream=s):
+            y = torch.tanh(x @ w) * 2
     except RuntimeError as e:
+        return {"raised": type(e).__name__, "message": str(e)}
+    diffs = []
+    for _ in range(3):
+        new = torch.randn(512, 512, device="cuda")
+        x.copy_(new)
+        g.replay()
         torch.cuda.synchronize()
-        return {"raised": type(e).__name__, "message": str(e), "usable_after": torch.ones(8, device="cuda").sum().item()}
-    return {"raised": None, "message": "", "usable_after": None}
+        diffs.append((y - torch.tanh(new @ w) * 2).abs().max().item())
+    pid = tuple(g.pool())
+    segs = [sg for sg in torch.cuda.memory._snapshot()["segments"] if tuple(sg.get("segment_pool_id", (0, 0))) == pid]
+    out_in_pool = any(sg["address"] <= y.data_ptr() < sg["address"] + sg["total_size"] for sg in segs)
+    private = allocd_torch.memory_stats()["private_reserved_bytes"]
+    return {"raised": None, "message": "", "max_diff": max(diffs), "pool": list(pid), "pool_segments": len(segs),
+            "output_in_pool": out_in_pool, "private_reserved": private,
+            "usable_after": torch.ones(8, device="cuda").sum().item(),
+            "randn_after": list(torch.randn(4, device="cuda").shape)}
 
 
 if __name__ == "__main__":

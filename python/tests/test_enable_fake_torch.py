@@ -2,7 +2,7 @@
 liballocd.so on the simulated device: the build of the C++ allocator (_allocator.cpp) from the
 torch-like include and lib folders, its setup with liballocd's function addresses, its install
 as torch's CUDA allocator, torch's code paths through it (allocation, record_stream,
-empty_cache, getDeviceStats, snapshot with history), the too-late refusals and the
+empty_cache, getDeviceStats, snapshot with history, private pools), the too-late refusals and the
 no-compiler fallback behind torch's CUDAPluggableAllocator.
 
 Needs g++, and ALLOCD_LIB=<built liballocd.so> with ALLOCD_DEVICE=sim.
@@ -117,6 +117,97 @@ class EnableWithFakeTorchTest(unittest.TestCase):
         self.assertIn("ENABLED OK 127.0.0.1:", out)
         self.assertIn("OOM: OutOfMemoryError: allocd: out of memory: tried to allocate 10.00 TiB", out)
         self.assertIn("second enable: allocd_torch.enable() already ran", out)
+
+    def test_private_pools(self):
+        # torch's pool calls through the C++ class reach allocd: a capture's filter routes its
+        # stream's mallocs to the pool, other streams stay in the general cache; the snapshot
+        # names each segment's pool; a MemPool's life (create, use_mem_pool, destructor) counts
+        # users, and the pool's memory returns at the last release and free; a graph tree's
+        # checkpoint is restored.
+        script = textwrap.dedent("""
+            import torch, allocd_torch
+            from torch import fake
+            MiB = 1 << 20
+            SIM_STREAM = 3
+            allocd_torch.enable()
+            graph = (1, 0)
+            fake.set_stream(SIM_STREAM)
+            fake.begin_pool(graph, stream=SIM_STREAM)
+            g = fake.alloc(3 * MiB)
+            fake.set_stream(0)
+            q = fake.alloc(MiB)
+            st = allocd_torch.memory_stats()
+            assert st["private_allocated_bytes"] == 3 * MiB, st["private_allocated_bytes"]
+            assert st["allocated_bytes.all.current"] == 4 * MiB, st["allocated_bytes.all.current"]
+            snap = fake.pool_snapshot(graph, g)
+            assert snap == {"segments": 1, "owned": 1, "holds": 1, "in_whole": 1}, snap
+            assert fake.pool_snapshot(graph, q)["holds"] == 0
+            assert fake.pool_use_count(graph) == 1
+            try:
+                fake.begin_pool(graph, stream=SIM_STREAM)
+            except RuntimeError as e:
+                print("second begin:", e)
+            fake.end_pool(graph)
+            fake.release_pool(graph)
+            assert fake.pool_use_count(graph) == 0
+            fake.drop(g)
+            fake.drop(q)
+            st = allocd_torch.memory_stats()
+            assert st["private_reserved_bytes"] == 0, st["private_reserved_bytes"]
+
+            mempool = (0, 1)
+            fake.create_pool(mempool)
+            fake.begin_pool(mempool)  # use_mem_pool: every stream of this thread
+            m = fake.alloc(MiB)
+            fake.end_pool(mempool)
+            fake.release_pool(mempool)
+            plain = fake.alloc(MiB)
+            assert fake.pool_snapshot(mempool, m)["holds"] == 1
+            assert fake.pool_snapshot(mempool, plain)["holds"] == 0
+            assert fake.pool_use_count(mempool) == 1
+            fake.release_pool(mempool)  # the MemPool's destructor
+            fake.empty_pool(mempool)
+            assert allocd_torch.memory_stats()["private_reserved_bytes"] > 0  # m is live
+            fake.drop(m)
+            fake.drop(plain)
+            st = allocd_torch.memory_stats()
+            assert st["private_reserved_bytes"] == 0, st["private_reserved_bytes"]
+            assert st["allocated_bytes.all.current"] == 0 and st["num_bad_frees"] == 0, st
+            try:
+                fake.release_pool(mempool)
+            except RuntimeError as e:
+                print("third release:", e)
+
+            # A graph tree's pool: checkpointed with a and b live; after b dies and c is made, the
+            # restore frees a and c and gives a and b back, at their addresses.
+            tree = (2, 0)
+            fake.begin_pool(tree)
+            a, b = fake.alloc(MiB), fake.alloc(2 * MiB)
+            fake.end_pool(tree)
+            ck = fake.checkpoint(tree)
+            fake.drop(b)
+            fake.begin_pool(tree)
+            c = fake.alloc(MiB)
+            fake.end_pool(tree)
+            assert fake.restore(ck) == (2, 2)
+            st = allocd_torch.memory_stats()
+            assert st["private_allocated_bytes"] == 3 * MiB, st["private_allocated_bytes"]
+            fake.drop(a)
+            fake.drop(b)
+            fake.drop_checkpoint(ck)
+            fake.release_pool(tree)  # each begin was a user, as each graph is until its reset
+            assert fake.pool_use_count(tree) == 1
+            fake.release_pool(tree)
+            st = allocd_torch.memory_stats()
+            assert st["private_reserved_bytes"] == 0 and st["num_bad_frees"] == 0, st
+            print("POOLS OK")
+        """)
+        rc, out = self.run_script(script)
+        self.assertEqual(rc, 0, out)
+        self.assertIn("POOLS OK", out)
+        self.assertIn("second begin: Error: beginAllocateToPool: already recording to mempool_id (1, 0)", out)
+        self.assertIn("third release: Error: allocd: device 0: allocator: release pool (0, 1): it has no user: "
+                      "unknown memory pool", out)
 
     def test_too_late(self):
         rc, out = self.run_script("import torch, allocd_torch; allocd_torch.enable()", FAKE_TORCH_CUDA_INITIALISED="1")

@@ -3,8 +3,9 @@
     ALLOCD_LIB=/path/to/liballocd.so python3 -m unittest -v python/tests/test_gpu.py
 
 allocd_torch.enable() runs once for the whole module, before CUDA is initialised, with the
-metrics server on a free port. The record_stream and too-late checks run in subprocesses
-(gpu_probe.py), since the allocator is chosen once per process. Each test prints one line,
+metrics server on a free port. The record_stream, too-late and CUDA graph capture checks run
+in subprocesses (gpu_probe.py), since the allocator is chosen once per process (and a failed
+capture would leave the process's CUDA state broken). Each test prints one line,
 "GPU <test>: <what it measured>".
 """
 
@@ -291,13 +292,96 @@ class AllocdGPUTest(unittest.TestCase):
         self.assertIn("<html", html.lower())
         del keep
 
-    def test_cuda_graph_capture_refused_clearly(self):
+    def test_cuda_graph_capture_and_replay(self):
         r = probe("cuda_graph")
-        report("cuda_graph", f"{r['raised']}: {r['message'].splitlines()[0][:160]}; CUDA usable after: "
-               f"{r['usable_after']}")
-        self.assertEqual(r["raised"], "RuntimeError")
-        self.assertIn("allocd", r["message"])
+        if r["raised"]:
+            self.fail(f"the capture raised {r['raised']}: {r['message']}")
+        report("cuda_graph", f"captured and replayed 3 times, max |graph - eager| = {r['max_diff']:.2e}; pool "
+               f"{r['pool']}: {r['pool_segments']} segments, output in the pool {r['output_in_pool']}, allocd "
+               f"private_reserved {r['private_reserved'] / MiB:.1f} MiB; CUDA and randn usable after")
+        self.assertLess(r["max_diff"], 1e-4)
+        self.assertTrue(r["output_in_pool"])
+        self.assertGreater(r["private_reserved"], 0)
         self.assertEqual(r["usable_after"], 8)
+        self.assertEqual(r["randn_after"], [4])
+
+    def test_two_graphs_share_a_pool_and_return_memory(self):
+        import allocd_torch
+        x = torch.randn(2048, 2048, device="cuda")
+        w = torch.randn(2048, 2048, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up on the capture stream
+            torch.sigmoid(torch.relu(x @ w) @ w)
+        torch.sigmoid(torch.relu(x @ w) @ w)  # and on this one (cuBLAS keeps a workspace per stream)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        reserved0 = torch.cuda.memory_reserved()
+        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g1, stream=s):
+            a = torch.relu(x @ w)
+        with torch.cuda.graph(g2, pool=g1.pool(), stream=s):
+            b = torch.sigmoid(a @ w)
+        x.copy_(torch.randn(2048, 2048, device="cuda"))
+        g1.replay()
+        g2.replay()
+        torch.cuda.synchronize()
+        err = (b - torch.sigmoid(torch.relu(x @ w) @ w)).abs().max().item()
+        same = tuple(g1.pool()) == tuple(g2.pool())
+        private = allocd_torch.memory_stats()["private_reserved_bytes"]
+        torch.cuda.empty_cache()  # the graphs' pool is held: it stays
+        held = allocd_torch.memory_stats()["private_reserved_bytes"]
+        reserved1 = torch.cuda.memory_reserved()
+        free1 = torch.cuda.mem_get_info()[0]
+        del g1, g2, a, b
+        gc.collect()
+        torch.cuda.empty_cache()
+        after = allocd_torch.memory_stats()["private_reserved_bytes"]
+        reserved2 = torch.cuda.memory_reserved()
+        free2 = torch.cuda.mem_get_info()[0]
+        report("two_graphs_pool", f"same pool {same}, max |graph - eager| = {err:.2e}; private reserved "
+               f"{private / MiB:.0f} MiB, after empty_cache {held / MiB:.0f} MiB, after del+gc+empty_cache "
+               f"{after / MiB:.0f} MiB; reserved {reserved0 // MiB} -> {reserved1 // MiB} -> {reserved2 // MiB} MiB; "
+               f"device free rose {(free2 - free1) / MiB:.0f} MiB")
+        self.assertTrue(same)
+        self.assertLess(err, 1e-3)
+        self.assertGreaterEqual(private, 2 * 16 * MiB)  # a and b, 16 MiB each
+        self.assertEqual(held, private)
+        self.assertEqual(after, 0)
+        self.assertLessEqual(reserved2, reserved0)
+        self.assertGreaterEqual(free2 - free1, private - 4 * MiB)
+        del x, w
+
+    def test_mempool_routes_allocations(self):
+        import allocd_torch
+        pool = torch.cuda.MemPool()
+        pid = tuple(pool.id)
+        with torch.cuda.use_mem_pool(pool):
+            inside = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        outside = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        segs = [sg for sg in torch.cuda.memory._snapshot()["segments"]
+                if tuple(sg.get("segment_pool_id", (0, 0))) == pid]
+
+        def in_pool(t):
+            return any(sg["address"] <= t.data_ptr() < sg["address"] + sg["total_size"] for sg in segs)
+
+        own = pool.snapshot()
+        private = allocd_torch.memory_stats()["private_allocated_bytes"]
+        uses = pool.use_count()
+        report("mempool", f"pool {pid}: {len(segs)} segments, inside in pool {in_pool(inside)}, outside in pool "
+               f"{in_pool(outside)}; pool.snapshot() {len(own)} segments; private allocated {private / MiB:.0f} MiB; "
+               f"use_count {uses}")
+        self.assertTrue(segs)
+        self.assertTrue(in_pool(inside))
+        self.assertFalse(in_pool(outside))
+        self.assertEqual(len(own), len(segs))
+        self.assertTrue(all(tuple(sg["segment_pool_id"]) == pid for sg in own))
+        self.assertEqual(private, 8 * MiB)
+        self.assertEqual(uses, 1)
+        del inside, outside, pool
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.assertEqual(allocd_torch.memory_stats()["private_reserved_bytes"], 0)
 
     def test_dataloader_fork_workers(self):
         import torch.utils.data as tud

@@ -26,6 +26,13 @@ static int (*record_history)(int, long long, int);
 static int (*dump_snapshot)(const char *);
 static size_t (*metrics_address)(char *, size_t);
 static long long (*max_allocated)(int), (*max_reserved)(int);
+static void *(*malloc_pool)(size_t, int, stream_t, uint64_t, uint64_t);
+static int (*create_pool)(int, uint64_t, uint64_t), (*release_pool)(int, uint64_t, uint64_t),
+	(*begin_pool)(int, uint64_t, uint64_t), (*end_pool)(int, uint64_t, uint64_t),
+	(*empty_pool_cache)(int, uint64_t, uint64_t), (*pool_use_count)(int, uint64_t, uint64_t);
+static uintptr_t (*checkpoint_pool)(int, uint64_t, uint64_t);
+static void (*checkpoint_free)(uintptr_t);
+static long long (*restore_pool)(int, uintptr_t, long long **);
 
 static volatile int hammer_stop;
 
@@ -81,6 +88,13 @@ static void child(void) {
 	CCHECK(dump_snapshot("/nonexistent/snap.pickle") == -1, "dump_snapshot succeeded");
 	CCHECK(init_(NULL, NULL, NULL) == -1, "init succeeded");
 	CCHECK(metrics_address(buf, sizeof buf) == 0, "metrics_address: %s", buf);
+	CCHECK(malloc_pool(4096, 0, (stream_t)0, 0, 1) == NULL, "malloc_pool in the child returned memory");
+	CCHECK(create_pool(0, 0, 1) == -1 && release_pool(0, 0, 1) == -1 && begin_pool(0, 1, 0) == -1 &&
+	           end_pool(0, 1, 0) == -1 && empty_pool_cache(-1, 0, 1) == -1 && pool_use_count(0, 0, 1) == -1,
+	       "a pool call succeeded");
+	long long *out = (long long *)1;
+	CCHECK(checkpoint_pool(0, 0, 1) == 0 && restore_pool(0, 1, &out) == -1 && out == NULL, "a checkpoint call succeeded");
+	checkpoint_free(1);
 	CCHECK(forked(), "last error %s", err());
 	_exit(0);
 }
@@ -107,6 +121,16 @@ int main(int argc, char **argv) {
 	*(void **)&record_history = sym("allocd_record_history");
 	*(void **)&dump_snapshot = sym("allocd_dump_snapshot");
 	*(void **)&metrics_address = sym("allocd_metrics_address");
+	*(void **)&malloc_pool = sym("allocd_torch_malloc_pool");
+	*(void **)&create_pool = sym("allocd_torch_create_pool");
+	*(void **)&release_pool = sym("allocd_torch_release_pool");
+	*(void **)&begin_pool = sym("allocd_torch_begin_pool");
+	*(void **)&end_pool = sym("allocd_torch_end_pool");
+	*(void **)&empty_pool_cache = sym("allocd_torch_empty_pool_cache");
+	*(void **)&pool_use_count = sym("allocd_torch_pool_use_count");
+	*(void **)&checkpoint_pool = sym("allocd_torch_checkpoint_pool");
+	*(void **)&checkpoint_free = sym("allocd_torch_checkpoint_free");
+	*(void **)&restore_pool = sym("allocd_torch_restore_pool");
 
 	void *p = tmalloc(MiB, 0, (stream_t)0);
 	CHECK(p != NULL, "malloc before the fork: %s", err());

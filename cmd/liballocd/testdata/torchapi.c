@@ -122,14 +122,15 @@ int main(int argc, char **argv) {
 	CHECK(need > 3, "snapshot_flat(NULL) returned %lld: %s", need, err());
 	long long *s = calloc((size_t)need, sizeof *s);
 	CHECK(snapshot_flat(0, s, (size_t)need) == need, "snapshot size changed");
-	CHECK(s[0] == 1, "format %lld, want 1", s[0]);
+	CHECK(s[0] == 2, "format %lld, want 2", s[0]);
 	CHECK(s[2] == 0, "%lld traces without traces asked for", s[2]);
 	long long nseg = s[1], pos = 3, live = 0, bytes = 0;
 	for (long long i = 0; i < nseg; i++) {
 		long long *sg = s + pos;
 		CHECK(sg[0] == 0, "segment %lld on device %lld", i, sg[0]);
-		long long nb = sg[9], addr = sg[1], total = 0;
-		pos += 10;
+		CHECK(sg[9] == 0 && sg[10] == 0, "segment %lld in pool (%lld, %lld), want the general cache", i, sg[9], sg[10]);
+		long long nb = sg[11], addr = sg[1], total = 0;
+		pos += 12;
 		for (long long j = 0; j < nb; j++, pos += 4) {
 			CHECK(s[pos] == addr + total, "block %lld of segment %lld at %#llx, want %#llx (blocks tile the segment)", j, i,
 			      s[pos], addr + total);

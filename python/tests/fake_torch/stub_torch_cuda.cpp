@@ -17,10 +17,15 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace CA = c10::cuda::CUDACachingAllocator;
 namespace CDA = c10::CachingDeviceAllocator;
 namespace PA = torch::cuda::CUDAPluggableAllocator;
+
+namespace fake_cuda {
+extern c10::StreamId current_stream;  // ../hooks_stub/fake_runtime.cpp
+}
 
 namespace {
 
@@ -159,5 +164,89 @@ int stub_snapshot(void* p, long long* out, char* err, size_t n) {
     std::copy(r, r + 8, out);
   });
 }
+
+// The current stream (torch.cuda.stream(s)): its cudaStream_t is stream.
+void stub_set_stream(long long stream) { fake_cuda::current_stream = stream; }
+
+// torch's pool calls, with the pool (id0, id1) of device 0. begin is CUDAGraph::capture_begin's
+// beginAllocateToPool, with a filter that takes the stream whose cudaStream_t is stream (-1:
+// every stream, as use_mem_pool's filter on its thread); create is torch.cuda.MemPool's
+// createOrIncrefPool; empty is emptyCache(pool), as a MemPool's destructor calls it.
+int stub_begin_pool(unsigned long long id0, unsigned long long id1, long long stream, char* err, size_t n) {
+  return guarded(err, n, [&] {
+    CA::get()->beginAllocateToPool(0, {id0, id1}, [stream](cudaStream_t s) {
+      return stream == -1 || reinterpret_cast<uintptr_t>(s) == static_cast<uintptr_t>(stream);
+    });
+  });
+}
+int stub_end_pool(unsigned long long id0, unsigned long long id1, char* err, size_t n) {
+  return guarded(err, n, [&] { CA::get()->endAllocateToPool(0, {id0, id1}); });
+}
+int stub_release_pool(unsigned long long id0, unsigned long long id1, char* err, size_t n) {
+  return guarded(err, n, [&] { CA::get()->releasePool(0, {id0, id1}); });
+}
+int stub_create_pool(unsigned long long id0, unsigned long long id1, char* err, size_t n) {
+  return guarded(err, n, [&] { CA::get()->createOrIncrefPool(0, {id0, id1}, nullptr); });
+}
+int stub_empty_pool(unsigned long long id0, unsigned long long id1, char* err, size_t n) {
+  return guarded(err, n, [&] { CA::get()->emptyCache({id0, id1}); });
+}
+int stub_pool_use_count(unsigned long long id0, unsigned long long id1, int* out, char* err, size_t n) {
+  return guarded(err, n, [&] { *out = CA::get()->getPoolUseCount(0, {id0, id1}); });
+}
+
+// torch.cuda.memory._snapshot(pool) seen from the tensor at p: out gets [the number of segments
+// of the pool's snapshot, how many of them name the pool as their owner, whether one holds p,
+// the number of segments of the whole snapshot that name the pool].
+int stub_pool_snapshot(unsigned long long id0, unsigned long long id1, void* p, long long* out, char* err, size_t n) {
+  return guarded(err, n, [&] {
+    c10::MempoolId_t id{id0, id1};
+    CA::SnapshotInfo s = CA::get()->snapshot(id, false);
+    long long r[4] = {static_cast<long long>(s.segments.size()), 0, 0, 0};
+    uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    for (const auto& sg : s.segments) {
+      r[1] += sg.owner_private_pool_id == id;
+      r[2] += at >= sg.address && at < sg.address + sg.total_size;
+    }
+    for (const auto& sg : CA::get()->snapshot({0, 0}, false).segments) r[3] += sg.owner_private_pool_id == id;
+    std::copy(r, r + 4, out);
+  });
+}
+
+// torch.compile's CUDA graph trees: getCheckpointState of the pool (id0, id1) of device 0, kept
+// here; *index is its place.
+std::vector<std::shared_ptr<CA::AllocatorState>> states;
+int stub_checkpoint(unsigned long long id0, unsigned long long id1, int* index, char* err, size_t n) {
+  return guarded(err, n, [&] {
+    states.push_back(CA::get()->getCheckpointState(0, {id0, id1}));
+    *index = static_cast<int>(states.size()) - 1;
+  });
+}
+
+// setCheckpointPoolState with the checkpoint at index, and what torch's binding does with the
+// delta: the "tensors" whose blocks were freed lose their deleters (torch swaps them out), and
+// the blocks allocated again become the live tensors at their addresses. out gets the numbers of
+// blocks freed and allocated.
+int stub_restore(int index, long long* out, char* err, size_t n) {
+  return guarded(err, n, [&] {
+    CA::CheckpointDelta d = CA::get()->setCheckpointPoolState(0, states.at(static_cast<size_t>(index)));
+    out[0] = static_cast<long long>(d.ptrs_freed.size());
+    out[1] = static_cast<long long>(d.dataptrs_allocd.size());
+    for (void* p : d.ptrs_freed) {
+      auto it = live.find(p);
+      if (it != live.end()) {
+        it->second.release_context();
+        live.erase(it);
+      }
+    }
+    for (auto& dp : d.dataptrs_allocd) {
+      void* p = dp.get();
+      live[p] = std::move(dp);
+    }
+  });
+}
+
+// The checkpoint at index dies (the graph tree's node goes).
+void stub_drop_checkpoint(int index) { states.at(static_cast<size_t>(index)).reset(); }
 
 }  // extern "C"

@@ -39,12 +39,16 @@ int64_t now_us() {
       .count();
 }
 
+// A private pool's id, torch's MempoolId_t pair; {0, 0} is the general cache.
+using Id = std::pair<uint64_t, uint64_t>;
+
 struct Block {
   size_t size;
   int device;
   void* stream;
   bool expandable;
   bool recorded;  // record_stream saw it: its free stays pending
+  Id pool;        // the pool it was allocated in
 };
 std::map<uintptr_t, Block> live, pending;
 uintptr_t next_addr = 0x7f0000000000;
@@ -84,7 +88,7 @@ struct Entry {
   int device;
 };
 std::vector<Entry> trace;
-long long snapshot_format = 1;
+long long snapshot_format = 2;
 int snapshot_calls = 0;
 
 void add(Action a, uintptr_t addr, size_t size, void* stream, int device) {
@@ -92,6 +96,36 @@ void add(Action a, uintptr_t addr, size_t size, void* stream, int device) {
     trace.push_back({a, static_cast<long long>(addr), static_cast<long long>(size),
                      static_cast<long long>(reinterpret_cast<uintptr_t>(stream)), now_us(), device});
   }
+}
+
+// Private pools: each pool's users (create and begin), its captures under way (begin not yet
+// ended), every pool call in order, and the mallocs routed to a pool. pool_fail makes the next
+// pool calls fail with a message naming the call.
+std::map<Id, int> users, capturing;
+struct PoolCall {
+  std::string op;
+  int device;
+  Id id;
+};
+std::vector<PoolCall> pool_calls;
+bool pool_fail = false;
+struct PoolMalloc {
+  size_t size;
+  int device;
+  void* stream;
+  Id id;
+  cudaStreamCaptureMode mode;  // the thread's capture mode during the call
+};
+std::vector<PoolMalloc> pool_mallocs;
+
+void* new_block(size_t n, int device, void* stream, Id pool) {
+  uintptr_t a = next_addr;
+  size_t total = round_up(n, kSegment);
+  next_addr += total;
+  live[a] = Block{n, device, stream, expandable, false, pool};
+  add(Action::SEGMENT_ALLOC, a, total, stream, device);
+  add(Action::ALLOC, a, round_up(n, 512), stream, device);
+  return reinterpret_cast<void*>(a);
 }
 
 void* malloc(size_t n, int device, void* stream) {
@@ -109,13 +143,116 @@ void* malloc(size_t n, int device, void* stream) {
     err.clear();
     return nullptr;
   }
-  uintptr_t a = next_addr;
-  size_t total = round_up(n, kSegment);
-  next_addr += total;
-  live[a] = Block{n, device, stream, expandable, false};
-  add(Action::SEGMENT_ALLOC, a, total, stream, device);
-  add(Action::ALLOC, a, round_up(n, 512), stream, device);
-  return reinterpret_cast<void*>(a);
+  return new_block(n, device, stream, Id{0, 0});
+}
+
+int pool_call(const char* op, int device, uint64_t a, uint64_t b) {
+  pool_calls.push_back({op, device, Id{a, b}});
+  if (pool_fail) {
+    err = std::string("allocd: ") + op + " broke";
+    return -1;
+  }
+  return 0;
+}
+int create_pool(int device, uint64_t a, uint64_t b) {
+  if (pool_call("create", device, a, b) != 0) return -1;
+  users[Id{a, b}]++;
+  return 0;
+}
+int release_pool(int device, uint64_t a, uint64_t b) {
+  if (pool_call("release", device, a, b) != 0) return -1;
+  if (users[Id{a, b}] == 0) {
+    err = "allocd: release pool: it has no user: unknown memory pool";
+    return -1;
+  }
+  users[Id{a, b}]--;
+  return 0;
+}
+int begin_pool(int device, uint64_t a, uint64_t b) {
+  if (pool_call("begin", device, a, b) != 0) return -1;
+  users[Id{a, b}]++;
+  capturing[Id{a, b}]++;
+  return 0;
+}
+int end_pool(int device, uint64_t a, uint64_t b) {
+  if (pool_call("end", device, a, b) != 0) return -1;
+  if (capturing[Id{a, b}] == 0) {
+    err = "allocd: end allocate to pool: no allocation to it is under way: unknown memory pool";
+    return -1;
+  }
+  capturing[Id{a, b}]--;
+  return 0;
+}
+int empty_pool_cache(int device, uint64_t a, uint64_t b) { return pool_call("empty", device, a, b); }
+int pool_use_count(int device, uint64_t a, uint64_t b) {
+  if (pool_call("use_count", device, a, b) != 0) return -1;
+  return users[Id{a, b}];
+}
+// Checkpoints: by handle, the pool's allocated blocks when it was taken. restore_pool frees the
+// pool's blocks and allocates the checkpoint's again; restore_half makes it fail after that.
+struct Checkpoint {
+  int device;
+  Id id;
+  std::map<uintptr_t, Block> blocks;
+};
+std::map<uintptr_t, Checkpoint> checkpoints;
+uintptr_t next_checkpoint = 0x100;
+std::vector<uintptr_t> checkpoints_freed;
+bool restore_half = false;
+
+uintptr_t checkpoint_pool(int device, uint64_t a, uint64_t b) {
+  if (pool_call("checkpoint", device, a, b) != 0) return 0;
+  Checkpoint c{device, Id{a, b}, {}};
+  for (const auto& [addr, blk] : live) {
+    if (blk.pool == c.id && blk.device == device) c.blocks[addr] = blk;
+  }
+  checkpoints[next_checkpoint] = c;
+  return next_checkpoint++;
+}
+void checkpoint_free(uintptr_t h) {
+  checkpoints_freed.push_back(h);
+  checkpoints.erase(h);
+}
+long long restore_pool(int device, uintptr_t h, long long** out) {
+  *out = nullptr;
+  auto it = checkpoints.find(h);
+  if (pool_call("restore", device, 0, 0) != 0) return -1;
+  if (it == checkpoints.end()) {
+    err = "allocd: restore pool: no such checkpoint";
+    return -1;
+  }
+  std::vector<long long> freed, allocated;
+  for (auto b = live.begin(); b != live.end();) {
+    if (b->second.pool == it->second.id && b->second.device == device) {
+      freed.push_back(static_cast<long long>(b->first));
+      b = live.erase(b);
+    } else {
+      ++b;
+    }
+  }
+  for (const auto& [addr, blk] : it->second.blocks) {
+    live[addr] = blk;
+    allocated.push_back(static_cast<long long>(addr));
+  }
+  std::vector<long long> v{static_cast<long long>(freed.size()), static_cast<long long>(allocated.size())};
+  v.insert(v.end(), freed.begin(), freed.end());
+  v.insert(v.end(), allocated.begin(), allocated.end());
+  *out = static_cast<long long*>(std::malloc(v.size() * sizeof(long long)));
+  std::copy(v.begin(), v.end(), *out);
+  if (restore_half) {
+    err = "allocd: restore pool: pool does not match the checkpoint";
+    return -1;
+  }
+  return static_cast<long long>(v.size());
+}
+
+void* malloc_pool(size_t n, int device, void* stream, uint64_t a, uint64_t b) {
+  pool_mallocs.push_back({n, device, stream, Id{a, b}, fake_cuda::capture_mode});
+  if (users[Id{a, b}] == 0) {
+    err = "allocd: malloc in pool: unknown memory pool";
+    return nullptr;
+  }
+  return new_block(n, device, stream, Id{a, b});
 }
 
 void free(void* p, size_t size, int device, void* stream) {
@@ -176,8 +313,8 @@ double memory_fraction(int /*device*/) { return fraction; }
 long long largest_free(int /*device*/) { return largest; }
 
 // snapshot_flat lays out the live and pending blocks and the trace in allocd_snapshot_flat's
-// format 1 (cmd/liballocd/torchapi.go): each segment holds its block (allocated, or pending
-// free) and, when the segment is larger, an inactive block after it.
+// format 2 (cmd/liballocd/torchapi.go): each segment holds its block (allocated, or pending
+// free) and, when the segment is larger, an inactive block after it; it is in its block's pool.
 long long snapshot_flat(int traces, long long* buf, size_t n) {
   snapshot_calls++;
   std::map<uintptr_t, std::pair<Block, long long>> segs;
@@ -196,7 +333,8 @@ long long snapshot_flat(int traces, long long* buf, size_t n) {
     long long addr = static_cast<long long>(a);
     v.insert(v.end(), {b.device, addr, total, static_cast<long long>(b.size), state == 1 ? rounded : 0, rounded,
                        static_cast<long long>(reinterpret_cast<uintptr_t>(b.stream)), b.size > (size_t(1) << 20),
-                       b.expandable, total > rounded ? 2 : 1});
+                       b.expandable, static_cast<long long>(b.pool.first), static_cast<long long>(b.pool.second),
+                       total > rounded ? 2 : 1});
     v.insert(v.end(), {addr, rounded, static_cast<long long>(b.size), state});
     if (total > rounded) v.insert(v.end(), {addr + rounded, total - rounded, 0, 0});
   }
@@ -230,6 +368,11 @@ void* table[] = {
     reinterpret_cast<void*>(&reset_accumulated), reinterpret_cast<void*>(&memory_fraction),
     reinterpret_cast<void*>(&largest_free),    reinterpret_cast<void*>(&snapshot_flat),
     reinterpret_cast<void*>(&record_history),
+    reinterpret_cast<void*>(&malloc_pool),     reinterpret_cast<void*>(&create_pool),
+    reinterpret_cast<void*>(&release_pool),    reinterpret_cast<void*>(&begin_pool),
+    reinterpret_cast<void*>(&end_pool),        reinterpret_cast<void*>(&empty_pool_cache),
+    reinterpret_cast<void*>(&pool_use_count),  reinterpret_cast<void*>(&checkpoint_pool),
+    reinterpret_cast<void*>(&checkpoint_free), reinterpret_cast<void*>(&restore_pool),
 };
 constexpr int kTable = sizeof(table) / sizeof(table[0]);
 
@@ -483,9 +626,18 @@ int main() {
     CHECK(fake::empties == 1);
     static_cast<c10::DeviceAllocator*>(A)->emptyCache();  // the default pool id
     CHECK(fake::empties == 2);
-    A->emptyCache({1, 0});  // a private pool: none exist under allocd
+    // A private pool's (a MemPool's destructor): liballocd's empty_pool_cache, every device,
+    // not the general cache's.
+    size_t npool = fake::pool_calls.size();
+    A->emptyCache({1, 0});
     A->emptyCache({0, 5});
-    CHECK(fake::empties == 2);
+    CHECK(fake::empties == 2 && fake::pool_calls.size() == npool + 2);
+    CHECK(fake::pool_calls.back().op == "empty" && fake::pool_calls.back().device == -1 &&
+          fake::pool_calls.back().id == fake::Id(0, 5));
+    // Its failure is not thrown (torch calls it from a destructor).
+    fake::pool_fail = true;
+    CHECK(throws<c10::Error>([&] { A->emptyCache({1, 0}); }) == "no exception");
+    fake::pool_fail = false;
     CHECK(has(throws<c10::Error>([&] { A->setMemoryFraction(1.5, 0); }), "invalid fraction: 1.5"));
     CHECK(has(throws<c10::Error>([&] { A->setMemoryFraction(-0.1, 0); }), "invalid fraction"));
     CHECK(fake::fractions_set.empty());
@@ -551,19 +703,19 @@ int main() {
     CHECK(s.config_metadata.expandable_segments);
     // No history: no traces.
     CHECK(s.device_traces.empty());
-    // A private pool has no segments under allocd; liballocd is not asked.
-    int calls = fake::snapshot_calls;
-    CHECK(A->snapshot({1, 0}, true).segments.empty() && fake::snapshot_calls == calls);
+    // Segments of the general cache name pool (0, 0); a private pool with none has none.
+    for (const auto& x : s.segments) CHECK(x.owner_private_pool_id == c10::MempoolId_t(0, 0));
+    CHECK(A->snapshot({1, 0}, true).segments.empty());
     // More than the first buffer holds (4096 values): read whole on a second call.
     std::vector<void*> many;
     for (int i = 0; i < 300; i++) many.push_back(A->raw_alloc(512));
-    calls = fake::snapshot_calls;
+    int calls = fake::snapshot_calls;
     CHECK(A->snapshot().segments.size() == 300 + 2 + 1 && fake::snapshot_calls == calls + 2);
     for (void* p : many) A->raw_delete(p);
     // Another format: an error saying to rebuild.
-    fake::snapshot_format = 2;
-    CHECK(has(throws<c10::Error>([&] { A->snapshot(); }), "rebuild"));
     fake::snapshot_format = 1;
+    CHECK(has(throws<c10::Error>([&] { A->snapshot(); }), "rebuild"));
+    fake::snapshot_format = 2;
   }
 
   // --- history ----------------------------------------------------------------------------------
@@ -659,15 +811,212 @@ int main() {
     CHECK(!seen[0].context_ && A->snapshot().device_traces.empty());
   }
 
+  // --- private pools ----------------------------------------------------------------------------
+  {
+    using Id = fake::Id;
+    static int filter_calls = 0;
+    // A filter like torch's: it accepts one stream, counting its calls.
+    auto only = [](uintptr_t want) {
+      return std::function<bool(cudaStream_t)>([want](cudaStream_t s) {
+        filter_calls++;
+        return U(s) == want;
+      });
+    };
+    // createOrIncrefPool (torch.cuda.MemPool): a user in allocd, on the device; the use count
+    // is allocd's. The current allocator itself may be named; another allocator is refused.
+    A->createOrIncrefPool(0, {0, 1}, nullptr);
+    CHECK(fake::users[Id(0, 1)] == 1 && fake::pool_calls.back().op == "create" && fake::pool_calls.back().device == 0);
+    CHECK(A->getPoolUseCount(0, {0, 1}) == 1 && fake::pool_calls.back().op == "use_count");
+    A->createOrIncrefPool(0, {0, 1}, torch::cuda::CUDAPluggableAllocator::getCurrentAllocator());
+    CHECK(A->getPoolUseCount(0, {0, 1}) == 2);
+    auto other = torch::cuda::CUDAPluggableAllocator::createCustomAllocator(
+        [](size_t, int, cudaStream_t) -> void* { return nullptr; }, [](void*, size_t, int, cudaStream_t) {});
+    size_t ncalls = fake::pool_calls.size();
+    std::string e = throws<c10::Error>([&] { A->createOrIncrefPool(0, {0, 2}, other); });
+    CHECK(has(e, "allocd does not support torch.cuda.MemPool with an allocator of its own (pluggable)"));
+    CHECK(fake::pool_calls.size() == ncalls);
+    A->releasePool(0, {0, 1});
+    CHECK(fake::users[Id(0, 1)] == 1 && fake::pool_calls.back().op == "release");
+
+    // No capture under way: a malloc calls no filter and goes to the general cache.
+    size_t nplain = fake::mallocs.size(), npool = fake::pool_mallocs.size();
+    fake_cuda::current_stream = 0x61;
+    c10::DataPtr d0 = A->allocate(1000);
+    CHECK(fake::mallocs.size() == nplain + 1 && fake::pool_mallocs.size() == npool && filter_calls == 0);
+
+    // beginAllocateToPool (a CUDA graph's capture of stream 0x61): a user and a capture in allocd;
+    // the filter routes 0x61's mallocs to the pool, others stay in the general cache.
+    A->beginAllocateToPool(0, {1, 0}, only(0x61));
+    CHECK(fake::users[Id(1, 0)] == 1 && fake::capturing[Id(1, 0)] == 1 && fake::pool_calls.back().op == "begin");
+    c10::DataPtr g1 = A->allocate(3 << 20);
+    CHECK(fake::pool_mallocs.size() == npool + 1 && fake::pool_mallocs.back().id == Id(1, 0) &&
+          fake::pool_mallocs.back().stream == P(0x61) && fake::pool_mallocs.back().size == size_t(3) << 20 &&
+          fake::pool_mallocs.back().device == 0);
+    CHECK(fake::mallocs.size() == nplain + 1 && filter_calls == 1);
+    // It ran under the relaxed capture mode, as torch's cudaMalloc during a capture; the
+    // thread's mode is back after it.
+    CHECK(fake::pool_mallocs.back().mode == cudaStreamCaptureModeRelaxed);
+    CHECK(fake_cuda::capture_mode == cudaStreamCaptureModeGlobal && fake_cuda::capture_mode_exchanges == 2);
+    void* r = A->raw_alloc_with_stream(512, S(0x62));
+    CHECK(fake::mallocs.size() == nplain + 2 && fake::pool_mallocs.size() == npool + 1);
+    A->raw_delete(r);
+    // Another device's mallocs consult none of device 0's captures.
+    fake_cuda::device = 1;
+    c10::DataPtr other_dev = A->allocate(512);
+    fake_cuda::device = 0;
+    CHECK(fake::mallocs.size() == nplain + 3 && fake::mallocs.back().device == 1 && filter_calls == 2);
+    // The same pool twice at once is refused, as torch refuses it; allocd is not asked.
+    ncalls = fake::pool_calls.size();
+    CHECK(has(throws<c10::Error>([&] { A->beginAllocateToPool(0, {1, 0}, only(0x61)); }),
+              "beginAllocateToPool: already recording to mempool_id (1, 0)"));
+    CHECK(fake::pool_calls.size() == ncalls);
+    // A second capture (use_mem_pool on this thread: every stream) is tried after the first.
+    A->beginAllocateToPool(0, {0, 1}, [](cudaStream_t) { return true; });
+    c10::DataPtr g2 = A->allocate(4096);  // stream 0x61: the first capture's
+    CHECK(fake::pool_mallocs.back().id == Id(1, 0));
+    void* m1 = A->raw_alloc_with_stream(4096, S(0x62));  // the second's
+    CHECK(m1 != nullptr && fake::pool_mallocs.back().id == Id(0, 1) && fake::pool_mallocs.back().stream == P(0x62));
+    A->raw_delete(m1);
+    // The snapshot: each segment names its pool; a pool's snapshot keeps its own.
+    CA::SnapshotInfo s = A->snapshot({0, 0}, false);
+    const CDA::SegmentInfo* sg = nullptr;
+    CHECK(find_block(s, U(g1.get()), &sg) != nullptr && sg->owner_private_pool_id == c10::MempoolId_t(1, 0));
+    CHECK(find_block(s, U(d0.get()), &sg) != nullptr && sg->owner_private_pool_id == c10::MempoolId_t(0, 0));
+    CA::SnapshotInfo ps = A->snapshot({1, 0}, false);
+    CHECK(ps.segments.size() == 2 && find_block(ps, U(g1.get()), nullptr) && find_block(ps, U(g2.get()), nullptr));
+    for (const auto& x : ps.segments) CHECK(x.owner_private_pool_id == c10::MempoolId_t(1, 0));
+    // checkPoolLiveAllocations: the pool's allocated blocks on the device, exactly.
+    CHECK(A->checkPoolLiveAllocations(0, {1, 0}, {g1.get(), g2.get()}));
+    CHECK(!A->checkPoolLiveAllocations(0, {1, 0}, {g1.get()}));
+    CHECK(!A->checkPoolLiveAllocations(0, {1, 0}, {g1.get(), g2.get(), d0.get()}));
+    CHECK(!A->checkPoolLiveAllocations(1, {1, 0}, {g1.get(), g2.get()}));
+    CHECK(A->checkPoolLiveAllocations(0, {7, 0}, {}));
+    // endAllocateToPool: the pool stops taking mallocs; its user stays for releasePool.
+    A->endAllocateToPool(0, {1, 0});
+    CHECK(fake::capturing[Id(1, 0)] == 0 && fake::users[Id(1, 0)] == 1 && fake::pool_calls.back().op == "end");
+    c10::DataPtr m2 = A->allocate(2048);  // stream 0x61: now use_mem_pool's
+    CHECK(fake::pool_mallocs.back().id == Id(0, 1) && fake::pool_mallocs.back().size == 2048);
+    CHECK(has(throws<c10::Error>([&] { A->endAllocateToPool(0, {1, 0}); }),
+              "endAllocatePool: not currently recording to mempool_id (1, 0)"));
+    CHECK(has(throws<c10::Error>([&] { A->endAllocateToPool(5, {1, 0}); }), "not currently recording"));
+    A->endAllocateToPool(0, {0, 1});
+    int before = filter_calls;
+    nplain = fake::mallocs.size();
+    npool = fake::pool_mallocs.size();
+    c10::DataPtr plain = A->allocate(2048);
+    CHECK(fake::mallocs.size() == nplain + 1 && fake::pool_mallocs.size() == npool && filter_calls == before);
+    // releasePool: allocd's; the count follows.
+    A->releasePool(0, {1, 0});
+    CHECK(A->getPoolUseCount(0, {1, 0}) == 0);
+    // A pool's blocks free as any: the address alone.
+    void* pg1 = g1.get();
+    g1.clear();
+    CHECK(fake::frees.back().ptr == pg1 && fake::frees.back().device == -1);
+
+    // Failures of allocd's pool calls are torch errors with allocd's message; a begin that
+    // failed routes nothing.
+    fake::pool_fail = true;
+    CHECK(throws<c10::Error>([&] { A->beginAllocateToPool(0, {2, 0}, only(0x61)); }) == "caught:allocd: begin broke");
+    CHECK(throws<c10::Error>([&] { A->createOrIncrefPool(0, {0, 3}, nullptr); }) == "caught:allocd: create broke");
+    CHECK(throws<c10::Error>([&] { A->releasePool(0, {0, 1}); }) == "caught:allocd: release broke");
+    CHECK(throws<c10::Error>([&] { A->getPoolUseCount(0, {0, 1}); }) == "caught:allocd: use_count broke");
+    fake::pool_fail = false;
+    nplain = fake::mallocs.size();
+    c10::DataPtr after = A->allocate(512);
+    CHECK(fake::mallocs.size() == nplain + 1);
+    A->beginAllocateToPool(0, {2, 0}, only(0x61));  // the failed begin left no entry behind
+    fake::pool_fail = true;
+    CHECK(throws<c10::Error>([&] { A->endAllocateToPool(0, {2, 0}); }) == "caught:allocd: end broke");
+    fake::pool_fail = false;
+    nplain = fake::mallocs.size();
+    c10::DataPtr after_end = A->allocate(512);  // routing ended even so
+    CHECK(fake::mallocs.size() == nplain + 1);
+    // A malloc in a pool that allocd refuses: its message.
+    fake::users[Id(2, 0)] = 0;
+    A->beginAllocateToPool(0, {3, 0}, only(0x61));
+    fake::users[Id(3, 0)] = 0;
+    CHECK(throws<c10::Error>([&] { A->allocate(64); }) == "caught:allocd: malloc in pool: unknown memory pool");
+    A->endAllocateToPool(0, {3, 0});
+    fake_cuda::current_stream = 0;
+
+    // MemPool's options: use_on_oom=False (its destructor's call) is nothing; True and no_split
+    // are refused, naming allocd.
+    CHECK(throws<c10::Error>([&] { A->setUseOnOOM(0, {0, 1}, false); }) == "no exception");
+    CHECK(has(throws<c10::Error>([&] { A->setUseOnOOM(0, {0, 1}, true); }),
+              "allocd does not support torch.cuda.MemPool(use_on_oom=True) (pool (0, 1))"));
+    CHECK(has(throws<c10::Error>([&] { A->setNoSplit(0, {0, 1}); }), "allocd does not support torch.cuda.MemPool(no_split=True)"));
+  }
+
+  // --- checkpoints (torch.compile's CUDA graph trees) -------------------------------------------
+  {
+    using Id = fake::Id;
+    // A "recording" into pool (5, 0) leaves k1 and k2 live; the checkpoint is allocd's, by handle.
+    A->createOrIncrefPool(0, {5, 0}, nullptr);
+    fake_cuda::current_stream = 0x71;
+    A->beginAllocateToPool(0, {5, 0}, [](cudaStream_t) { return true; });
+    c10::DataPtr k1 = A->allocate(4096);
+    c10::DataPtr k2 = A->allocate(8192);
+    A->endAllocateToPool(0, {5, 0});
+    std::shared_ptr<CA::AllocatorState> cp = A->getCheckpointState(0, {5, 0});
+    CHECK(cp != nullptr && fake::checkpoints.size() == 1 && fake::pool_calls.back().op == "checkpoint" &&
+          fake::pool_calls.back().id == Id(5, 0));
+    uintptr_t handle = fake::checkpoints.begin()->first;
+    // After a replay k2 is dead and a warmup made k3 in the pool.
+    void* p1 = k1.get();
+    void* p2 = k2.get();
+    k2.clear();
+    A->beginAllocateToPool(0, {5, 0}, [](cudaStream_t) { return true; });
+    c10::DataPtr k3 = A->allocate(2048);
+    A->endAllocateToPool(0, {5, 0});
+    fake_cuda::current_stream = 0;
+    // Restoring frees what the pool holds now (k1, k3) and gives back the checkpoint's blocks (k1,
+    // k2) as DataPtrs of allocd's, on the device.
+    CA::CheckpointDelta d = A->setCheckpointPoolState(0, cp);
+    CHECK(fake::pool_calls.back().op == "restore" && fake::pool_calls.back().device == 0);
+    std::vector<void*> freed = d.ptrs_freed;
+    std::sort(freed.begin(), freed.end());
+    std::vector<void*> want{p1, k3.get()};
+    std::sort(want.begin(), want.end());
+    CHECK(freed == want);
+    CHECK(d.dataptrs_allocd.size() == 2);
+    std::vector<void*> got{d.dataptrs_allocd[0].get(), d.dataptrs_allocd[1].get()};
+    std::sort(got.begin(), got.end());
+    want = {p1, p2};
+    std::sort(want.begin(), want.end());
+    CHECK(got == want);
+    for (const auto& x : d.dataptrs_allocd) {
+      CHECK(x.get_context() == x.get() && x.get_deleter() == A->raw_deleter() && x.device().index() == 0);
+    }
+    // torch takes the freed tensors' deleters away; the new DataPtrs free through allocd.
+    k1.release_context();
+    k3.release_context();
+    size_t nfrees = fake::frees.size();
+    d.dataptrs_allocd.clear();
+    CHECK(fake::frees.size() == nfrees + 2 && fake::frees.back().device == -1);
+    // Failures: allocd's message; one half way says the pool no longer matches torch's tensors.
+    fake::pool_fail = true;
+    CHECK(throws<c10::Error>([&] { A->getCheckpointState(0, {5, 0}); }) == "caught:allocd: checkpoint broke");
+    CHECK(throws<c10::Error>([&] { A->setCheckpointPoolState(0, cp); }) == "caught:allocd: restore broke");
+    fake::pool_fail = false;
+    fake::restore_half = true;
+    std::string e = throws<c10::Error>([&] { A->setCheckpointPoolState(0, cp); });
+    CHECK(has(e, "pool does not match the checkpoint") && has(e, "it no longer matches torch's tensors"));
+    fake::restore_half = false;
+    // A state that is not allocd's is refused.
+    CHECK(has(throws<c10::Error>([&] { A->setCheckpointPoolState(0, std::make_shared<CA::AllocatorState>()); }),
+              "not one of allocd's getCheckpointState"));
+    // The state's end drops allocd's checkpoint.
+    cp.reset();
+    CHECK(fake::checkpoints.empty() && fake::checkpoints_freed.size() == 1 && fake::checkpoints_freed[0] == handle);
+    for (auto it = fake::live.begin(); it != fake::live.end();) {
+      it = it->second.pool == Id(5, 0) ? fake::live.erase(it) : std::next(it);
+    }
+    A->releasePool(0, {5, 0});
+  }
+
   // --- what allocd does not support ---------------------------------------------------------------
   {
     auto allocd_error = [](const std::string& e) { return e.rfind("caught:", 0) == 0 && has(e, "allocd"); };
-    CHECK(allocd_error(throws<c10::Error>([&] { A->beginAllocateToPool(0, {1, 0}, [](cudaStream_t) { return true; }); })));
-    CHECK(allocd_error(throws<c10::Error>([&] { A->createOrIncrefPool(0, {1, 0}, nullptr); })));
-    CHECK(allocd_error(throws<c10::Error>([&] { A->getCheckpointState(0, {1, 0}); })));
-    CHECK(allocd_error(throws<c10::Error>([&] { A->setCheckpointPoolState(0, nullptr); })));
-    CHECK(throws<c10::Error>([&] { A->endAllocateToPool(0, {1, 0}); }) == "no exception");
-    CHECK(throws<c10::Error>([&] { A->releasePool(0, {1, 0}); }) == "no exception");
     CHECK(allocd_error(throws<c10::Error>([&] { A->getIpcDevPtr("handle"); })));
     CHECK(allocd_error(throws<c10::Error>([&] { A->shareIpcHandle(P(0x1000)); })));
     size_t size = 0;
@@ -718,6 +1067,20 @@ int main() {
       A->setMemoryFraction(0.5, 0);
       CDA::DeviceStats st = A->getDeviceStats(0);
       if (fake::empties != empties || fake::stats_calls != stats_calls || st.allocated_bytes[0].current != 0) bad |= 4;
+      // Pool calls: a begin or a create throws, the others do nothing; liballocd is not asked.
+      size_t npool = fake::pool_calls.size();
+      if (!has(throws<c10::Error>([&] { A->beginAllocateToPool(0, {9, 0}, nullptr); }), "forked child") ||
+          !has(throws<c10::Error>([&] { A->createOrIncrefPool(0, {0, 9}, nullptr); }), "forked child")) {
+        bad |= 8;
+      }
+      A->endAllocateToPool(0, {9, 0});
+      A->releasePool(0, {9, 0});
+      A->emptyCache({9, 0});
+      if (A->getPoolUseCount(0, {9, 0}) != 0 || fake::pool_calls.size() != npool) bad |= 16;
+      if (!has(throws<c10::Error>([&] { A->getCheckpointState(0, {9, 0}); }), "forked child") ||
+          fake::pool_calls.size() != npool) {
+        bad |= 32;
+      }
       std::_Exit(bad);
     }
     int status = 0;

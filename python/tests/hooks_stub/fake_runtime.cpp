@@ -2,7 +2,8 @@
 // the declarations of the stub headers in include/: the current-allocator global with a
 // "native" default, changeCurrentAllocator and getCurrentAllocator (refusing, as torch's does,
 // once the current allocator is initialised), a CUDAPluggableAllocator, the current device and
-// stream, and the cuda* functions allocd_torch/_allocator.cpp calls. The state of the fake
+// stream, the thread's stream capture mode, and the cuda* functions allocd_torch/_allocator.cpp
+// calls. The state of the fake
 // device lives in namespace fake_cuda, for the tests to set and read.
 //
 // Used twice: hooks_stub/driver.cpp includes it (one translation unit with _allocator.cpp), and
@@ -29,6 +30,8 @@ c10::DeviceIndex mem_get_info_device = -1;    // the current device at the last 
 cudaError_t peer_access_result = cudaSuccess;  // what cudaDeviceEnablePeerAccess returns
 int peer_access_calls = 0, get_last_error_calls = 0;
 int memcpy_calls = 0, memcpy_async_calls = 0, memcpy_peer_async_calls = 0;
+thread_local cudaStreamCaptureMode capture_mode = cudaStreamCaptureModeGlobal;  // the thread's
+int capture_mode_exchanges = 0;
 }  // namespace fake_cuda
 
 // --- c10_cuda: devices and streams ----------------------------------------------------------
@@ -66,6 +69,12 @@ cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
   fake_cuda::mem_get_info_device = fake_cuda::device;
   *free = fake_cuda::mem_free;
   *total = fake_cuda::mem_total;
+  return cudaSuccess;
+}
+
+cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode* mode) {
+  fake_cuda::capture_mode_exchanges++;
+  std::swap(*mode, fake_cuda::capture_mode);
   return cudaSuccess;
 }
 

@@ -3,7 +3,8 @@
 Its lib/ holds libtorch_cuda.so built from ../stub_torch_cuda.cpp and ../../hooks_stub/fake_runtime.cpp,
 and empty libc10_cuda.so, libc10.so, libtorch.so; its include/ the stub headers. `fake` plays
 torch's code that calls the current CUDA allocator (a tensor's allocation and drop,
-record_stream, empty_cache, _record_memory_history, _snapshot); torch.cuda.memory_stats is
+record_stream, empty_cache, _record_memory_history, _snapshot, the current stream, and the
+private pool calls of CUDA graphs and MemPool); torch.cuda.memory_stats is
 torch's own, built from getDeviceStats as torch's is.
 
 FAKE_TORCH_CUDA_INITIALISED=1 plays a process whose CUDA is already initialised;
@@ -26,6 +27,16 @@ stub.stub_empty_cache.argtypes = [*_ERR]
 stub.stub_device_stats.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), *_ERR]
 stub.stub_record_history.argtypes = [ctypes.c_int, *_ERR]
 stub.stub_snapshot.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_longlong), *_ERR]
+stub.stub_set_stream.argtypes = [ctypes.c_longlong]
+_ID = (ctypes.c_ulonglong, ctypes.c_ulonglong)
+stub.stub_begin_pool.argtypes = [*_ID, ctypes.c_longlong, *_ERR]
+for _f in (stub.stub_end_pool, stub.stub_release_pool, stub.stub_create_pool, stub.stub_empty_pool):
+    _f.argtypes = [*_ID, *_ERR]
+stub.stub_pool_use_count.argtypes = [*_ID, ctypes.POINTER(ctypes.c_int), *_ERR]
+stub.stub_pool_snapshot.argtypes = [*_ID, ctypes.c_void_p, ctypes.POINTER(ctypes.c_longlong), *_ERR]
+stub.stub_checkpoint.argtypes = [*_ID, ctypes.POINTER(ctypes.c_int), *_ERR]
+stub.stub_restore.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), *_ERR]
+stub.stub_drop_checkpoint.argtypes = [ctypes.c_int]
 
 if os.environ.get("FAKE_TORCH_ALLOCATOR_INITIALISED") == "1":
     stub.stub_init_current()
@@ -70,6 +81,63 @@ class fake:
     @staticmethod
     def record_history(enabled):
         _call(stub.stub_record_history, 1 if enabled else 0)
+
+    @staticmethod
+    def set_stream(stream):
+        """torch.cuda.stream(s): the current stream's cudaStream_t is stream (an int)."""
+        stub.stub_set_stream(stream)
+
+    # Private pools of device 0, named by their MempoolId_t pair.
+    @staticmethod
+    def begin_pool(pool, stream=-1):
+        """beginAllocateToPool with a filter that takes stream (-1: every stream)."""
+        _call(stub.stub_begin_pool, *pool, stream)
+
+    @staticmethod
+    def end_pool(pool):
+        _call(stub.stub_end_pool, *pool)
+
+    @staticmethod
+    def release_pool(pool):
+        _call(stub.stub_release_pool, *pool)
+
+    @staticmethod
+    def create_pool(pool):
+        _call(stub.stub_create_pool, *pool)
+
+    @staticmethod
+    def empty_pool(pool):
+        _call(stub.stub_empty_pool, *pool)
+
+    @staticmethod
+    def pool_use_count(pool):
+        out = ctypes.c_int()
+        _call(stub.stub_pool_use_count, *pool, ctypes.byref(out))
+        return out.value
+
+    @staticmethod
+    def pool_snapshot(pool, ptr):
+        out = (ctypes.c_longlong * 4)()
+        _call(stub.stub_pool_snapshot, *pool, ptr, out)
+        return dict(zip(("segments", "owned", "holds", "in_whole"), out))
+
+    @staticmethod
+    def checkpoint(pool):
+        """getCheckpointState: the checkpoint's index."""
+        out = ctypes.c_int()
+        _call(stub.stub_checkpoint, *pool, ctypes.byref(out))
+        return out.value
+
+    @staticmethod
+    def restore(index):
+        """setCheckpointPoolState, with torch's handling of the delta: (blocks freed, allocated)."""
+        out = (ctypes.c_longlong * 2)()
+        _call(stub.stub_restore, index, out)
+        return tuple(out)
+
+    @staticmethod
+    def drop_checkpoint(index):
+        stub.stub_drop_checkpoint(index)
 
     @staticmethod
     def snapshot(ptr):

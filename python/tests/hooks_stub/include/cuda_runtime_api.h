@@ -23,8 +23,15 @@ enum cudaMemcpyKind {
   cudaMemcpyDefault = 4,
 };
 
+enum cudaStreamCaptureMode {
+  cudaStreamCaptureModeGlobal = 0,
+  cudaStreamCaptureModeThreadLocal = 1,
+  cudaStreamCaptureModeRelaxed = 2,
+};
+
 extern "C" {
 cudaError_t cudaMemGetInfo(size_t* free, size_t* total);
+cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode* mode);
 cudaError_t cudaGetLastError(void);
 const char* cudaGetErrorString(cudaError_t error);
 cudaError_t cudaDeviceEnablePeerAccess(int peerDevice, unsigned int flags);

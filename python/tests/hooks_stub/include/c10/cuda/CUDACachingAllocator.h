@@ -1,6 +1,7 @@
 // Test stub of torch's c10/cuda/CUDACachingAllocator.h: the CUDAAllocator interface with every
 // pure virtual of torch 2.11's (same signatures, so that a missing or mistyped override fails
-// here as it would against torch), the non-pure ones allocd_torch/_allocator.cpp overrides, the
+// here as it would against torch), the non-pure ones allocd_torch/_allocator.cpp overrides (with
+// torch's refusing bodies), the
 // types they use, and the current-allocator global.
 #pragma once
 
@@ -15,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -93,9 +95,27 @@ class CUDAAllocator : public DeviceAllocator {
                                    std::function<bool(cudaStream_t)> filter) = 0;
   virtual void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) = 0;
   virtual void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) = 0;
+  virtual int getPoolUseCount(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/) {
+    TORCH_CHECK(false, name(), " does not yet support getPoolUseCount. "
+                "If you need it, please file an issue describing your use case.");
+  }
   virtual void createOrIncrefPool(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/,
                                   std::shared_ptr<CUDAAllocator> /*allocator*/ = nullptr) {
     TORCH_CHECK(false, name(), " does not yet support createOrIncrefPool. "
+                "If you need it, please file an issue describing your use case.");
+  }
+  virtual void setUseOnOOM(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/, bool /*use_on_oom*/) {
+    TORCH_CHECK(false, name(), " does not yet support setUseOnOOM. "
+                "If you need it, please file an issue describing your use case.");
+  }
+  virtual void setNoSplit(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/) {
+    TORCH_CHECK(false, name(), " does not yet support setNoSplit. "
+                "If you need it, please file an issue describing your use case.");
+  }
+  // returns true if the allocated blocks are equal to expected live allocations
+  virtual bool checkPoolLiveAllocations(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/,
+                                        const std::unordered_set<void*>& /*expected_live_allocations*/) {
+    TORCH_CHECK(false, name(), " does not yet support checkPoolLiveAllocations. "
                 "If you need it, please file an issue describing your use case.");
   }
   virtual ShareableHandle shareIpcHandle(void* ptr) = 0;
