@@ -485,7 +485,9 @@ func (a *Allocator) checkStream(s cudart.Stream) (*shard, error) {
 		}
 		return sh, nil
 	}
-	if c, ok := a.dev.(cudart.StreamChecker); ok {
+	// No stream query while a capture is under way: it would end the
+	// capture (pools.go). The capturing streams are valid.
+	if c, ok := a.dev.(cudart.StreamChecker); ok && a.capturing == 0 {
 		ds := blocks.DeviceStream(uint64(s))
 		if err := c.CheckStream(cudart.Stream(ds)); err != nil {
 			return nil, fmt.Errorf("allocator: stream %#x: %w: %w", ds, ErrInvalidStream, err)

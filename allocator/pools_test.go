@@ -15,7 +15,8 @@ import (
 )
 
 // captureGuard is a Sim that counts the calls a CUDA graph capture
-// forbids (anything that synchronises, queries or records an event, or
+// forbids (anything that synchronises, queries a stream or an event,
+// records an event, or
 // frees memory or unmaps pages) while its capturing flag is set, as a
 // driver in global capture mode would fail them. Unmapping does not
 // synchronise by itself, but reclaim synchronises before it; only the
@@ -54,6 +55,12 @@ func (g *captureGuard) EventRecord(e cudart.Event, s cudart.Stream) error {
 	return g.Sim.EventRecord(e, s)
 }
 func (g *captureGuard) Free(p cudart.Ptr) error { g.note("Free"); return g.Sim.Free(p) }
+
+// CheckStream is cudaStreamQuery on a GPU, which a capture forbids too.
+func (g *captureGuard) CheckStream(s cudart.Stream) error {
+	g.note("CheckStream")
+	return g.Sim.CheckStream(s)
+}
 func (g *captureGuard) Unmap(p cudart.Ptr, size uint64) error {
 	g.note("Unmap")
 	return g.Sim.Unmap(p, size)
