@@ -31,9 +31,10 @@ package allocator
 // returns it sooner.
 //
 // While a capture is under way (BeginAllocateToPool until its
-// EndAllocateToPool) nothing that would query an event or synchronise a
-// stream or the device may run, since either would end the capture with
-// an error: as PyTorch does, Malloc does not process completed events,
+// EndAllocateToPool) nothing that would query an event or a stream, or
+// synchronise a stream or the device, may run, since any of them would
+// end the capture with an error: as PyTorch does, Malloc does not process
+// completed events (nor does allocd check a new stream with the device),
 // a Free of a block that other streams used defers recording their
 // events until the last capture ends, and the OOM path, garbage
 // collection, idle sweeps and expandable reclaim release nothing.
