@@ -422,16 +422,25 @@ func (a *Allocator) Pools() []PoolUsage {
 		}
 		u := byID[p]
 		u.Segments++
-		for b := s.Head; b != nil; b = b.Next {
-			if !b.Unmapped {
-				u.ReservedBytes += int64(b.Size)
-			}
-			if b.Allocated {
-				u.AllocatedBytes += int64(b.Size)
-			}
-		}
+		r, al := segmentBytes(s)
+		u.ReservedBytes += r
+		u.AllocatedBytes += al
 	}
 	return out
+}
+
+// segmentBytes returns the bytes segment s holds (its mapped blocks) and
+// has allocated.
+func segmentBytes(s *blocks.Segment) (reserved, allocated int64) {
+	for b := s.Head; b != nil; b = b.Next {
+		if !b.Unmapped {
+			reserved += int64(b.Size)
+		}
+		if b.Allocated {
+			allocated += int64(b.Size)
+		}
+	}
+	return reserved, allocated
 }
 
 func cmpU64(x, y uint64) int {
@@ -454,14 +463,9 @@ func (a *Allocator) privateBytes() (reserved, allocated int64) {
 		if s.Stream&blocks.PoolStreamBit == 0 {
 			continue
 		}
-		for b := s.Head; b != nil; b = b.Next {
-			if !b.Unmapped {
-				reserved += int64(b.Size)
-			}
-			if b.Allocated {
-				allocated += int64(b.Size)
-			}
-		}
+		r, al := segmentBytes(s)
+		reserved += r
+		allocated += al
 	}
 	return reserved, allocated
 }
