@@ -211,6 +211,8 @@ func (d *decoder) setSegment(s *snapshot.Segment, key string, v val) error {
 		s.SegmentType, err = d.string(v, key)
 	case "is_expandable":
 		s.IsExpandable, err = d.bool(v, key)
+	case "segment_pool_id":
+		s.PoolID, err = d.poolID(v, key)
 	case "blocks":
 		s.Blocks, err = typed(d, v, schBlocks, key, func(c *container) []snapshot.Block { return c.blks })
 	case "frames":
@@ -483,6 +485,35 @@ func (d *decoder) u64(v val, key string) (uint64, error) {
 		return v.n, nil
 	}
 	return 0, d.errAt(ErrMalformed, "%s: want a non-negative 64-bit int, have %s", key, d.describeNum(v))
+}
+
+// poolID accepts PyTorch's MempoolId_t, a pair of non-negative ints.
+func (d *decoder) poolID(v val, key string) ([2]uint64, error) {
+	x, err := d.toAny(v)
+	if err != nil {
+		return [2]uint64{}, err
+	}
+	var id [2]uint64
+	l, ok := x.([]any)
+	if ok && len(l) == 2 {
+		for i, e := range l {
+			switch n := e.(type) {
+			case int64:
+				ok = ok && n >= 0
+				id[i] = uint64(n)
+			case uint64:
+				id[i] = n
+			default:
+				ok = false
+			}
+		}
+	} else {
+		ok = false
+	}
+	if !ok {
+		return [2]uint64{}, d.errAt(ErrMalformed, "%s: want a pair of non-negative ints, have %s", key, d.describe(v))
+	}
+	return id, nil
 }
 
 // stream accepts PyTorch's int64(cudaStream_t) and keeps its bits.

@@ -146,7 +146,7 @@ func (d *decoder) usesKey(s schema, key string) bool {
 	case schSegment:
 		switch key {
 		case "device", "address", "total_size", "allocated_size", "active_size",
-			"requested_size", "stream", "segment_type", "is_expandable", "blocks":
+			"requested_size", "stream", "segment_type", "is_expandable", "segment_pool_id", "blocks":
 			return true
 		}
 	case schBlock:
