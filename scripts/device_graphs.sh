@@ -73,7 +73,7 @@ unset PYTORCH_CUDA_ALLOC_CONF ALLOCD_CONF ALLOCD_METRICS_LISTEN
 
 own_cache=0
 if [ -z "${INDUCTOR_CACHE:-}" ]; then
-	INDUCTOR_CACHE=$(mktemp -d /tmp/graphs_inductor.XXXXXX) || die "mktemp failed"
+	INDUCTOR_CACHE=$(mktemp -d -t graphs_inductor.XXXXXX) || die "mktemp failed"
 	own_cache=1
 fi
 export TORCHINDUCTOR_CACHE_DIR=$INDUCTOR_CACHE TRITON_CACHE_DIR=$INDUCTOR_CACHE/triton
