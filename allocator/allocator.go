@@ -479,10 +479,7 @@ func (a *Allocator) checkStream(s cudart.Stream) (*shard, error) {
 		}
 	}
 	if sh := a.byStream[s]; sh != nil {
-		if sh.doomed {
-			sh.doomed = false
-			a.doomed = slices.DeleteFunc(a.doomed, func(x *shard) bool { return x == sh })
-		}
+		a.undoom(sh)
 		return sh, nil
 	}
 	// No stream query while a capture is under way: it would end the

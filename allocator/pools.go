@@ -133,9 +133,8 @@ func (a *Allocator) usePool(op string, id PoolID) (*privatePool, error) {
 	if p.uses == 1 {
 		// Released before and back in use: its shards are held again.
 		for _, sh := range a.shards {
-			if sh.pool == p && sh.doomed {
-				sh.doomed = false
-				a.doomed = slices.DeleteFunc(a.doomed, func(x *shard) bool { return x == sh })
+			if sh.pool == p {
+				a.undoom(sh)
 			}
 		}
 	}
@@ -209,10 +208,7 @@ func (a *Allocator) ReleasePool(id PoolID) error {
 					zap.Uint64("stream", blocks.DeviceStream(uint64(sh.stream))), zap.Error(err))
 			}
 		}
-		if !sh.doomed {
-			sh.doomed = true
-			a.doomed = append(a.doomed, sh)
-		}
+		a.doom(sh)
 		i++
 	}
 	a.forgetPool(p)

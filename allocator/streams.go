@@ -108,11 +108,26 @@ func (a *Allocator) ReleaseStream(s cudart.Stream) error {
 	if a.idle(sh) && a.capturing == 0 {
 		return a.releaseShard(sh)
 	}
+	a.doom(sh)
+	return nil
+}
+
+// doom marks sh to be released once idle (world mode), unless it is
+// already.
+func (a *Allocator) doom(sh *shard) {
 	if !sh.doomed {
 		sh.doomed = true
 		a.doomed = append(a.doomed, sh)
 	}
-	return nil
+}
+
+// undoom takes back doom: sh's stream or pool is in use again (world
+// mode).
+func (a *Allocator) undoom(sh *shard) {
+	if sh.doomed {
+		sh.doomed = false
+		a.doomed = slices.DeleteFunc(a.doomed, func(x *shard) bool { return x == sh })
+	}
 }
 
 // idle reports whether sh's stream may be released (world mode): not the
