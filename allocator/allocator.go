@@ -376,6 +376,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 			LargePage:   largeBuffer,
 			ReclaimPage: cmp.Or(o.expLargePage, cfg.ExpandablePageSize, DefaultExpandablePage),
 			Reclaim:     !o.pytorchExpandable,
+			Coarse:      cfg.ExpandableReclaim == ReclaimCoarse,
 		}, o.log)
 		a.src = expSource{space: a.exp, table: &a.segs, stats: &a.stats}
 	}

@@ -55,6 +55,10 @@ func TestParseConfigRejects(t *testing.T) {
 		{"expandable_page_mb:40", "expandable_page_mb", "expected 2, 4, 10 or 20"},
 		{"expandable_page_mb:-2", "expandable_page_mb", "expected 2, 4, 10 or 20"},
 		{"expandable_page_mb:2MiB", "expandable_page_mb", "expected 2, 4, 10 or 20"},
+		// expandable_reclaim.
+		{"expandable_reclaim:Coarse", "expandable_reclaim", "expected fine or coarse"},
+		{"expandable_reclaim:", "expandable_reclaim", ""},
+		{"expandable_reclaim:none", "expandable_reclaim", "expected fine or coarse"},
 		// Float keys.
 		{"garbage_collection_threshold:NaN", "garbage_collection_threshold", "strictly between 0 and 1"},
 		{"garbage_collection_threshold:nan", "garbage_collection_threshold", "not NaN, Inf or subnormal"},
@@ -239,6 +243,36 @@ func TestParseConfigLeavesPinnedKeys(t *testing.T) {
 	}
 }
 
+// TestExpandableReclaimKey: expandable_reclaim:coarse sets
+// ReclaimCoarse and round trips through String; fine is the default, which
+// String leaves out; Validate refuses a policy it does not know.
+func TestExpandableReclaimKey(t *testing.T) {
+	for conf, want := range map[string]ReclaimPolicy{
+		"expandable_segments:True,expandable_reclaim:coarse": ReclaimCoarse,
+		"expandable_segments:True,expandable_reclaim:fine":   "",
+		"expandable_segments:True":                           "",
+	} {
+		c, err := ParseConfig(conf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		back, err := ParseConfig(c.String())
+		if c.ExpandableReclaim != want || err != nil || back != c {
+			t.Errorf("%s: policy %q, String %q parses to %+v, %v", conf, c.ExpandableReclaim, c.String(), back, err)
+		}
+	}
+	c := DefaultConfig()
+	c.ExpandableReclaim = "sometimes"
+	var ce *ConfigError
+	if err := c.Validate(); !errors.As(err, &ce) || ce.Key != "expandable_reclaim" {
+		t.Errorf("Validate of policy %q: %v", c.ExpandableReclaim, err)
+	}
+	c.ExpandableReclaim = ReclaimFine
+	if err := c.Validate(); err != nil {
+		t.Errorf("Validate of policy fine: %v", err)
+	}
+}
+
 // TestExpandablePageKey: expandable_page_mb sets ExpandablePageSize, round
 // trips through String, and sets the large pool's page of a new
 // allocator's expandable segments.
@@ -292,6 +326,7 @@ func FuzzParseConfig(f *testing.F) {
 		"roundup_power2_divisions:[1:2,64:4,>:8]", "roundup_power2_divisions:4",
 		"per_process_memory_fraction:0.5,release_lock_on_cudamalloc:True",
 		"expandable_segments:True,expandable_page_mb:20", "backend:cudaMallocAsync",
+		"expandable_segments:True,expandable_reclaim:coarse", "expandable_reclaim:fine",
 		"pinned_roundup_power2_divisions:4,max_non_split_rounding_mb:64",
 		"max_streams:4", "max_streams:0", "max_split_size_mb:", "roundup_power2_divisions:[", ",,", "a:b:c", "max_split_size_mb:1e400",
 	} {

@@ -217,14 +217,15 @@ func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bo
 }
 
 // unmapBlock is unmap_block: the Space unmaps the whole runs inside the
-// free block b and releases them, or with keep puts them in its handle
+// free block b (with most > 0, only the last that cover most bytes) and
+// releases them, or with keep puts them in its handle
 // cache; then the reserved bytes (what was released), the statistics, the
 // history and the log count the unmapping. It returns the unmapped block,
 // or nil when b covers no whole run or on an error.
-func (a *Allocator) unmapBlock(c *call, b *blocks.Block, keep bool) (*blocks.Block, error) {
+func (a *Allocator) unmapBlock(c *call, b *blocks.Block, keep bool, most uint64) (*blocks.Block, error) {
 	seg := b.Segment
 	p := a.poolOf(b)
-	u, start, n, released, err := a.exp.UnmapBlock(p.vmPool(), b, keep)
+	u, start, n, released, err := a.exp.UnmapBlock(p.vmPool(), b, keep, most)
 	if u == nil {
 		return nil, err
 	}
@@ -262,9 +263,19 @@ func (a *Allocator) reclaimPages(c *call, want uint64, small bool) error {
 		return err
 	}
 	a.stats.NumReclaims++
+	target := a.exp.Target(want)
+	got = 0
 	for _, b := range list {
 		keep := b.Segment.PageSize == page && (!small || b.Segment.Small)
-		if _, err := a.unmapBlock(c, b, keep); err != nil {
+		var most uint64 // coarse reclaim moves no more than the target
+		if a.cfg.ExpandableReclaim == ReclaimCoarse {
+			if got >= target {
+				break
+			}
+			most = target - got
+		}
+		got += a.exp.Unmappable(b)
+		if _, err := a.unmapBlock(c, b, keep, most); err != nil {
 			return err
 		}
 	}
@@ -332,7 +343,7 @@ func (a *Allocator) releaseExpandable(c *call) error {
 				}
 				synced = true
 			}
-			u, err := a.unmapBlock(c, b, false)
+			u, err := a.unmapBlock(c, b, false, 0)
 			if err != nil {
 				return err
 			}

@@ -746,6 +746,7 @@ func FuzzOpsExpandable(f *testing.F) {
 		"expandable_segments:True",
 		"expandable_segments:True,max_split_size_mb:64",
 		"expandable_segments:True,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5",
+		"expandable_segments:True,expandable_reclaim:coarse",
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		if len(data) == 0 {

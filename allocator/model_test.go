@@ -263,6 +263,7 @@ func TestModelRandom(t *testing.T) {
 		"backend:cudaMallocAsync",
 		"expandable_segments:True",
 		"expandable_segments:True,max_split_size_mb:40",
+		"expandable_segments:True,expandable_reclaim:coarse",
 		"expandable_segments:True,roundup_power2_divisions:4,garbage_collection_threshold:0.5,per_process_memory_fraction:0.5",
 	} {
 		t.Run("conf="+conf, func(t *testing.T) {

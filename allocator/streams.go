@@ -201,7 +201,7 @@ func (a *Allocator) releaseExpandableStream(sh *shard) error {
 		}
 	}
 	for _, b := range list {
-		if _, err := a.unmapBlock(nil, b, false); err != nil {
+		if _, err := a.unmapBlock(nil, b, false, 0); err != nil {
 			return err
 		}
 	}

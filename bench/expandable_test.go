@@ -23,7 +23,13 @@ func replayExpandable(t *testing.T, ops *trace.Ops, opts ...allocator.Option) wo
 // memory calls the Sim served before Close.
 func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option) (workload.ReplayResult, simdev.VMMCounters) {
 	t.Helper()
-	sim, a := newExpandable(t, opts...)
+	return replayConfVMM(t, ops, "expandable_segments:True", opts...)
+}
+
+// replayConfVMM is replayExpandableVMM with the configuration conf.
+func replayConfVMM(t *testing.T, ops *trace.Ops, conf string, opts ...allocator.Option) (workload.ReplayResult, simdev.VMMCounters) {
+	t.Helper()
+	sim, a := newSimConf(t, conf, opts...)
 	r := replayChecked(t, ops, a)
 	vmm := sim.VMMCounters()
 	// The traces end with a few allocations never freed (the model).
@@ -43,11 +49,17 @@ func replayExpandableVMM(t *testing.T, ops *trace.Ops, opts ...allocator.Option)
 // fresh 141 GiB Sim with manual events; the caller closes it.
 func newExpandable(t *testing.T, opts ...allocator.Option) (*simdev.Sim, *allocator.Allocator) {
 	t.Helper()
+	return newSimConf(t, "expandable_segments:True", opts...)
+}
+
+// newSimConf is newExpandable with the configuration conf.
+func newSimConf(t *testing.T, conf string, opts ...allocator.Option) (*simdev.Sim, *allocator.Allocator) {
+	t.Helper()
 	sim, err := simdev.New(simdev.Config{Capacity: 141 << 30, ManualEvents: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg, err := allocator.ParseConfig("expandable_segments:True")
+	cfg, err := allocator.ParseConfig(conf)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,6 +111,47 @@ func TestReplayExpandable(t *testing.T) {
 			}
 			if got := mib(exact.PeakReserved); got != exp {
 				t.Errorf("with WithPyTorchExpandable, peak reserved %.0f MiB; PyTorch's expandable segments reserve %.0f", got, exp)
+			}
+		})
+	}
+}
+
+// vmmMicros is what a virtual-memory call costs on an H200, in
+// microseconds (TestGPUVirtualMemoryCost, docs/fragmentation.md): creating
+// a handle, mapping it in a range, granting access to a range, unmapping,
+// releasing. The cost of a replay's calls is their counts weighted by it.
+var vmmMicros = struct{ create, mapping, grant, unmap, release float64 }{14, 31, 2.5, 20, 20}
+
+// vmmCost is the modelled time, in milliseconds, of the calls in c.
+func vmmCost(c simdev.VMMCounters) float64 {
+	m := vmmMicros
+	return (float64(c.Creates)*m.create + float64(c.Maps)*m.mapping + float64(c.AccessCalls)*m.grant +
+		float64(c.Unmaps)*m.unmap + float64(c.Releases)*m.release) / 1000
+}
+
+// TestReplayExpandableCoarse replays every recorded trace with
+// expandable_reclaim:coarse. On every one, peak reserved memory is at or
+// below PyTorch's expandable segments' (WithPyTorchExpandable), and the
+// virtual-memory calls, weighted by what each costs on an H200 (vmmCost),
+// cost at most what PyTorch's do: coarse reclaim trades the default's
+// lead in memory for fewer device calls than PyTorch makes.
+func TestReplayExpandableCoarse(t *testing.T) {
+	for _, path := range traceFiles(t) {
+		name := traceName(path)
+		t.Run(name, func(t *testing.T) {
+			if testing.Short() && longTrace(name) {
+				t.Skip("long trace in -short mode")
+			}
+			c, e := replayTrace(t, name, modeExpandableCoarse), replayTrace(t, name, modePyTorchExpandable)
+			ours, theirs := vmmCost(c.vmm), vmmCost(e.vmm)
+			t.Logf("%-20s peak reserved %.0f MiB (PyTorch %.0f), reserved/allocated %.3f; device calls %.1f ms (PyTorch %.1f): %d creates, %d maps, %d unmaps, %d releases",
+				name, mib(c.r.PeakReserved), mib(e.r.PeakReserved), float64(c.r.PeakReserved)/float64(c.r.PeakAllocated),
+				ours, theirs, c.vmm.Creates, c.vmm.Maps, c.vmm.Unmaps, c.vmm.Releases)
+			if c.r.PeakReserved > e.r.PeakReserved {
+				t.Errorf("peak reserved %d bytes, PyTorch's expandable segments %d", c.r.PeakReserved, e.r.PeakReserved)
+			}
+			if ours > theirs {
+				t.Errorf("device calls cost %.1f ms, PyTorch's %.1f", ours, theirs)
 			}
 		})
 	}

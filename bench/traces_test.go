@@ -139,6 +139,9 @@ const (
 	// modePyTorchExpandable: expandable_segments:True with
 	// WithPyTorchExpandable.
 	modePyTorchExpandable = "pytorch-expandable"
+	// modeExpandableCoarse: expandable_segments:True with
+	// expandable_reclaim:coarse.
+	modeExpandableCoarse = "expandable-coarse"
 )
 
 // replayed is one replay of a trace, and the virtual memory calls the Sim
@@ -175,6 +178,8 @@ func replayTrace(t *testing.T, name, mode string) replayed {
 		out.r, out.vmm = replayExpandableVMM(t, ops)
 	case modePyTorchExpandable:
 		out.r, out.vmm = replayExpandableVMM(t, ops, allocator.WithPyTorchExpandable())
+	case modeExpandableCoarse:
+		out.r, out.vmm = replayConfVMM(t, ops, "expandable_segments:True,expandable_reclaim:coarse")
 	default:
 		t.Fatalf("replay mode %q", mode)
 	}

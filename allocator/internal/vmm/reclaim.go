@@ -79,14 +79,15 @@ const (
 // those whose whole runs a reclaim unmaps so that at least want bytes,
 // and if the blocks allow reclaimHeadroom more, are unmapped: the
 // smallest block whose runs cover that target, else the largest blocks
-// first. It leaves out the blocks of the last GrowthExcess's request and
-// blocks of ordinary segments. The list it returns is reused by the next
-// call; it is empty when no block has a whole run.
+// first. It leaves out the blocks of the last GrowthExcess's request,
+// blocks of ordinary segments and, with Config.Coarse, blocks whose whole
+// runs come to less than coarseMinMove. The list it returns is reused by
+// the next call; it is empty when no block qualifies.
 func (s *Space) Choose(free []*blocks.Block, want uint64) []*blocks.Block {
 	cands := s.cands[:0]
 	for _, b := range free {
 		if b.Segment.Expandable && !slices.Contains(s.chain, b) {
-			if n := s.Unmappable(b); n > 0 {
+			if n := s.Unmappable(b); n > 0 && (!s.cfg.Coarse || n >= coarseMinMove) {
 				cands = append(cands, reclaimCand{b, n})
 			}
 		}
@@ -96,7 +97,7 @@ func (s *Space) Choose(free []*blocks.Block, want uint64) []*blocks.Block {
 	if len(cands) == 0 {
 		return list
 	}
-	target := want + s.reclaimHeadroom()
+	target := s.Target(want)
 	sort.SliceStable(cands, func(i, j int) bool { return cands[i].bytes > cands[j].bytes })
 	for i := len(cands) - 1; i >= 0; i-- {
 		if cands[i].bytes >= target {
@@ -115,6 +116,15 @@ func (s *Space) Choose(free []*blocks.Block, want uint64) []*blocks.Block {
 	s.scratch = list[:0]
 	return list
 }
+
+// Target is how many bytes a reclaim of want bytes unmaps when free
+// blocks allow: want and the headroom.
+func (s *Space) Target(want uint64) uint64 { return want + s.reclaimHeadroom() }
+
+// coarseMinMove is the shortest free stretch that coarse reclaim moves:
+// the longest run. Moving it costs one unmap and a map per run, less than
+// growing by as much in PyTorch's 20 MiB pages.
+const coarseMinMove = maxRunBytes
 
 // reclaimHeadroom is how much more than the excess a reclaim unmaps when
 // free blocks allow: 1/128 of the high-water mark, in whole small pages.

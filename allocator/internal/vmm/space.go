@@ -44,6 +44,10 @@ type Config struct {
 	SmallPage, LargePage, ReclaimPage uint64
 	// Reclaim turns on reclaim before growth (see the package doc).
 	Reclaim bool
+	// Coarse, with Reclaim, grows in whole LargePage steps of one run
+	// each and moves only long free stretches (see "Coarse reclaim" in
+	// the package doc).
+	Coarse bool
 }
 
 // Space is the expandable segments of one device: their ranges, pages,
@@ -148,10 +152,20 @@ func (s *Space) PageSize(small bool) uint64 {
 // seg (see "Runs"): one page in the small pool and without reclaim
 // (PyTorch's pages); in the large pool with reclaim, a quarter of n
 // rounded up, but at least 1/minRunDiv of the largest allocated figure
-// seen at a mapping, and at most maxRunBytes.
+// seen at a mapping, and at most maxRunBytes; coarsely, all n pages, at
+// most maxRunBytes.
 func (s *Space) runPages(seg *blocks.Segment, n uint64) uint64 {
+	if s.coarse(seg) {
+		return max(1, min(n, s.maxRunPages(seg)))
+	}
 	least := max(1, s.allocMark/minRunDiv/seg.PageSize)
 	return max(1, min(max((n+runsPerGrowth-1)/runsPerGrowth, least), s.maxRunPages(seg)))
+}
+
+// coarse says whether seg grows and gives back coarsely: a large-pool
+// range with Config.Coarse.
+func (s *Space) coarse(seg *blocks.Segment) bool {
+	return s.cfg.Coarse && s.cfg.Reclaim && !seg.Small
 }
 
 // maxRunPages is the longest run of seg, in pages.
@@ -276,6 +290,10 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 	begin := (b.Ptr - seg.Ptr) / page
 	end := (b.Ptr - seg.Ptr + size + page - 1) / page
 	limit := (b.Ptr - seg.Ptr + b.Size) / page
+	if s.coarse(seg) { // to the next LargePage boundary, as PyTorch's pages end
+		step := max(1, s.cfg.LargePage/page)
+		end = min((end+step-1)/step*step, limit)
+	}
 	t0 := time.Now()
 	end, moved, across, created, crossed, err := s.mapPages(es, begin, end, limit)
 	if err != nil {
@@ -438,15 +456,16 @@ func (s *Space) unmapPages(es *expSegment, begin, end uint64, keep bool) (uint64
 }
 
 // UnmapBlock is unmap_block: it unmaps the whole runs inside the free
-// block b of pool p, and releases them or, with keep (reclaim), puts them
-// in the handle cache. Their span becomes an unmapped block, merged with
+// block b of pool p (with most > 0, only the last of them that cover
+// most bytes, fewer runs where fewer do), and releases them or, with
+// keep (reclaim), puts them in the handle cache. Their span becomes an unmapped block, merged with
 // its unmapped neighbours and returned with its address and size before
 // the merge, and the bytes released; the rest of b at either end (partial
 // pages, and pages of runs that reach beyond b) stays mapped as free
 // blocks; each call that unmaps is one device free. It returns nil when b
 // covers no whole run or on an error; the caller has synchronised the
 // work that may use b.
-func (s *Space) UnmapBlock(p Pool, b *blocks.Block, keep bool) (u *blocks.Block, start, n, released uint64, err error) {
+func (s *Space) UnmapBlock(p Pool, b *blocks.Block, keep bool, most uint64) (u *blocks.Block, start, n, released uint64, err error) {
 	seg := b.Segment
 	es := s.of(seg)
 	begin, end := es.runsInside(b)
@@ -454,6 +473,9 @@ func (s *Space) UnmapBlock(p Pool, b *blocks.Block, keep bool) (u *blocks.Block,
 		return nil, 0, 0, 0, nil
 	}
 	page := seg.PageSize
+	for most > 0 && (end-begin-uint64(es.run[begin]))*page >= most {
+		begin += uint64(es.run[begin]) // the runs after it cover most
+	}
 	if released, err = s.unmapPages(es, begin, end, keep); err != nil {
 		return nil, 0, 0, 0, err
 	}

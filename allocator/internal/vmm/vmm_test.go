@@ -132,7 +132,7 @@ func TestMapBlockRuns(t *testing.T) {
 			if got := s.Unmappable(b); got != want {
 				t.Fatalf("Unmappable = %d, want %d", got, want)
 			}
-			u, start, un, released, err := s.UnmapBlock(p, b, false)
+			u, start, un, released, err := s.UnmapBlock(p, b, false, 0)
 			if err != nil || u == nil || start != b.Segment.Ptr || un != want || released != want || u.Prev != nil || u.Next != nil {
 				t.Fatalf("UnmapBlock = %v, %#x, %d, %d released, %v; want the whole range unmapped and released, %d bytes", u, start, un, released, err, want)
 			}
@@ -227,7 +227,7 @@ func TestReclaimMovesRuns(t *testing.T) {
 	if err := s.SyncStreams(list); err != nil {
 		t.Fatal(err)
 	}
-	if u, _, _, released, err := s.UnmapBlock(p0, b0, true); err != nil || u == nil || released != 0 {
+	if u, _, _, released, err := s.UnmapBlock(p0, b0, true, 0); err != nil || u == nil || released != 0 {
 		t.Fatalf("UnmapBlock = %v, %d released, %v; want it unmapped into the cache", u, released, err)
 	}
 	if s.Reserved() != 40*miB || s.Cached(false) != 40*miB || s.Cached(true) != 0 {
