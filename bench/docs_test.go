@@ -92,7 +92,8 @@ func ratio(r workload.ReplayResult) string {
 // TestReplayMatchesPyTorch and TestReplayExpandable) and with PyTorch's
 // figures those tests hold: the tables of testdata/traces/README.md, the
 // allocd columns of docs/replay.md's comparison with PyTorch, and the
-// "runs" columns of docs/fragmentation.md's expandable table. In -short
+// "runs" columns of docs/fragmentation.md's expandable table and its table
+// of fine and coarse reclaim beside PyTorch. In -short
 // mode the long traces' rows are not compared.
 func TestDocFigures(t *testing.T) {
 	const readme, replayDoc, fragDoc = "../testdata/traces/README.md", "../docs/replay.md", "../docs/fragmentation.md"
@@ -102,6 +103,7 @@ func TestDocFigures(t *testing.T) {
 	ours := docTable(t, readme, "replay --device sim --json --conf expandable_segments:True testdata/traces")
 	vsPyTorch := docTable(t, replayDoc, "| trace | PyTorch peak allocated MiB | allocd |")
 	runs := docTable(t, fragDoc, "| trace | reserved/allocated: pages → runs (PyTorch) |")
+	coarse := docTable(t, fragDoc, "| trace | peak reserved MiB: fine / coarse / PyTorch |")
 	for _, name := range traceNames {
 		t.Run(name, func(t *testing.T) {
 			// PyTorch's figures: the doc and the tests agree.
@@ -153,6 +155,18 @@ func TestDocFigures(t *testing.T) {
 			checkCell(t, fragDoc, name, "handles created", after(row[1]), fmt.Sprintf("%s (%s)", commas(exp.vmm.Creates), commas(pt.vmm.Creates)))
 			checkCell(t, fragDoc, name, "mappings", after(row[2]), fmt.Sprintf("%s (%s)", commas(exp.vmm.Maps), commas(pt.vmm.Maps)))
 			checkCell(t, fragDoc, name, "unmappings", after(row[3]), commas(exp.vmm.Unmaps))
+			// fragmentation.md: fine, coarse and PyTorch side by side.
+			co := replayTrace(t, name, modeExpandableCoarse)
+			three := func(f func(replayed) string) string {
+				return f(exp) + " / " + f(co) + " / " + f(pt)
+			}
+			row = docRow(t, coarse, fragDoc, name, 4)
+			checkCell(t, fragDoc, name, "peak reserved MiB", row[0], three(func(r replayed) string { return fmt.Sprint(mib(r.r.PeakReserved)) }))
+			checkCell(t, fragDoc, name, "reserved/allocated", row[1], three(func(r replayed) string { return ratio(r.r) }))
+			checkCell(t, fragDoc, name, "device calls", row[2], three(func(r replayed) string {
+				return fmt.Sprint(r.vmm.Creates + r.vmm.Maps + r.vmm.Unmaps + r.vmm.Releases)
+			}))
+			checkCell(t, fragDoc, name, "modelled ms", row[3], three(func(r replayed) string { return fmt.Sprintf("%.1f", vmmCost(r.vmm)) }))
 		})
 	}
 }

@@ -13,12 +13,14 @@
 #      streams with RecordStream) and TestGPUReplayMatchesSim (every trace's
 #      peaks on the GPU equal the simulated device's)     -> gputest.log
 #   2. allocd bench --device cuda --conf expandable_segments:True, replays only,
-#      every trace in TRACEDIR, with the driver's VMM calls    -> allocd.json
+#      every trace in TRACEDIR, with the driver's VMM calls    -> allocd.json;
+#      then with expandable_reclaim:coarse                     -> allocd_coarse.json
 #   3. PyTorch's anchor replays with expandable_segments:True -> anchor.json
 #   4. a side-by-side table: ns/op, peak reserved, and VMM calls and time;
 #      PyTorch's VMM time is estimated from its handles (one per 20 MiB of
 #      its peak reserved: it never unmaps in a replay) and stage 1's
-#      measured cost of creating and mapping a 20 MiB page  -> compare.txt
+#      measured cost of creating and mapping a 20 MiB page  -> compare.txt,
+#      compare_coarse.txt
 # Stages stop starting past $BUDGET_S seconds (default 560). No network is used.
 set -uo pipefail
 . "$(dirname "$0")/device_lib.sh"
@@ -37,6 +39,11 @@ timeout "$(($(left) / 3))" "$BIN/allocd" bench --device cuda --no-pair --no-mixe
 	$shared >"$OUT/allocd.json" 2>"$OUT/allocd.err"
 echo "allocd bench rc=$?"
 
+say "allocd bench, expandable_reclaim:coarse -> $OUT/allocd_coarse.json"
+timeout "$(($(left) / 3))" "$BIN/allocd" bench --device cuda --no-pair --no-mixed --conf expandable_segments:True,expandable_reclaim:coarse --json \
+	$shared >"$OUT/allocd_coarse.json" 2>"$OUT/allocd_coarse.err"
+echo "allocd bench (coarse) rc=$?"
+
 say "PyTorch anchor, expandable replays -> $OUT/anchor.json"
 tr=$(mktemp -d)
 for f in $shared; do gunzip -c "$f" >"$tr/$(basename "$f" .gz)"; done
@@ -45,13 +52,15 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True BENCH_MODE=replay EXT_BUILD=/tm
 echo "anchor rc=$?"
 rm -rf "$tr"
 
-python3 - "$OUT/allocd.json" "$OUT/anchor.json" "$OUT/gputest.log" <<'PY' | tee "$OUT/compare.txt"
+for mode in "" _coarse; do
+python3 - "$OUT/allocd$mode.json" "$OUT/anchor.json" "$OUT/gputest.log" <<'PY' | tee "$OUT/compare$mode.txt"
 import json, re, sys
 try:
     a = json.load(open(sys.argv[1]))
     t = json.load(open(sys.argv[2])).get("replay", {})
 except Exception as e:
     sys.exit(f"no comparison: {e}")
+print(f"allocd: {sys.argv[1]}")
 # One 20 MiB handle created and mapped in a range, from TestGPUVirtualMemoryCost.
 per = None
 for line in open(sys.argv[3], errors="replace"):
@@ -72,4 +81,5 @@ for r in a.get("replay", []):
           f" {v.get('creates', 0):>7} {v.get('maps', 0):>5} {v.get('unmaps', 0):>6} {v.get('releases', 0):>8} {v.get('total_ns', 0) / 1e6:>7.1f} |"
           f" {th:>13.0f} {th * per / 1e3 if per else 0:>7.1f}")
 PY
+done
 say "done"

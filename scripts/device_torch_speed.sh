@@ -18,6 +18,10 @@
 # 4. scripts/compare_speed.py over the C++ benches and the complete pairs -> $OUT/speed.md,
 #    written after stage 1 and again after every pair, so a run cut short keeps what finished.
 #
+# EXPANDABLE (default empty): fine or coarse runs stage 3 with expandable segments on both
+# sides: native with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, allocd with
+# ALLOCD_CONF=expandable_segments:True,expandable_reclaim:$EXPANDABLE.
+#
 # PIN (default empty): a CPU list (taskset -c) every benchmark process runs on, the same for
 # both allocators, so that which cores a process lands on does not pass for a difference
 # between allocators. SYNC (default blocking) is torch_workloads.py's --sync.
@@ -39,6 +43,11 @@ CPPPAIRS=${CPPPAIRS:-2}
 PIN=${PIN:-}
 SYNC=${SYNC:-blocking}
 BENCH=${BENCH:-0}       # 1 runs stage 2
+EXPANDABLE=${EXPANDABLE:-}
+case $EXPANDABLE in
+"" | fine | coarse) ;;
+*) echo "EXPANDABLE=$EXPANDABLE: expected fine or coarse" >&2; exit 2 ;;
+esac
 BUDGET_S=${BUDGET_S:-450}
 HARD_S=${HARD_S:-$((BUDGET_S + 90))}
 
@@ -57,7 +66,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset ALLOCD_DEVICE PYTORCH_CUDA_ALLOC_CONF ALLOCD_CONF ALLOCD_METRICS_LISTEN
 
 say "OUT=$OUT ALLOCD_LIB=$ALLOCD_LIB WORKLOADS=$WORKLOADS STEPS=$STEPS PAIRS=$PAIRS CPPBENCH=$CPPBENCH" \
-	"CPPPAIRS=$CPPPAIRS BENCH=$BENCH PIN=${PIN:-none} SYNC=$SYNC BUDGET_S=$BUDGET_S HARD_S=$HARD_S"
+	"CPPPAIRS=$CPPPAIRS BENCH=$BENCH EXPANDABLE=${EXPANDABLE:-off} PIN=${PIN:-none} SYNC=$SYNC BUDGET_S=$BUDGET_S HARD_S=$HARD_S"
 pin=()
 if [ -n "$PIN" ]; then
 	command -v taskset >/dev/null || { say "PIN=$PIN but no taskset" >&2; exit 2; }
@@ -159,8 +168,13 @@ for i in $(seq 1 "$PAIRS"); do
 	for a in $order; do
 		f="$OUT/${a}_$i.json" logf="$OUT/${a}_$i.log"
 		rm -f "$f" "$logf"
+		conf=()
+		if [ -n "$EXPANDABLE" ]; then
+			conf=(env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+			[ "$a" = allocd ] && conf=(env ALLOCD_CONF=expandable_segments:True,expandable_reclaim:$EXPANDABLE)
+		fi
 		proc workloads "workloads $a $i" "$logf" \
-			"${pin[@]}" python3 scripts/torch_workloads.py --allocator "$a" --workloads "$WORKLOADS" --anchor "$ANCHOR" \
+			"${conf[@]}" "${pin[@]}" python3 scripts/torch_workloads.py --allocator "$a" --workloads "$WORKLOADS" --anchor "$ANCHOR" \
 			--steps "$STEPS" --sync "$SYNC" --out "$f" && [ -f "$f" ] && pair+=("$f")
 		[ -f "$logf" ] && grep -E '^\[..:..:..\] ' "$logf" | sed "s/^/  $a $i /"
 	done

@@ -102,6 +102,26 @@
 // per contiguous stretch. The small pool and PyTorch's mode map one page
 // per handle, as PyTorch does.
 //
+// # Coarse reclaim
+//
+// Each run that reclaim moves costs an unmap and a map that PyTorch never
+// makes, and growth in small pages maps often where PyTorch's 20 MiB
+// page would have served the next requests. With Config.Coarse
+// (expandable_reclaim:coarse) a large-pool range grows as PyTorch's do
+// and moves only what pays for itself:
+//
+//   - a mapping ends on the next LargePage (20 MiB) boundary of its
+//     range, when the unmapped block reaches that far (MapBlock);
+//   - a growth is one run, of at most maxRunBytes (runPages);
+//   - Choose takes only free blocks whose whole runs come to at least
+//     coarseMinMove (64 MiB), and UnmapBlock, told the bytes still
+//     wanted, unmaps only the last runs of a block that cover them.
+//
+// Reserved memory then stays at or below PyTorch's expandable segments'
+// on the traces measured, with fewer device calls than PyTorch makes, and
+// gives up the lead the default gets from moving small free stretches
+// (docs/fragmentation.md has the figures).
+//
 // # The handle cache
 //
 // The runs that reclaim unmaps are not released: they go to the handle

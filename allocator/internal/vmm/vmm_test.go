@@ -28,11 +28,17 @@ type space struct {
 // Space, closes it and checks that the device holds nothing.
 func newSpace(t *testing.T, capacity uint64, reclaim bool) *space {
 	t.Helper()
+	return newSpaceConfig(t, Config{Total: capacity, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: reclaim})
+}
+
+// newSpaceConfig is newSpace with the configuration cfg.
+func newSpaceConfig(t *testing.T, cfg Config) *space {
+	t.Helper()
+	capacity := cfg.Total
 	sim, err := simdev.New(simdev.Config{Capacity: capacity})
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := Config{Total: capacity, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: reclaim}
 	s := &space{Space: New(sim, sim, cfg, zap.NewNop()), sim: sim}
 	t.Cleanup(func() {
 		if errs := s.Check(s.table); len(errs) > 0 {
@@ -149,6 +155,70 @@ func TestMapBlockRuns(t *testing.T) {
 			s.table = nil
 			p.Recycler.Put(u)
 		})
+	}
+}
+
+// TestCoarse: with Config.Coarse a large-pool mapping ends on a 20 MiB
+// boundary of its range and is one run (at most 64 MiB); UnmapBlock told
+// the bytes still wanted unmaps only the last runs of a block that cover
+// them; Choose leaves out blocks whose whole runs come to less than
+// 64 MiB. The small pool maps as before.
+func TestCoarse(t *testing.T) {
+	s := newSpaceConfig(t, Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true, Coarse: true})
+	p := newPool(false)
+	// 4 MiB, then 30 and 100 MiB more: to 20, 40 and 140 MiB, in runs of
+	// 10, 10, and 32 + 18 pages.
+	b := s.find(t, p, 4*miB)
+	mapTo := func(size uint64) {
+		t.Helper()
+		if _, err := s.MapBlock(p, b, size); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mapTo(4 * miB)
+	if b.Size != 20*miB || !slices.Equal(s.runs(), []uint32{10}) {
+		t.Fatalf("4 MiB mapped %d bytes in runs %v; want 20 MiB in one run", b.Size, s.runs())
+	}
+	b = b.Next
+	mapTo(20 * miB) // exactly to the next boundary
+	b = b.Next
+	mapTo(100 * miB)
+	if runs := s.runs(); !slices.Equal(runs, []uint32{10, 10, 32, 18}) || s.Reserved() != 140*miB {
+		t.Fatalf("runs %v, reserved %d; want [10 10 32 18], 140 MiB", runs, s.Reserved())
+	}
+	free := s.segs[0].seg.Head // the three growths merged into one free block
+	if free.Size != 140*miB || free.Unmapped {
+		t.Fatalf("the mapped part is %v, want one free block of 140 MiB", free)
+	}
+	// The whole block is a candidate; 30 MiB wanted takes only the last run
+	// (36 MiB), 100 MiB the last two.
+	if got := s.Choose([]*blocks.Block{free}, 30*miB); len(got) != 1 {
+		t.Fatalf("Choose = %v, want the 140 MiB block", got)
+	}
+	u, _, n, released, err := s.UnmapBlock(p, free, true, 30*miB)
+	if err != nil || u == nil || n != 36*miB || released != 0 || s.Reserved() != 140*miB {
+		t.Fatalf("UnmapBlock(most 30 MiB) = %v, %d bytes, %d released, %v, reserved %d; want the last 36 MiB run cached", u, n, released, err, s.Reserved())
+	}
+	if free.Size != 104*miB || free.Unmapped || !free.Indexed() {
+		t.Fatalf("the rest is %v, want 104 MiB mapped and free", free)
+	}
+	// 104 MiB of runs 10, 10, 32 pages: most 70 MiB takes the last two.
+	_, _, n, _, err = s.UnmapBlock(p, free, true, 70*miB)
+	if err != nil || n != 84*miB {
+		t.Fatalf("UnmapBlock(most 70 MiB) unmapped %d bytes, %v; want the last two runs, 84 MiB", n, err)
+	}
+	// 20 MiB left in one run: too short for coarse reclaim to choose.
+	if free.Size != 20*miB {
+		t.Fatalf("the rest is %v, want 20 MiB", free)
+	}
+	if got := s.Choose([]*blocks.Block{free}, 2*miB); len(got) != 0 {
+		t.Fatalf("Choose took %v, a block of less than 64 MiB of runs", got)
+	}
+	// The small pool: one page per run, no boundary.
+	ps := newPool(true)
+	sb := s.find(t, ps, 4*miB)
+	if m, err := s.MapBlock(ps, sb, 3*miB); err != nil || m.Bytes != 4*miB {
+		t.Fatalf("small pool mapped %d bytes, %v; want 4 MiB", m.Bytes, err)
 	}
 }
 
