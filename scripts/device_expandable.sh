@@ -16,11 +16,13 @@
 #      every trace in TRACEDIR, with the driver's VMM calls    -> allocd.json;
 #      then with expandable_reclaim:coarse                     -> allocd_coarse.json
 #   3. PyTorch's anchor replays with expandable_segments:True -> anchor.json
-#   4. a side-by-side table: ns/op, peak reserved, and VMM calls and time;
-#      PyTorch's VMM time is estimated from its handles (one per 20 MiB of
-#      its peak reserved: it never unmaps in a replay) and stage 1's
-#      measured cost of creating and mapping a 20 MiB page  -> compare.txt,
-#      compare_coarse.txt
+#   4. PyTorch's calls, counted by replaying with --pytorch-expandable on the
+#      simulated device (which reproduces its expandable segments) -> pytorch_calls.jsonl
+#   5. a side-by-side table (scripts/compare_expandable.py): ns/op, peak
+#      reserved, and VMM calls and time; PyTorch's VMM time is estimated from
+#      its handles (one per 20 MiB of its peak reserved: it never unmaps in a
+#      replay) and from its exact calls, at stage 1's measured cost of each
+#      call, as allocd's calls are modelled too   -> compare.txt, compare_coarse.txt
 # Stages stop starting past $BUDGET_S seconds (default 560). No network is used.
 set -uo pipefail
 . "$(dirname "$0")/device_lib.sh"
@@ -52,34 +54,13 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True BENCH_MODE=replay EXT_BUILD=/tm
 echo "anchor rc=$?"
 rm -rf "$tr"
 
+say "PyTorch's calls, reproduced on the simulated device -> $OUT/pytorch_calls.jsonl"
+"$BIN/allocd" replay --device sim --pytorch-expandable --json --conf expandable_segments:True $shared \
+	>"$OUT/pytorch_calls.jsonl" 2>"$OUT/pytorch_calls.err"
+echo "replay rc=$?"
+
 for mode in "" _coarse; do
-python3 - "$OUT/allocd$mode.json" "$OUT/anchor.json" "$OUT/gputest.log" <<'PY' | tee "$OUT/compare$mode.txt"
-import json, re, sys
-try:
-    a = json.load(open(sys.argv[1]))
-    t = json.load(open(sys.argv[2])).get("replay", {})
-except Exception as e:
-    sys.exit(f"no comparison: {e}")
-print(f"allocd: {sys.argv[1]}")
-# One 20 MiB handle created and mapped in a range, from TestGPUVirtualMemoryCost.
-per = None
-for line in open(sys.argv[3], errors="replace"):
-    m = re.search(r"gpu-vmm: page 20 MiB: create ([0-9.]+) µs, map\+access [0-9.]+ µs, map in a range ([0-9.]+) µs", line)
-    if m:
-        per = float(m.group(1)) + float(m.group(2))
-print(f"PyTorch's VMM time: its handles (peak reserved / 20 MiB) x {per} us (create + map of a 20 MiB page, stage 1)")
-print(f"{'trace':>22} | {'allocd ns/op':>12} {'torch ns/op':>11} {'speedup':>7} | {'allocd MiB':>10} {'torch MiB':>9} |"
-      f" {'creates':>7} {'maps':>5} {'unmaps':>6} {'releases':>8} {'VMM ms':>7} | {'torch handles':>13} {'est. ms':>7}")
-for r in a.get("replay", []):
-    name = r["trace"].removesuffix(".pickle.gz")
-    q = t.get(name, {}).get("torch", {})
-    tn, tr = q.get("ns_per_op", 0), (q.get("peak_reserved") or 0)
-    v = r.get("vmm") or {}
-    th = tr / 2**20 / 20
-    print(f"{name:>22} | {r['ns_per_op']:>12.0f} {tn:>11.0f} {tn / r['ns_per_op'] if tn else 0:>7.2f} |"
-          f" {r['peak_reserved_bytes'] / 2**20:>10.0f} {tr / 2**20:>9.0f} |"
-          f" {v.get('creates', 0):>7} {v.get('maps', 0):>5} {v.get('unmaps', 0):>6} {v.get('releases', 0):>8} {v.get('total_ns', 0) / 1e6:>7.1f} |"
-          f" {th:>13.0f} {th * per / 1e3 if per else 0:>7.1f}")
-PY
+	python3 scripts/compare_expandable.py "$OUT/allocd$mode.json" "$OUT/anchor.json" "$OUT/gputest.log" \
+		"$OUT/pytorch_calls.jsonl" | tee "$OUT/compare$mode.txt"
 done
 say "done"
