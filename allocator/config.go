@@ -24,11 +24,12 @@ const acceptedReclaim = "expected fine or coarse"
 type ReclaimPolicy string
 
 const (
-	// ReclaimFine (the default) maps growths in pages and moves every
-	// free stretch of whole runs that reclaim chooses: the least reserved
-	// memory, for more device calls than PyTorch makes where free memory
-	// moves often (a decoder's growing cache, streams that take turns).
-	ReclaimFine ReclaimPolicy = "fine"
+	// ReclaimFine (the default, the zero value, written fine in
+	// ALLOCD_CONF) maps growths in pages and moves every free stretch of
+	// whole runs that reclaim chooses: the least reserved memory, for more
+	// device calls than PyTorch makes where free memory moves often (a
+	// decoder's growing cache, streams that take turns).
+	ReclaimFine ReclaimPolicy = ""
 	// ReclaimCoarse grows ranges to PyTorch's 20 MiB boundaries, one
 	// handle per growth (up to 64 MiB), and moves only free stretches of
 	// at least 64 MiB, only as much of them as a growth needs: never more
@@ -95,8 +96,8 @@ type Config struct {
 	// WithPyTorchExpandable uses PyTorch's 20 MiB.
 	ExpandablePageSize uint64
 	// ExpandableReclaim is how expandable segments grow and reclaim
-	// (expandable_reclaim, allocd only): ReclaimFine (the default; ""
-	// means it too) or ReclaimCoarse. It has no effect without
+	// (expandable_reclaim, allocd only): ReclaimFine (the default) or
+	// ReclaimCoarse. It has no effect without
 	// ExpandableSegments, or with WithPyTorchExpandable.
 	ExpandableReclaim ReclaimPolicy
 	// MaxStreams caps the streams, the default stream included, that have
@@ -390,10 +391,10 @@ func (c *Config) set(key string, val []string) error {
 		if err != nil {
 			return err
 		}
-		switch ReclaimPolicy(v) {
-		case ReclaimFine:
-			c.ExpandableReclaim = ""
-		case ReclaimCoarse:
+		switch v {
+		case "fine":
+			c.ExpandableReclaim = ReclaimFine
+		case string(ReclaimCoarse):
 			c.ExpandableReclaim = ReclaimCoarse
 		default:
 			return &ConfigError{Key: key, Value: v, Accepted: acceptedReclaim}
@@ -554,7 +555,7 @@ func (c Config) Validate() error {
 		return &ConfigError{Key: "expandable_page_mb", Value: strconv.FormatUint(p, 10) + " bytes", Accepted: acceptedPage}
 	}
 	switch c.ExpandableReclaim {
-	case "", ReclaimFine, ReclaimCoarse:
+	case ReclaimFine, ReclaimCoarse:
 	default:
 		return &ConfigError{Key: "expandable_reclaim", Value: string(c.ExpandableReclaim), Accepted: acceptedReclaim}
 	}
@@ -605,8 +606,8 @@ func (c Config) String() string {
 	if c.ExpandablePageSize != 0 {
 		parts = append(parts, fmt.Sprintf("expandable_page_mb:%d", c.ExpandablePageSize>>20))
 	}
-	if c.ExpandableReclaim == ReclaimCoarse {
-		parts = append(parts, "expandable_reclaim:coarse")
+	if c.ExpandableReclaim != ReclaimFine {
+		parts = append(parts, "expandable_reclaim:"+string(c.ExpandableReclaim))
 	}
 	if c.MaxStreams != 0 {
 		parts = append(parts, fmt.Sprintf("max_streams:%d", c.MaxStreams))

@@ -244,13 +244,14 @@ func TestParseConfigLeavesPinnedKeys(t *testing.T) {
 }
 
 // TestExpandableReclaimKey: expandable_reclaim:coarse sets
-// ReclaimCoarse and round trips through String; fine is the default, which
-// String leaves out; Validate refuses a policy it does not know.
+// ReclaimCoarse and round trips through String; fine is the default (the
+// zero value), which String leaves out; Validate refuses a policy it does
+// not know.
 func TestExpandableReclaimKey(t *testing.T) {
 	for conf, want := range map[string]ReclaimPolicy{
 		"expandable_segments:True,expandable_reclaim:coarse": ReclaimCoarse,
-		"expandable_segments:True,expandable_reclaim:fine":   "",
-		"expandable_segments:True":                           "",
+		"expandable_segments:True,expandable_reclaim:fine":   ReclaimFine,
+		"expandable_segments:True":                           ReclaimFine,
 	} {
 		c, err := ParseConfig(conf)
 		if err != nil {
@@ -267,9 +268,9 @@ func TestExpandableReclaimKey(t *testing.T) {
 	if err := c.Validate(); !errors.As(err, &ce) || ce.Key != "expandable_reclaim" {
 		t.Errorf("Validate of policy %q: %v", c.ExpandableReclaim, err)
 	}
-	c.ExpandableReclaim = ReclaimFine
-	if err := c.Validate(); err != nil {
-		t.Errorf("Validate of policy fine: %v", err)
+	c.ExpandableReclaim = "fine" // ALLOCD_CONF's word, not the value
+	if err := c.Validate(); !errors.As(err, &ce) {
+		t.Errorf("Validate of policy %q: %v", c.ExpandableReclaim, err)
 	}
 }
 

@@ -218,8 +218,8 @@ func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bo
 
 // unmapBlock is unmap_block: the Space unmaps the whole runs inside the
 // free block b (with most > 0, only the last that cover most bytes) and
-// releases them, or with keep puts them in its handle
-// cache; then the reserved bytes (what was released), the statistics, the
+// releases them, or with keep puts them in its handle cache; then the
+// reserved bytes (what was released), the statistics, the
 // history and the log count the unmapping. It returns the unmapped block,
 // or nil when b covers no whole run or on an error.
 func (a *Allocator) unmapBlock(c *call, b *blocks.Block, keep bool, most uint64) (*blocks.Block, error) {
@@ -263,18 +263,17 @@ func (a *Allocator) reclaimPages(c *call, want uint64, small bool) error {
 		return err
 	}
 	a.stats.NumReclaims++
-	target := a.exp.Target(want)
-	got = 0
+	target, chosen := a.exp.Target(want), uint64(0)
 	for _, b := range list {
 		keep := b.Segment.PageSize == page && (!small || b.Segment.Small)
 		var most uint64 // coarse reclaim moves no more than the target
 		if a.cfg.ExpandableReclaim == ReclaimCoarse {
-			if got >= target {
+			if chosen >= target {
 				break
 			}
-			most = target - got
+			most = target - chosen
 		}
-		got += a.exp.Unmappable(b)
+		chosen += a.exp.Unmappable(b)
 		if _, err := a.unmapBlock(c, b, keep, most); err != nil {
 			return err
 		}

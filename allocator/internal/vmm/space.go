@@ -456,9 +456,9 @@ func (s *Space) unmapPages(es *expSegment, begin, end uint64, keep bool) (uint64
 }
 
 // UnmapBlock is unmap_block: it unmaps the whole runs inside the free
-// block b of pool p (with most > 0, only the last of them that cover
-// most bytes, fewer runs where fewer do), and releases them or, with
-// keep (reclaim), puts them in the handle cache. Their span becomes an unmapped block, merged with
+// block b of pool p (with most > 0, only as many of the last of them as
+// cover most bytes), and releases them or, with keep (reclaim), puts them
+// in the handle cache. Their span becomes an unmapped block, merged with
 // its unmapped neighbours and returned with its address and size before
 // the merge, and the bytes released; the rest of b at either end (partial
 // pages, and pages of runs that reach beyond b) stays mapped as free
