@@ -36,15 +36,15 @@ echo "gputest rc=$?" | tee -a "$OUT/gputest.log"
 grep -E '^(--- |ok|FAIL|PASS)|corrupt|peak' "$OUT/gputest.log" | head -40
 
 shared=$(ls "$TRACES"/*.pickle.gz)
-say "allocd bench, expandable replays -> $OUT/allocd.json"
-timeout "$(($(left) / 3))" "$BIN/allocd" bench --device cuda --no-pair --no-mixed --conf expandable_segments:True --json \
-	$shared >"$OUT/allocd.json" 2>"$OUT/allocd.err"
-echo "allocd bench rc=$?"
-
-say "allocd bench, expandable_reclaim:coarse -> $OUT/allocd_coarse.json"
-timeout "$(($(left) / 3))" "$BIN/allocd" bench --device cuda --no-pair --no-mixed --conf expandable_segments:True,expandable_reclaim:coarse --json \
-	$shared >"$OUT/allocd_coarse.json" 2>"$OUT/allocd_coarse.err"
-echo "allocd bench (coarse) rc=$?"
+# The default (allocd.json), then expandable_reclaim:coarse (allocd_coarse.json).
+for mode in "" _coarse; do
+	conf=expandable_segments:True
+	[ -n "$mode" ] && conf+=,expandable_reclaim:coarse
+	say "allocd bench, $conf -> $OUT/allocd$mode.json"
+	timeout "$(($(left) / 3))" "$BIN/allocd" bench --device cuda --no-pair --no-mixed --conf "$conf" --json \
+		$shared >"$OUT/allocd$mode.json" 2>"$OUT/allocd$mode.err"
+	echo "allocd bench ($conf) rc=$?"
+done
 
 say "PyTorch anchor, expandable replays -> $OUT/anchor.json"
 tr=$(mktemp -d)
