@@ -1,8 +1,8 @@
 // Package blocks holds the caching allocator's data structures and nothing
 // of its policy: Block and Segment, the free index of one stream's blocks
-// ordered by (size, address) on a B+tree, split and merge, a recycler that keeps
-// Block structs off the Go heap in steady state, and Check, which walks all
-// of it and reports every broken invariant.
+// ordered by (size, address) in size bins of B+trees, split and merge, a
+// recycler that keeps Block structs off the Go heap in steady state, and
+// Check, which walks all of it and reports every broken invariant.
 //
 // A Segment is one device allocation. It is tiled exactly by a doubly linked
 // chain of Blocks in address order; a Block is either allocated (handed out),

@@ -208,7 +208,7 @@ func Check(segments []*Segment, idx ...*FreeIndex) (Totals, error) {
 				report("index holds %v, which belongs to no segment", b)
 			}
 		})
-		if err := x.tree.check(); err != nil {
+		if err := x.check(); err != nil {
 			report("index of stream %#x: %v", x.stream, err)
 		}
 		if bytes != x.bytes {

@@ -29,10 +29,10 @@ import (
 )
 
 const (
-	leafCap  = 32 // entries per leaf
-	innerCap = 32 // children per inner node
-	maxDepth = 16 // inner levels; 32^16 entries is beyond any index
-	keepFree = 64 // dropped nodes of each kind kept for reuse
+	leafCap  = 32  // entries per leaf
+	innerCap = 32  // children per inner node
+	maxDepth = 16  // inner levels; 32^16 entries is beyond any index
+	keepFree = 256 // dropped nodes of each kind kept for reuse
 )
 
 // entry is an indexed block with the two fields it is ordered by.
@@ -114,8 +114,14 @@ type tree struct {
 	single      *leaf  // the only leaf when root is nil (nil when empty)
 	first, last *leaf
 	len         int
-	freeLeaves  []*leaf
-	freeInners  []*inner
+	spare       *spares // nil: dropped nodes are left to the garbage collector
+}
+
+// spares holds the nodes that trees dropped, for the next node they make:
+// the trees of one index share one (index.go).
+type spares struct {
+	leaves []*leaf
+	inners []*inner
 }
 
 // pos is a position in the tree: an entry of a leaf, or past the end when
@@ -218,34 +224,36 @@ func (t *tree) tail() pos {
 }
 
 func (t *tree) newLeaf() *leaf {
-	if n := len(t.freeLeaves); n > 0 {
-		l := t.freeLeaves[n-1]
-		t.freeLeaves = t.freeLeaves[:n-1]
+	if s := t.spare; s != nil && len(s.leaves) > 0 {
+		l := s.leaves[len(s.leaves)-1]
+		s.leaves = s.leaves[:len(s.leaves)-1]
 		return l
 	}
 	return new(leaf)
 }
 
 func (t *tree) newInner() *inner {
-	if n := len(t.freeInners); n > 0 {
-		x := t.freeInners[n-1]
-		t.freeInners = t.freeInners[:n-1]
+	if s := t.spare; s != nil && len(s.inners) > 0 {
+		x := s.inners[len(s.inners)-1]
+		s.inners = s.inners[:len(s.inners)-1]
 		return x
 	}
 	return new(inner)
 }
 
+// dropLeaf takes an empty leaf, whose keys are all zero already (a leaf
+// clears the keys past its n).
 func (t *tree) dropLeaf(l *leaf) {
-	*l = leaf{}
-	if len(t.freeLeaves) < keepFree {
-		t.freeLeaves = append(t.freeLeaves, l)
+	l.n, l.prev, l.next = 0, nil, nil
+	if s := t.spare; s != nil && len(s.leaves) < keepFree {
+		s.leaves = append(s.leaves, l)
 	}
 }
 
 func (t *tree) dropInner(x *inner) {
 	*x = inner{}
-	if len(t.freeInners) < keepFree {
-		t.freeInners = append(t.freeInners, x)
+	if s := t.spare; s != nil && len(s.inners) < keepFree {
+		s.inners = append(s.inners, x)
 	}
 }
 
@@ -256,6 +264,11 @@ func (t *tree) insert(e entry) {
 		l := t.newLeaf()
 		l.keys[0], l.n = e, 1
 		t.single, t.first, t.last = l, l, l
+		return
+	}
+	if l := t.single; l != nil && l.n < leafCap {
+		// One leaf with room: no descent, no path (most bins of an index).
+		l.insertAt(l.search(e.size, e.ptr), e)
 		return
 	}
 	var pt path
@@ -354,22 +367,30 @@ func (x *inner) removeAt(i int) {
 }
 
 // removeAt deletes the entry at p when its leaf keeps others (the tree
-// keeps its shape) and reports whether it did.
+// keeps its shape) or is the tree's only leaf, and reports whether it did.
 func (t *tree) removeAt(p pos) bool {
 	l := p.l
-	if l == nil || l.n < 2 || p.i >= l.n {
+	if l == nil || p.i >= l.n || l.n < 2 && l != t.single {
 		return false
 	}
 	copy(l.keys[p.i:], l.keys[p.i+1:l.n])
 	l.n--
 	l.keys[l.n] = entry{}
 	t.len--
+	if l.n == 0 {
+		t.dropLeaf(l)
+		t.single, t.first, t.last = nil, nil, nil
+	}
 	return true
 }
 
 // remove deletes the entry of b, filed under (size, ptr), and reports
 // whether it was there.
 func (t *tree) remove(b *Block, size, ptr uint64) bool {
+	if l := t.single; l != nil {
+		i := l.search(size, ptr)
+		return i < l.n && l.keys[i].b == b && t.removeAt(pos{l, i})
+	}
 	var pt path
 	l := t.descend(size, ptr, &pt)
 	if l == nil {

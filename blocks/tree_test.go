@@ -113,7 +113,7 @@ func (m *treeModel) query(size uint64, k int) {
 }
 
 func (m *treeModel) verify(op string) {
-	if err := m.idx.tree.check(); err != nil {
+	if err := m.idx.check(); err != nil {
 		m.t.Fatalf("after %s (%d blocks): %v", op, len(m.live), err)
 	}
 	if m.idx.Len() != len(m.live) {
@@ -142,16 +142,16 @@ func (m *treeModel) all() {
 	}
 }
 
-// TestTreeModel grows the index to two levels of inner nodes, shrinks it to nothing
-// and grows it again, with sizes drawn from few values (many equal sizes,
-// ordered by address) and from many, comparing every answer with a sorted
+// TestTreeModel grows the index to two levels of inner nodes in a bin, shrinks it to
+// nothing and grows it again, with sizes drawn from few values (many equal
+// sizes, ordered by address, in a few bins) and from many (over many bins), comparing every answer with a sorted
 // slice and checking the tree after every change.
 func TestTreeModel(t *testing.T) {
 	n := 6000
 	if testing.Short() {
 		n = 2500
 	}
-	for _, sizes := range []uint64{4, 1 << 20} {
+	for _, sizes := range []uint64{2, 1 << 20} {
 		t.Run(fmt.Sprint("sizes=", sizes), func(t *testing.T) {
 			r := rand.New(rand.NewPCG(sizes, 7))
 			m := newTreeModel(t)
@@ -170,14 +170,26 @@ func TestTreeModel(t *testing.T) {
 				m.all()
 			}
 			phase(n, 0.85)
-			if m.idx.tree.height < 2 {
-				t.Fatalf("%d blocks make a tree of height %d; the test wants inner levels", len(m.live), m.idx.tree.height)
+			height, bins := 0, 0
+			for _, bt := range m.idx.bins {
+				if bt != nil && bt.len > 0 {
+					height, bins = max(height, bt.height), bins+1
+				}
+			}
+			// Few sizes fill few bins deep; many sizes spread over many bins.
+			if sizes == 2 && height < 2 || sizes > 2 && bins < 100 {
+				t.Fatalf("%d blocks fill %d bins, the tallest of height %d; the test wants inner levels and many bins", len(m.live), bins, height)
 			}
 			for len(m.live) > 0 {
 				m.delete(r.IntN(1 << 30))
 			}
-			if m.idx.tree.root != nil || m.idx.tree.single != nil || m.idx.Bytes() != 0 {
-				t.Fatal("an emptied index keeps nodes or bytes")
+			for _, bt := range m.idx.bins {
+				if bt != nil && (bt.root != nil || bt.single != nil) {
+					t.Fatal("an emptied index keeps nodes")
+				}
+			}
+			if m.idx.Bytes() != 0 || m.idx.summary != 0 {
+				t.Fatal("an emptied index keeps bytes or marked bins")
 			}
 			phase(n/2, 0.6)
 		})
