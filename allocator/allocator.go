@@ -858,8 +858,12 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) (ok, busy bool) {
 	if sh.parked != nil {
 		a.flushParked(sh)
 	}
-	b := sh.active.get(ptr)
-	if b == nil || len(b.StreamUses) > 0 {
+	slot, found := sh.active.find(ptr)
+	if !found {
+		return false, false
+	}
+	b := sh.active.vals[slot]
+	if len(b.StreamUses) > 0 {
 		return false, false
 	}
 	pl := &sh.large
@@ -878,14 +882,14 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) (ok, busy bool) {
 			defer a.deescalate(sh)
 		}
 		if !sh.noPark {
-			sh.active.del(ptr)
+			sh.active.delAt(slot)
 			a.release(pl, b)
 			a.park(sh, pl, b, &d)
 			a.repay(sh, pl.stat)
 			return true, false
 		}
 	}
-	sh.active.del(ptr)
+	sh.active.delAt(slot)
 	a.release(pl, b)
 	a.freeBlock(nil, pl, b)
 	a.repay(sh, pl.stat)

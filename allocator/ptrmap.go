@@ -32,12 +32,22 @@ func (m *ptrMap) slot(k uint64) uint64 {
 }
 
 func (m *ptrMap) get(k uint64) *blocks.Block {
+	i, ok := m.find(k)
+	if !ok {
+		return nil
+	}
+	return m.vals[i]
+}
+
+// find returns the slot of k, and false when k is absent: a Free finds
+// its block and then deletes it from the same slot (delAt), one probe.
+func (m *ptrMap) find(k uint64) (uint64, bool) {
 	for i := m.slot(k); ; i = (i + 1) & m.mask {
 		switch m.keys[i] {
 		case k:
-			return m.vals[i]
+			return i, true
 		case 0:
-			return nil
+			return 0, false
 		}
 	}
 }
@@ -68,13 +78,16 @@ func (m *ptrMap) grow() {
 
 // del removes k and reports whether it was present.
 func (m *ptrMap) del(k uint64) bool {
-	i := m.slot(k)
-	for m.keys[i] != k {
-		if m.keys[i] == 0 {
-			return false
-		}
-		i = (i + 1) & m.mask
+	i, ok := m.find(k)
+	if ok {
+		m.delAt(i)
 	}
+	return ok
+}
+
+// delAt removes the entry in slot i, which find returned and nothing has
+// changed since.
+func (m *ptrMap) delAt(i uint64) {
 	// Backward-shift: move later entries of the probe run into the hole
 	// when their home slot does not lie cyclically in (hole, j].
 	for j := (i + 1) & m.mask; m.keys[j] != 0; j = (j + 1) & m.mask {
@@ -86,7 +99,6 @@ func (m *ptrMap) del(k uint64) bool {
 	}
 	m.keys[i], m.vals[i] = 0, nil
 	m.count--
-	return true
 }
 
 func (m *ptrMap) len() int { return m.count }

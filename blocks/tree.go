@@ -300,9 +300,33 @@ func (t *tree) insert(e entry) {
 }
 
 func (l *leaf) insertAt(i int, e entry) {
-	copy(l.keys[i+1:l.n+1], l.keys[i:l.n])
+	if l.n-i <= shortShift {
+		for j := l.n; j > i; j-- {
+			l.keys[j] = l.keys[j-1]
+		}
+	} else {
+		copy(l.keys[i+1:l.n+1], l.keys[i:l.n])
+	}
 	l.keys[i] = e
 	l.n++
+}
+
+// shortShift is the most entries a leaf shifts one by one: an entry holds
+// a pointer, so copy calls the runtime (typedslicecopy), which costs more
+// than a few moves, and most leaves of a binned index are short.
+const shortShift = 4
+
+// removeKey deletes entry i of l, clearing the slot it leaves.
+func (l *leaf) removeKey(i int) {
+	if l.n-i-1 <= shortShift {
+		for j := i; j < l.n-1; j++ {
+			l.keys[j] = l.keys[j+1]
+		}
+	} else {
+		copy(l.keys[i:], l.keys[i+1:l.n])
+	}
+	l.n--
+	l.keys[l.n] = entry{}
 }
 
 // addChild puts the new right sibling (leaf rl or inner ri, first entry s)
@@ -373,9 +397,7 @@ func (t *tree) removeAt(p pos) bool {
 	if l == nil || p.i >= l.n || l.n < 2 && l != t.single {
 		return false
 	}
-	copy(l.keys[p.i:], l.keys[p.i+1:l.n])
-	l.n--
-	l.keys[l.n] = entry{}
+	l.removeKey(p.i)
 	t.len--
 	if l.n == 0 {
 		t.dropLeaf(l)
@@ -400,9 +422,7 @@ func (t *tree) remove(b *Block, size, ptr uint64) bool {
 	if i == l.n || l.keys[i].b != b {
 		return false
 	}
-	copy(l.keys[i:], l.keys[i+1:l.n])
-	l.n--
-	l.keys[l.n] = entry{}
+	l.removeKey(i)
 	t.len--
 	if l.n > 0 {
 		return true
