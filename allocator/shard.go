@@ -391,14 +391,13 @@ func (h *hotStats) apply(p Pool, d *delta) {
 // adjust changes s by n, up or down, and keeps no peak: the peak of a
 // hot statistic is the global one, settled from the shards' sums; a
 // statistic of the allocator's own raises its peak after (raisePeak).
-//
-// It does not branch on n's sign: in a real mix mallocs and frees come in
-// no order a branch predictor learns.
 func (s *Stat) adjust(n int64) {
 	s.Current += n
-	neg := n >> 63 // all ones when n < 0
-	s.Allocated += n &^ neg
-	s.Freed -= n & neg
+	if n >= 0 {
+		s.Allocated += n
+	} else {
+		s.Freed -= n
+	}
 }
 
 // adjust is Stat.adjust in all pools and in p.
