@@ -22,14 +22,19 @@ import (
 //
 // A bin spans a sixteenth of a power of two: sizes below 16 have a bin
 // each, and above, the bin of a size is its exponent and its four bits
-// after the leading one. The largest bins are empty in practice, and a
-// bin's tree is made when it first gets a block and kept after it empties.
+// after the leading one. Bins come in groups of 64, one bitmap word each,
+// made when one of their bins first gets a block and kept after: a
+// workload's sizes span a few powers of two, so an index holds a few
+// groups, and a bin's tree is found with two loads and no hashing.
 
 const (
 	binSubBits = 4                      // bins per power of two: 1 << binSubBits
 	numBins    = (64 - 3) << binSubBits // bins 0..975 hold every uint64 size
-	binWords   = (numBins + 63) / 64
+	binWords   = (numBins + 63) / 64    // bitmap words, and groups of bins
 )
+
+// binGroup holds the trees of 64 consecutive bins.
+type binGroup [64]tree
 
 // binOf returns the bin of size: monotone in size.
 func binOf(size uint64) int {
@@ -44,10 +49,10 @@ func binOf(size uint64) int {
 // address): the order best fit needs. Insert and Delete allocate nothing
 // once the index has held its largest number of blocks in each bin.
 type FreeIndex struct {
-	bins    [numBins]*tree
-	words   [binWords]uint64 // bit i: bins[i] holds a block
-	summary uint64           // bit w: words[w] is not zero
-	spare   spares           // nodes the bins' trees dropped
+	groups  [binWords]*binGroup // bin i is groups[i>>6][i&63]
+	words   [binWords]uint64    // bit i: bin i holds a block
+	summary uint64              // bit w: words[w] is not zero
+	spare   spares              // nodes the bins' trees dropped
 	len     int
 	bytes   uint64
 	stream  uint64
@@ -92,11 +97,15 @@ func (x *FreeIndex) Insert(b *Block) {
 	x.len++
 	x.found = at{}
 	i := binOf(b.Size)
-	t := x.bins[i]
-	if t == nil {
-		t = &tree{spare: &x.spare}
-		x.bins[i] = t
+	g := x.groups[i>>6]
+	if g == nil {
+		g = new(binGroup)
+		for k := range g {
+			g[k].spare = &x.spare
+		}
+		x.groups[i>>6] = g
 	}
+	t := &g[i&63]
 	if t.len == 0 {
 		x.words[i>>6] |= 1 << (i & 63)
 		x.summary |= 1 << (i >> 6)
@@ -112,7 +121,7 @@ func (x *FreeIndex) Delete(b *Block) {
 	f := x.found
 	x.found = at{}
 	i := binOf(b.Size)
-	t := x.bins[i]
+	t := x.bin(i)
 	if t == nil || !(f.bin == i && f.p.valid() && f.p.i < f.p.l.n && f.p.block() == b && t.removeAt(f.p)) && !t.remove(b, b.Size, b.Ptr) {
 		panic(fmt.Sprintf("blocks: %v marked indexed but missing from the index", b))
 	}
@@ -124,6 +133,15 @@ func (x *FreeIndex) Delete(b *Block) {
 	b.indexed = false
 	x.bytes -= b.Size
 	x.len--
+}
+
+// bin returns the tree of bin i, or nil when its group was never made.
+func (x *FreeIndex) bin(i int) *tree {
+	g := x.groups[i>>6]
+	if g == nil {
+		return nil
+	}
+	return &g[i&63]
 }
 
 // nextBin returns the first bin from i on that holds a block, or -1.
@@ -164,7 +182,7 @@ func (x *FreeIndex) prevBin(i int) int {
 // ptr).
 func (x *FreeIndex) lowerBound(size, ptr uint64) at {
 	i := binOf(size)
-	if t := x.bins[i]; t != nil && t.len > 0 {
+	if t := x.bin(i); t != nil && t.len > 0 {
 		if p := t.lowerBound(size, ptr); p.valid() {
 			return at{i, p}
 		}
@@ -178,7 +196,7 @@ func (x *FreeIndex) headFrom(i int) at {
 	if i = x.nextBin(i); i < 0 {
 		return at{}
 	}
-	return at{i, x.bins[i].head()}
+	return at{i, x.bin(i).head()}
 }
 
 // tailTo returns the last position of the last bin up to i that holds a
@@ -187,7 +205,7 @@ func (x *FreeIndex) tailTo(i int) at {
 	if i = x.prevBin(i); i < 0 {
 		return at{}
 	}
-	return at{i, x.bins[i].tail()}
+	return at{i, x.bin(i).tail()}
 }
 
 func (x *FreeIndex) next(a at) at {
@@ -238,7 +256,7 @@ func (x *FreeIndex) LowerBoundExcept(stream, size uint64, skip *Block) *Block {
 // (size, address) order, or nil.
 func (x *FreeIndex) After(b *Block) *Block {
 	var a at
-	if t := x.bins[binOf(b.Size)]; b.indexed && t != nil {
+	if t := x.bin(binOf(b.Size)); b.indexed && t != nil {
 		a = at{binOf(b.Size), t.find(b, b.Size, b.Ptr)}
 	}
 	if !a.valid() {
@@ -302,7 +320,8 @@ func (x *FreeIndex) ascendEntries(fn func(e *entry)) {
 // count.
 func (x *FreeIndex) check() error {
 	n := 0
-	for i, t := range x.bins {
+	for i := range numBins {
+		t := x.bin(i)
 		marked := x.words[i>>6]&(1<<(i&63)) != 0
 		if t == nil {
 			if marked {

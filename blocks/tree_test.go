@@ -171,8 +171,8 @@ func TestTreeModel(t *testing.T) {
 			}
 			phase(n, 0.85)
 			height, bins := 0, 0
-			for _, bt := range m.idx.bins {
-				if bt != nil && bt.len > 0 {
+			for i := range numBins {
+				if bt := m.idx.bin(i); bt != nil && bt.len > 0 {
 					height, bins = max(height, bt.height), bins+1
 				}
 			}
@@ -183,8 +183,8 @@ func TestTreeModel(t *testing.T) {
 			for len(m.live) > 0 {
 				m.delete(r.IntN(1 << 30))
 			}
-			for _, bt := range m.idx.bins {
-				if bt != nil && (bt.root != nil || bt.single != nil) {
+			for i := range numBins {
+				if bt := m.idx.bin(i); bt != nil && (bt.root != nil || bt.single != nil) {
 					t.Fatal("an emptied index keeps nodes")
 				}
 			}
