@@ -12,15 +12,21 @@
 #      (pair; mixed cold and warm at 1, 2, 4 and 8 goroutines; each trace cold, warm
 #      and the replay driver alone)
 #   2. PyTorch's anchor on the same traces              -> anchor.json, anchor.log
-#   3. each ratio beside the speed goal it is held to   -> compare.txt
-#   4. CPU profiles of allocd's replays of gpt2_train and resnet50_train, each
+#   3. $ROUNDS - 1 more rounds (default ROUNDS=3) of the replays alone, both sides in
+#      turn (allocd bench --no-pair --no-mixed; the anchor with BENCH_MODE=replay)
+#                                                       -> rounds.tar.gz
+#   4. each ratio beside the speed goal it is held to   -> compare.txt
+#      (a replay's ratio is of the two sides' medians over the rounds, with the
+#      rounds' own ratios beside it: one timed pass of a few milliseconds moves by
+#      up to 1.6x from run to run on a shared host, on both sides)
+#   5. CPU profiles of allocd's replays of gpt2_train and resnet50_train, each
 #      trace given $PROF_REPS times (default 100) to one allocd bench --cpuprofile:
 #      one profile per trace holds its cold and warm replays, told apart by label
 #      (go tool pprof -tagfocus=bench=replay_cold, or -tagfocus=pass=second for the
 #      warm replay's timed pass)                        -> profiles.tar.gz
 #      (the profiles, their runs' JSON, a summary of the runs' spread, top lists
 #      where Go is present, and the allocd binary for go tool pprof)
-# plus gpu.txt: seven files in all. Both sides run in the same command, so that the
+# plus gpu.txt: eight files in all. Both sides run in the same command, so that the
 # ratios do not mix machines. Stages stop starting past $BUDGET_S seconds (default
 # 420 here); each stage's timeout leaves time for the ones after it. No network is
 # used. To check the script without a GPU: DEVICE=sim (allocd's stages on the
@@ -31,6 +37,7 @@ set -uo pipefail
 . "$(dirname "$0")/device_lib.sh"
 BUDGET_S=${BUDGET_S:-420}
 PROF_REPS=${PROF_REPS:-100}
+ROUNDS=${ROUNDS:-3}
 DEVICE=${DEVICE:-cuda}
 read -ra bench_args <<<"${BENCH_ARGS:-}"
 device_setup device_bench "$@"
@@ -57,10 +64,23 @@ limit=$(($(left) - 60))
 [ "$limit" -gt 0 ] || limit=1
 EXT_BUILD=/tmp/anchor_build timeout "$limit" python3 "$ANCHOR/bench.py" "$tr" "$OUT/anchor.json" >"$OUT/anchor.log" 2>&1
 echo "anchor rc=$?"
+
+rounds=$(mktemp -d)
+mkdir "$rounds/rounds"
+for k in $(seq 2 "$ROUNDS"); do
+	[ "$(left)" -gt 150 ] || { say "no time left for replay round $k"; break; }
+	say "replay round $k of $ROUNDS"
+	timeout 60 "$BIN/allocd" bench --device "$DEVICE" --json --no-pair --no-mixed "${traces[@]}" \
+		>"$rounds/rounds/allocd.$k.json" 2>"$rounds/rounds/allocd.$k.err"
+	echo "allocd round $k rc=$?"
+	BENCH_MODE=replay EXT_BUILD=/tmp/anchor_build timeout 100 python3 "$ANCHOR/bench.py" "$tr" \
+		"$rounds/rounds/anchor.$k.json" >"$rounds/rounds/anchor.$k.log" 2>&1
+	echo "anchor round $k rc=$?"
+done
 rm -rf "$tr"
 
-python3 - "$OUT/allocd.json" "$OUT/anchor.json" <<'PY' | tee "$OUT/compare.txt"
-import json, sys
+python3 - "$OUT/allocd.json" "$OUT/anchor.json" "$rounds/rounds" <<'PY' | tee "$OUT/compare.txt"
+import glob, json, os, statistics, sys
 
 def load(path, who):
     try:
@@ -71,6 +91,27 @@ def load(path, who):
 
 a, t = load(sys.argv[1], "allocd"), load(sys.argv[2], "PyTorch")
 micro, rep = t.get("micro", {}), t.get("replay", {})
+
+# Each side's replay rows of every round, by trace: round 1 is the full run's.
+def trace_name(r):
+    return r["trace"].removesuffix(".pickle.gz").removesuffix(".pickle")
+
+a_rounds, t_rounds = [a.get("replay") or []], [rep]
+for path in sorted(glob.glob(os.path.join(sys.argv[3], "allocd.*.json"))):
+    a_rounds.append(load(path, "allocd").get("replay") or [])
+for path in sorted(glob.glob(os.path.join(sys.argv[3], "anchor.*.json"))):
+    t_rounds.append(load(path, "PyTorch").get("replay") or {})
+
+def a_values(name, key):
+    return [r[key] for rows in a_rounds for r in rows if trace_name(r) == name and r.get(key)]
+
+def t_values(name, key):
+    return [rr[name]["torch"][key] for rr in t_rounds if rr.get(name, {}).get("torch", {}).get(key)]
+
+def med(v):
+    return statistics.median(v) if v else None
+
+print(f"replays: allocd {len(a_rounds)} round(s), PyTorch {len(t_rounds)}; each side's median over its rounds")
 
 def line(what, ratio, goal):
     mark = "met" if ratio >= goal else "NOT met"
@@ -113,16 +154,23 @@ for r in a.get("replay") or []:
     tr = rep.get(name, {})
     q = tr.get("torch", {})
     print()
-    ac, aw, ad = r["ns_per_op"], r.get("warm_ns_per_op"), r.get("driver_ns_per_op")
-    tc, tw = q.get("ns_per_op"), q.get("warm_ns_per_op")
+    ad = r.get("driver_ns_per_op")
+    aws, acs = a_values(name, "warm_ns_per_op"), a_values(name, "ns_per_op")
+    tws, tcs = t_values(name, "warm_ns_per_op"), t_values(name, "ns_per_op")
+    ac, aw, tc, tw = med(acs), med(aws), med(tcs), med(tws)
     goal = 5 if name == "gpt2m_generate" else 3
     what = f"replay {name} warm: PyTorch {ns(tw)} / allocd {ns(aw)} ns/op"
     line(what, tw / aw, goal) if tw and aw else na(what, goal)
+    for kind, av, tv in (("warm", aws, tws), ("cold", acs, tcs)):
+        rs = [x / y for x, y in zip(tv, av)]
+        if len(rs) > 1:
+            print(f"  {kind}, round by round: PyTorch {' '.join(f'{x:.0f}' for x in tv)};"
+                  f" allocd {' '.join(f'{x:.0f}' for x in av)}; ratios {min(rs):.2f}-{max(rs):.2f}x")
     what = f"replay {name} cold: PyTorch {ns(tc)} / allocd {ns(ac)} ns/op"
-    line(what, tc / ac, 1.5) if tc else na(what, 1.5)
+    line(what, tc / ac, 1.5) if tc and ac else na(what, 1.5)
     ops, mallocs = r["ops"], r["device_mallocs"]
     print(f"  ns per cudaMalloc: allocd {per_malloc(r.get('device_malloc_ns_per_op'), ops, mallocs)} measured,"
-          f" {per_malloc(ac - aw if aw else None, ops, mallocs)} as (cold - warm) x ops / {mallocs};"
+          f" {per_malloc(ac - aw if ac and aw else None, ops, mallocs)} as (cold - warm) x ops / {mallocs};"
           f" PyTorch {per_malloc(tc - tw if tc and tw else None, tr.get('ops', 0), q.get('num_device_alloc'))}"
           f" as (cold - warm) x {tr.get('ops', 'n/a')} / {q.get('num_device_alloc', 'n/a')}")
     tnew = q.get("warm_num_device_alloc", 0) - q.get("num_device_alloc", 0) if "warm_num_device_alloc" in q else "n/a"
@@ -130,6 +178,8 @@ for r in a.get("replay") or []:
           f" allocd's driver alone {ad if ad is not None else float('nan'):.1f} ns/op;"
           f" allocd's cold in cudaMalloc {r.get('device_malloc_ns_per_op', 0):.0f} ns/op")
 PY
+tar -czf "$OUT/rounds.tar.gz" -C "$rounds" rounds
+rm -rf "$rounds"
 
 say "CPU profiles of allocd's replays -> $OUT/profiles.tar.gz"
 prof=$(mktemp -d)
