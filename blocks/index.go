@@ -28,9 +28,9 @@ import (
 // groups, and a bin's tree is found with two loads and no hashing.
 
 const (
-	binSubBits = 4                      // bins per power of two: 1 << binSubBits
-	numBins    = (64 - 3) << binSubBits // bins 0..975 hold every uint64 size
-	binWords   = (numBins + 63) / 64    // bitmap words, and groups of bins
+	binSubBits = 4                                   // bins per power of two: 1 << binSubBits
+	numBins    = (64 - binSubBits + 1) << binSubBits // bins 0..975 hold every uint64 size
+	binWords   = (numBins + 63) / 64                 // bitmap words, and groups of bins
 )
 
 // binGroup holds the trees of 64 consecutive bins.

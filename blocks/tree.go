@@ -19,9 +19,10 @@ package blocks
 // stays correct, since it only needs the bounds. A leaf left empty is
 // taken out of the tree and an inner node left without children with it;
 // nodes are not merged when they run low, so the tree never restructures
-// on a delete except to drop a node. Dropped nodes are kept for reuse:
-// once the tree has reached its largest size, Insert and Delete allocate
-// nothing.
+// on a delete except to drop a node. Dropped nodes go to the spares the
+// tree shares with the other bins of its index (up to keepFree of each
+// kind) for reuse: once the index has reached its largest size, Insert and
+// Delete allocate nothing.
 
 import (
 	"fmt"
