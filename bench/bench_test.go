@@ -241,29 +241,23 @@ func BenchmarkReplayWarm(b *testing.B) {
 // (to the byte where nothing was allocated before the trace). In
 // particular it reserves no more than PyTorch.
 func TestReplayMatchesPyTorch(t *testing.T) {
-	for _, path := range traceFiles(t) {
-		name := traceName(path)
-		t.Run(name, func(t *testing.T) {
-			if testing.Short() && longTrace(name) {
-				t.Skip("long trace in -short mode")
-			}
-			r := replayTrace(t, name, modeDefault).r
-			if rec, ok := pytorchRecorded[name]; ok {
-				checkRecorded(t, "default", r, rec.native, rec.before, true)
-				return
-			}
-			want := pytorchNative[name]
-			gotRes, gotAlloc := math.Round(float64(r.PeakReserved)/(1<<20)), math.Round(float64(r.PeakAllocated)/(1<<20))
-			t.Logf("%s: ops %d, peak allocated %.0f MiB (PyTorch %.0f), peak reserved %.0f MiB (PyTorch %.0f), device mallocs %d",
-				name, r.Ops, gotAlloc, want.allocatedMiB, gotRes, want.reservedMiB, r.DeviceMallocs)
-			if gotRes > want.reservedMiB {
-				t.Errorf("peak reserved %.0f MiB exceeds PyTorch's %.0f MiB", gotRes, want.reservedMiB)
-			}
-			if gotRes != want.reservedMiB || gotAlloc != want.allocatedMiB {
-				t.Errorf("placement differs from PyTorch's: peaks %.0f/%.0f MiB, PyTorch %.0f/%.0f", gotAlloc, gotRes, want.allocatedMiB, want.reservedMiB)
-			}
-		})
-	}
+	eachTrace(t, func(t *testing.T, name, path string) {
+		r := replayTrace(t, name, modeDefault).r
+		if rec, ok := pytorchRecorded[name]; ok {
+			checkRecorded(t, "default", r, rec.native, rec.before, true)
+			return
+		}
+		want := pytorchNative[name]
+		gotRes, gotAlloc := math.Round(float64(r.PeakReserved)/(1<<20)), math.Round(float64(r.PeakAllocated)/(1<<20))
+		t.Logf("%s: ops %d, peak allocated %.0f MiB (PyTorch %.0f), peak reserved %.0f MiB (PyTorch %.0f), device mallocs %d",
+			name, r.Ops, gotAlloc, want.allocatedMiB, gotRes, want.reservedMiB, r.DeviceMallocs)
+		if gotRes > want.reservedMiB {
+			t.Errorf("peak reserved %.0f MiB exceeds PyTorch's %.0f MiB", gotRes, want.reservedMiB)
+		}
+		if gotRes != want.reservedMiB || gotAlloc != want.allocatedMiB {
+			t.Errorf("placement differs from PyTorch's: peaks %.0f/%.0f MiB, PyTorch %.0f/%.0f", gotAlloc, gotRes, want.allocatedMiB, want.reservedMiB)
+		}
+	})
 }
 
 // TestReplayEventsMatchDelayedFrees: reproducing a deferred free with

@@ -83,37 +83,31 @@ func mib(n int64) float64 { return math.Round(float64(n) / (1 << 20)) }
 // which on a GPU are the cost of growth (a cuMemCreate and a cuMemMap
 // each), beside PyTorch's.
 func TestReplayExpandable(t *testing.T) {
-	for _, path := range traceFiles(t) {
-		name := traceName(path)
-		t.Run(name, func(t *testing.T) {
-			if testing.Short() && longTrace(name) {
-				t.Skip("long trace in -short mode")
-			}
-			o, e := replayTrace(t, name, modeExpandable), replayTrace(t, name, modePyTorchExpandable)
-			ours, vmm, exact, ptVMM := o.r, o.vmm, e.r, e.vmm
-			ratio := float64(ours.PeakReserved) / float64(ours.PeakAllocated)
-			t.Logf("%-20s reserved/allocated %.3f (PyTorch %.3f), peak reserved %.0f MiB (PyTorch %.0f); handles created %d, mapped %d, unmapped %d (PyTorch %d, %d, %d)",
-				name, ratio, float64(exact.PeakReserved)/float64(exact.PeakAllocated), mib(ours.PeakReserved), mib(exact.PeakReserved),
-				vmm.Creates, vmm.Maps, vmm.Unmaps, ptVMM.Creates, ptVMM.Maps, ptVMM.Unmaps)
-			if ratio > 1.05 {
-				t.Errorf("peak reserved %d bytes is %.3f times peak allocated, above 1.05", ours.PeakReserved, ratio)
-			}
-			if ours.PeakReserved > exact.PeakReserved {
-				t.Errorf("peak reserved %d bytes, PyTorch's expandable segments %d", ours.PeakReserved, exact.PeakReserved)
-			}
-			if rec, ok := pytorchRecorded[name]; ok {
-				checkRecorded(t, "expandable_segments:True, WithPyTorchExpandable", exact, rec.expandable, rec.before, false)
-				return
-			}
-			native, exp := pytorchNative[name], pytorchExpandable[name]
-			if got := mib(ours.PeakReserved); got > native.reservedMiB || got > exp {
-				t.Errorf("peak reserved %.0f MiB exceeds PyTorch's (native %.0f, expandable %.0f)", got, native.reservedMiB, exp)
-			}
-			if got := mib(exact.PeakReserved); got != exp {
-				t.Errorf("with WithPyTorchExpandable, peak reserved %.0f MiB; PyTorch's expandable segments reserve %.0f", got, exp)
-			}
-		})
-	}
+	eachTrace(t, func(t *testing.T, name, path string) {
+		o, e := replayTrace(t, name, modeExpandable), replayTrace(t, name, modePyTorchExpandable)
+		ours, vmm, exact, ptVMM := o.r, o.vmm, e.r, e.vmm
+		ratio := float64(ours.PeakReserved) / float64(ours.PeakAllocated)
+		t.Logf("%-20s reserved/allocated %.3f (PyTorch %.3f), peak reserved %.0f MiB (PyTorch %.0f); handles created %d, mapped %d, unmapped %d (PyTorch %d, %d, %d)",
+			name, ratio, float64(exact.PeakReserved)/float64(exact.PeakAllocated), mib(ours.PeakReserved), mib(exact.PeakReserved),
+			vmm.Creates, vmm.Maps, vmm.Unmaps, ptVMM.Creates, ptVMM.Maps, ptVMM.Unmaps)
+		if ratio > 1.05 {
+			t.Errorf("peak reserved %d bytes is %.3f times peak allocated, above 1.05", ours.PeakReserved, ratio)
+		}
+		if ours.PeakReserved > exact.PeakReserved {
+			t.Errorf("peak reserved %d bytes, PyTorch's expandable segments %d", ours.PeakReserved, exact.PeakReserved)
+		}
+		if rec, ok := pytorchRecorded[name]; ok {
+			checkRecorded(t, "expandable_segments:True, WithPyTorchExpandable", exact, rec.expandable, rec.before, false)
+			return
+		}
+		native, exp := pytorchNative[name], pytorchExpandable[name]
+		if got := mib(ours.PeakReserved); got > native.reservedMiB || got > exp {
+			t.Errorf("peak reserved %.0f MiB exceeds PyTorch's (native %.0f, expandable %.0f)", got, native.reservedMiB, exp)
+		}
+		if got := mib(exact.PeakReserved); got != exp {
+			t.Errorf("with WithPyTorchExpandable, peak reserved %.0f MiB; PyTorch's expandable segments reserve %.0f", got, exp)
+		}
+	})
 }
 
 // vmmMicros is what a virtual-memory call costs on an H200, in
@@ -136,23 +130,17 @@ func vmmCost(c simdev.VMMCounters) float64 {
 // cost at most what PyTorch's do: coarse reclaim trades the default's
 // lead in memory for fewer device calls than PyTorch makes.
 func TestReplayExpandableCoarse(t *testing.T) {
-	for _, path := range traceFiles(t) {
-		name := traceName(path)
-		t.Run(name, func(t *testing.T) {
-			if testing.Short() && longTrace(name) {
-				t.Skip("long trace in -short mode")
-			}
-			c, e := replayTrace(t, name, modeExpandableCoarse), replayTrace(t, name, modePyTorchExpandable)
-			ours, theirs := vmmCost(c.vmm), vmmCost(e.vmm)
-			t.Logf("%-20s peak reserved %.0f MiB (PyTorch %.0f), reserved/allocated %.3f; device calls %.1f ms (PyTorch %.1f): %d creates, %d maps, %d unmaps, %d releases",
-				name, mib(c.r.PeakReserved), mib(e.r.PeakReserved), float64(c.r.PeakReserved)/float64(c.r.PeakAllocated),
-				ours, theirs, c.vmm.Creates, c.vmm.Maps, c.vmm.Unmaps, c.vmm.Releases)
-			if c.r.PeakReserved > e.r.PeakReserved {
-				t.Errorf("peak reserved %d bytes, PyTorch's expandable segments %d", c.r.PeakReserved, e.r.PeakReserved)
-			}
-			if ours > theirs {
-				t.Errorf("device calls cost %.1f ms, PyTorch's %.1f", ours, theirs)
-			}
-		})
-	}
+	eachTrace(t, func(t *testing.T, name, path string) {
+		c, e := replayTrace(t, name, modeExpandableCoarse), replayTrace(t, name, modePyTorchExpandable)
+		ours, theirs := vmmCost(c.vmm), vmmCost(e.vmm)
+		t.Logf("%-20s peak reserved %.0f MiB (PyTorch %.0f), reserved/allocated %.3f; device calls %.1f ms (PyTorch %.1f): %d creates, %d maps, %d unmaps, %d releases",
+			name, mib(c.r.PeakReserved), mib(e.r.PeakReserved), float64(c.r.PeakReserved)/float64(c.r.PeakAllocated),
+			ours, theirs, c.vmm.Creates, c.vmm.Maps, c.vmm.Unmaps, c.vmm.Releases)
+		if c.r.PeakReserved > e.r.PeakReserved {
+			t.Errorf("peak reserved %d bytes, PyTorch's expandable segments %d", c.r.PeakReserved, e.r.PeakReserved)
+		}
+		if ours > theirs {
+			t.Errorf("device calls cost %.1f ms, PyTorch's %.1f", ours, theirs)
+		}
+	})
 }

@@ -64,6 +64,20 @@ func traceName(path string) string {
 // the eight others together (under -race, several times longer).
 func longTrace(name string) bool { return name == "gpt2m_generate" || name == "llm_decode_varlen" }
 
+// eachTrace runs fn as a subtest named for each recorded trace, with the
+// trace's name and path, skipping the long traces in -short mode.
+func eachTrace(t *testing.T, fn func(t *testing.T, name, path string)) {
+	for _, path := range traceFiles(t) {
+		name := traceName(path)
+		t.Run(name, func(t *testing.T) {
+			if testing.Short() && longTrace(name) {
+				t.Skip("long trace in -short mode")
+			}
+			fn(t, name, path)
+		})
+	}
+}
+
 // pytorchNative holds PyTorch's peak allocated and peak reserved MiB on the
 // first five traces with the default configuration, as PyTorch's own
 // allocator reached them replaying each trace (testdata/traces/README.md).
