@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/allocd/allocd/broker"
+	"github.com/allocd/allocd/server"
 )
 
 func brokerTestFlags(t *testing.T) (serveFlags, string) {
@@ -216,11 +217,20 @@ func TestServeBrokerPollsTenants(t *testing.T) {
 	os.WriteFile(f.broker.tenants, []byte("tenants:\n  - name: a\n    quota: 2MiB\n"), 0o600)
 	sigs := make(chan os.Signal, 2)
 	addr, _, exited := startBroker(t, f, sigs, nil)
-	os.WriteFile(f.broker.tenants, []byte("tenants:\n  - name: a\n    quota: 4MiB\n"), 0o600)
+	// The file is replaced, as a ConfigMap volume's is: a poll that met
+	// os.WriteFile's truncation would read an empty file and count a
+	// failure of its own.
+	replace := func(s string) {
+		t.Helper()
+		if err := server.WriteFileAtomic(f.broker.tenants, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	replace("tenants:\n  - name: a\n    quota: 4MiB\n")
 	serveWaitFor(t, 3*time.Second, "the change picked up", func() bool {
 		return strings.Contains(brokerScrape(t, addr), `quota_bytes{UUID="SIM-00000000-0000-0000-0000-000000000000",gpu="0",tenant="a"} 4.194304e+06`)
 	})
-	os.WriteFile(f.broker.tenants, []byte("tenants: [\n"), 0o600)
+	replace("tenants: [\n")
 	serveWaitFor(t, 3*time.Second, "a failure counted", func() bool {
 		return strings.Contains(brokerScrape(t, addr), `allocd_broker_config_reloads_total{result="failure"} 1`)
 	})
