@@ -5,7 +5,7 @@
 #   STAGE=torch scripts/device_broker.sh   # PyTorch: two jobs sharing one broker, each within its quota
 #
 # $BIN (default .devrun/bin) holds allocd and gputest.test (CGO_ENABLED=1 go build
-# -ldflags='-s -w' -o $BIN/allocd ./cmd/allocd; go test -c -o $BIN/gputest.test ./gputest);
+# -ldflags='-s -w' -pgo=cmd/allocd/allocd.pgo -o $BIN/allocd ./cmd/allocd; go test -c -o $BIN/gputest.test ./gputest);
 # $LIBDIR (default .devrun) liballocd.so; $ANCHOR the anchor workloads.py. Results go to
 # $OUT (default .devrun/out), each stage's files as it ends.
 #

@@ -33,7 +33,7 @@ left() { echo $((BUDGET_S - ($(date +%s) - START))); }
 device_build() {
 	if command -v go >/dev/null; then
 		say "building"
-		go build -o "$BIN/allocd" ./cmd/allocd || exit 2
+		go build -pgo=cmd/allocd/allocd.pgo -o "$BIN/allocd" ./cmd/allocd || exit 2
 		for p in "$@"; do
 			go test -c -o "$BIN/$p.test" "./$p/" || exit 2
 		done

@@ -22,7 +22,7 @@ unset ALLOCD_DEVICE ALLOCD_CONF
 
 if command -v go >/dev/null; then
 	say "building"
-	go build -o "$BIN/allocd" ./cmd/allocd || exit 2
+	go build -pgo=cmd/allocd/allocd.pgo -o "$BIN/allocd" ./cmd/allocd || exit 2
 	go test -c -o "$BIN/gputest.test" ./gputest/ || exit 2
 	go test -c -o "$BIN/cudart.test" ./cudart/ || exit 2
 else
