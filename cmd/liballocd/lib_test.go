@@ -66,9 +66,16 @@ var (
 )
 
 // buildLib builds liballocd.so once per test binary, into a directory
-// removed when the tests end (TestMain).
+// removed when the tests end (TestMain). In -short mode the tests that
+// need it skip: a c-shared build compiles the standard library and every
+// dependency a second time (position-independent), a minute of two cores
+// on a fresh build cache, longer than the rest of the short run's tests
+// together.
 func buildLib(t *testing.T) string {
 	t.Helper()
+	if testing.Short() {
+		t.Skip("-short: building liballocd.so compiles the standard library a second time; go test ./cmd/liballocd runs these tests")
+	}
 	if runtime.GOOS != "linux" {
 		t.Skip("the c-shared tests run on Linux")
 	}
