@@ -139,7 +139,11 @@ func TestReplayWorkloadOnce(t *testing.T) {
 	go func() { done <- w.Run(ctx, a, 0, zap.NewNop()) }()
 	total := int64(w.Trace.Ops.NumIDs)
 	deadline := time.After(time.Minute)
-	for a.Stats().Allocation[allocator.PoolAll].Allocated < total {
+	// The pass is over once every allocation was made and what the trace
+	// frees after its last one is freed; a fixed wait after the last
+	// allocation could end before those frees on a loaded machine.
+	for st := a.Stats(); st.Allocation[allocator.PoolAll].Allocated < total ||
+		st.Allocation[allocator.PoolAll].Current != int64(w.Trace.Ops.LiveAtEnd); st = a.Stats() {
 		select {
 		case err := <-done:
 			t.Fatalf("replay returned before shutdown: %v", err)
