@@ -256,8 +256,9 @@ func (x *FreeIndex) LowerBoundExcept(stream, size uint64, skip *Block) *Block {
 // (size, address) order, or nil.
 func (x *FreeIndex) After(b *Block) *Block {
 	var a at
-	if t := x.bin(binOf(b.Size)); b.indexed && t != nil {
-		a = at{binOf(b.Size), t.find(b, b.Size, b.Ptr)}
+	i := binOf(b.Size)
+	if t := x.bin(i); b.indexed && t != nil {
+		a = at{i, t.find(b, b.Size, b.Ptr)}
 	}
 	if !a.valid() {
 		panic(fmt.Sprintf("blocks: After(%v), which is not indexed", b))
