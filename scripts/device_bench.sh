@@ -12,13 +12,14 @@
 #      (pair; mixed cold and warm at 1, 2, 4 and 8 goroutines; each trace cold, warm
 #      and the replay driver alone)
 #   2. PyTorch's anchor on the same traces              -> anchor.json, anchor.log
-#   3. $ROUNDS - 1 more rounds (default ROUNDS=3) of the replays alone, both sides in
-#      turn (allocd bench --no-pair --no-mixed; the anchor with BENCH_MODE=replay)
-#                                                       -> rounds.tar.gz
+#   3. $ROUNDS rounds (default 5) of the replays and the pair, both sides one right
+#      after the other on one CPU core (scripts/paired_replays.py: it picks the
+#      fastest core of the host and says why)              -> paired.json, paired.txt
 #   4. each ratio beside the speed goal it is held to   -> compare.txt
-#      (a replay's ratio is of the two sides' medians over the rounds, with the
-#      rounds' own ratios beside it: one timed pass of a few milliseconds moves by
-#      up to 1.6x from run to run on a shared host, on both sides)
+#      (a replay's or a pair's ratio is the median over the paired rounds of the
+#      round's ratio, with the ratio of the two sides' best rounds beside it: on a
+#      shared host one core runs a replay up to 1.6x slower than another, and a core's
+#      speed moves from minute to minute; mixed ratios come from stages 1 and 2)
 #   5. CPU profiles of allocd's replays of gpt2_train and resnet50_train, each
 #      trace given $PROF_REPS times (default 100) to one allocd bench --cpuprofile:
 #      one profile per trace holds its cold and warm replays, told apart by label
@@ -26,7 +27,7 @@
 #      warm replay's timed pass)                        -> profiles.tar.gz
 #      (the profiles, their runs' JSON, a summary of the runs' spread, top lists
 #      where Go is present, and the allocd binary for go tool pprof)
-# plus gpu.txt: eight files in all. Both sides run in the same command, so that the
+# plus gpu.txt: nine files in all. Both sides run in the same command, so that the
 # ratios do not mix machines. Stages stop starting past $BUDGET_S seconds (default
 # 420 here); each stage's timeout leaves time for the ones after it. No network is
 # used. To check the script without a GPU: DEVICE=sim (allocd's stages on the
@@ -37,7 +38,7 @@ set -uo pipefail
 . "$(dirname "$0")/device_lib.sh"
 BUDGET_S=${BUDGET_S:-420}
 PROF_REPS=${PROF_REPS:-100}
-ROUNDS=${ROUNDS:-3}
+ROUNDS=${ROUNDS:-5}
 DEVICE=${DEVICE:-cuda}
 read -ra bench_args <<<"${BENCH_ARGS:-}"
 device_setup device_bench "$@"
@@ -65,22 +66,16 @@ limit=$(($(left) - 60))
 EXT_BUILD=/tmp/anchor_build timeout "$limit" python3 "$ANCHOR/bench.py" "$tr" "$OUT/anchor.json" >"$OUT/anchor.log" 2>&1
 echo "anchor rc=$?"
 
-rounds=$(mktemp -d)
-mkdir "$rounds/rounds"
-for k in $(seq 2 "$ROUNDS"); do
-	[ "$(left)" -gt 150 ] || { say "no time left for replay round $k"; break; }
-	say "replay round $k of $ROUNDS"
-	timeout 60 "$BIN/allocd" bench --device "$DEVICE" --json --no-pair --no-mixed "${traces[@]}" \
-		>"$rounds/rounds/allocd.$k.json" 2>"$rounds/rounds/allocd.$k.err"
-	echo "allocd round $k rc=$?"
-	BENCH_MODE=replay EXT_BUILD=/tmp/anchor_build timeout 100 python3 "$ANCHOR/bench.py" "$tr" \
-		"$rounds/rounds/anchor.$k.json" >"$rounds/rounds/anchor.$k.log" 2>&1
-	echo "anchor round $k rc=$?"
-done
+say "paired rounds on one core -> $OUT/paired.json"
+limit=$(($(left) - 60))
+[ "$limit" -gt 0 ] || limit=1
+EXT_BUILD=/tmp/anchor_build timeout "$limit" python3 "$(dirname "$0")/paired_replays.py" "$BIN/allocd" "$tr" "$ANCHOR" \
+	"$OUT/paired.json" --rounds "$ROUNDS" --device "$DEVICE" --budget "$((limit * 2 / 3))" >"$OUT/paired.txt" 2>&1
+echo "paired rc=$?"
 rm -rf "$tr"
 
-python3 - "$OUT/allocd.json" "$OUT/anchor.json" "$rounds/rounds" <<'PY' | tee "$OUT/compare.txt"
-import glob, json, os, statistics, sys
+python3 - "$OUT/allocd.json" "$OUT/anchor.json" "$OUT/paired.json" <<'PY' | tee "$OUT/compare.txt"
+import json, statistics, sys
 
 def load(path, who):
     try:
@@ -89,41 +84,43 @@ def load(path, who):
         print(f"no {who} figures ({path}): {e}")
         return {}
 
-a, t = load(sys.argv[1], "allocd"), load(sys.argv[2], "PyTorch")
+a, t, paired = load(sys.argv[1], "allocd"), load(sys.argv[2], "PyTorch"), load(sys.argv[3], "paired")
 micro, rep = t.get("micro", {}), t.get("replay", {})
+rounds = paired.get("rounds") or []
+print(f"replays and pairs: {len(rounds)} paired round(s) on core {paired.get('core', 'n/a')}; a ratio is the median"
+      " of the rounds' ratios (PyTorch / allocd), with the best round against the best round beside it")
 
-# Each side's replay rows of every round, by trace: round 1 is the full run's.
-def trace_name(r):
-    return r["trace"].removesuffix(".pickle.gz").removesuffix(".pickle")
-
-a_rounds, t_rounds = [a.get("replay") or []], [rep]
-for path in sorted(glob.glob(os.path.join(sys.argv[3], "allocd.*.json"))):
-    a_rounds.append(load(path, "allocd").get("replay") or [])
-for path in sorted(glob.glob(os.path.join(sys.argv[3], "anchor.*.json"))):
-    t_rounds.append(load(path, "PyTorch").get("replay") or {})
-
-def a_values(name, key):
-    return [r[key] for rows in a_rounds for r in rows if trace_name(r) == name and r.get(key)]
-
-def t_values(name, key):
-    return [rr[name]["torch"][key] for rr in t_rounds if rr.get(name, {}).get("torch", {}).get(key)]
-
-def med(v):
-    return statistics.median(v) if v else None
-
-print(f"replays: allocd {len(a_rounds)} round(s), PyTorch {len(t_rounds)}; each side's median over its rounds")
-
-def line(what, ratio, goal):
+def line(what, ratio, goal, best=None):
     mark = "met" if ratio >= goal else "NOT met"
-    print(f"{what:<66} {ratio:>7.2f}x  (goal {goal}x: {mark})")
+    extra = f"; best/best {best:.2f}x" if best else ""
+    print(f"{what:<66} {ratio:>7.2f}x  (goal {goal}x: {mark}{extra})")
 
 def na(what, goal):
     print(f"{what:<66} {'n/a':>8}  (goal {goal}x)")
 
-for size, ns in sorted(a.get("pair_ns", {}).items(), key=lambda kv: int(kv[0])):
-    tn = micro.get(f"pair_torch_{size}")
-    if tn:
-        line(f"pair/{size}: PyTorch {tn:.0f} ns / allocd {ns:.0f} ns", tn / ns, 5)
+def pairs(get):
+    """The rounds' (PyTorch, allocd) figures that get finds."""
+    out = []
+    for r in rounds:
+        try:
+            out.append(get(r))
+        except KeyError:
+            pass
+    return out
+
+def judged(what, v, goal):
+    """A ratio line from paired figures: the median of the rounds' ratios."""
+    if not v:
+        na(what, goal)
+        return
+    t, al = [x for x, _ in v], [y for _, y in v]
+    line(f"{what}: PyTorch {statistics.median(t):.0f} / allocd {statistics.median(al):.0f}",
+         statistics.median(x / y for x, y in v), goal, min(t) / min(al))
+    if len(v) > 1:
+        print(f"  round by round: PyTorch {' '.join(f'{x:.0f}' for x in t)}; allocd {' '.join(f'{y:.0f}' for y in al)}")
+
+for size in sorted(a.get("pair_ns", {}), key=int):
+    judged(f"pair/{size} ns", pairs(lambda r: (r["pair"]["torch"][size], r["pair"]["allocd"][size])), 5)
 runs = {(kind, r["threads"]): r for kind in ("mixed", "mixed_warm") for r in a.get(kind) or []}
 w1, w8 = runs.get(("mixed_warm", 1)), runs.get(("mixed_warm", 8))
 if w1 and w8:
@@ -139,13 +136,10 @@ if c8 and tc8.get("mops_per_s"):
           f"  (goal: no higher: {'met' if c8['peak_reserved_bytes'] <= pr else 'NOT met'})")
 
 # Replays, per trace: warm (the second of two passes on one pool) against 3x (5x on
-# gpt2m_generate), cold against 1.5x, and what one cudaMalloc costs each side:
-# allocd measures its device mallocs (device_malloc_ns_per_op x ops / device mallocs);
-# PyTorch's is estimated as (cold - warm) x ops / device allocs, and allocd's by the
-# same formula beside it.
-def ns(x):
-    return f"{x:.0f}" if x else "n/a"
-
+# gpt2m_generate), cold against 1.5x, from the paired rounds; and, from stages 1 and 2,
+# what one cudaMalloc costs each side: allocd measures its device mallocs
+# (device_malloc_ns_per_op x ops / device mallocs); PyTorch's is estimated as
+# (cold - warm) x ops / device allocs, and allocd's by the same formula beside it.
 def per_malloc(ns_per_op, ops, mallocs):
     return f"{ns_per_op * ops / mallocs / 1000:.1f} us" if ns_per_op is not None and mallocs else "n/a"
 
@@ -154,32 +148,23 @@ for r in a.get("replay") or []:
     tr = rep.get(name, {})
     q = tr.get("torch", {})
     print()
-    ad = r.get("driver_ns_per_op")
-    aws, acs = a_values(name, "warm_ns_per_op"), a_values(name, "ns_per_op")
-    tws, tcs = t_values(name, "warm_ns_per_op"), t_values(name, "ns_per_op")
-    ac, aw, tc, tw = med(acs), med(aws), med(tcs), med(tws)
     goal = 5 if name == "gpt2m_generate" else 3
-    what = f"replay {name} warm: PyTorch {ns(tw)} / allocd {ns(aw)} ns/op"
-    line(what, tw / aw, goal) if tw and aw else na(what, goal)
-    for kind, av, tv in (("warm", aws, tws), ("cold", acs, tcs)):
-        rs = [x / y for x, y in zip(tv, av)]
-        if len(rs) > 1:
-            print(f"  {kind}, round by round: PyTorch {' '.join(f'{x:.0f}' for x in tv)};"
-                  f" allocd {' '.join(f'{x:.0f}' for x in av)}; ratios {min(rs):.2f}-{max(rs):.2f}x")
-    what = f"replay {name} cold: PyTorch {ns(tc)} / allocd {ns(ac)} ns/op"
-    line(what, tc / ac, 1.5) if tc and ac else na(what, 1.5)
+    for kind, key, g in (("warm", "warm_ns_per_op", goal), ("cold", "ns_per_op", 1.5)):
+        judged(f"replay {name} {kind} ns/op",
+               pairs(lambda x: (x["replay"][name]["torch"][key], x["replay"][name]["allocd"][key])), g)
+    ac, aw = r.get("ns_per_op"), r.get("warm_ns_per_op")
+    tc, tw = q.get("ns_per_op"), q.get("warm_ns_per_op")
     ops, mallocs = r["ops"], r["device_mallocs"]
-    print(f"  ns per cudaMalloc: allocd {per_malloc(r.get('device_malloc_ns_per_op'), ops, mallocs)} measured,"
+    print(f"  stage 1 and 2, one run each: ns per cudaMalloc: allocd {per_malloc(r.get('device_malloc_ns_per_op'), ops, mallocs)} measured,"
           f" {per_malloc(ac - aw if ac and aw else None, ops, mallocs)} as (cold - warm) x ops / {mallocs};"
           f" PyTorch {per_malloc(tc - tw if tc and tw else None, tr.get('ops', 0), q.get('num_device_alloc'))}"
           f" as (cold - warm) x {tr.get('ops', 'n/a')} / {q.get('num_device_alloc', 'n/a')}")
     tnew = q.get("warm_num_device_alloc", 0) - q.get("num_device_alloc", 0) if "warm_num_device_alloc" in q else "n/a"
+    ad = r.get("driver_ns_per_op")
     print(f"  device mallocs in the warm pass: allocd {r.get('warm_device_mallocs', 'n/a')}, PyTorch {tnew};"
           f" allocd's driver alone {ad if ad is not None else float('nan'):.1f} ns/op;"
           f" allocd's cold in cudaMalloc {r.get('device_malloc_ns_per_op', 0):.0f} ns/op")
 PY
-tar -czf "$OUT/rounds.tar.gz" -C "$rounds" rounds
-rm -rf "$rounds"
 
 say "CPU profiles of allocd's replays -> $OUT/profiles.tar.gz"
 prof=$(mktemp -d)

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""allocd's replays and PyTorch's, side by side in time, on one CPU core.
+
+    python3 scripts/paired_replays.py ALLOCD TRACEDIR ANCHORDIR OUTJSON [--rounds 5] [--device cuda]
+
+Why: on a shared GPU host the speed of a core moves. On one H200 host, a
+replay pinned to each of its 16 cores in turn ran 1.6 times slower on 7 of
+them, and one core's speed moved as much from one minute to the next. Rounds
+of all the traces on one side and then all on the other, on whatever core the
+scheduler picks, compare a fast core's figures with a slow one's.
+
+What it does:
+1. Picks a core: `ALLOCD bench --device sim` replays the smallest trace on each
+   core this process may use (the simulated device: no GPU call), and the core
+   with the fastest warm replay is kept, unless --core names one. This process
+   then runs on that core alone, and so does every allocd it starts.
+2. For each round and each trace, allocd and PyTorch replay the trace one
+   right after the other (allocd first in odd rounds, PyTorch first in even
+   ones):
+   - allocd: `ALLOCD bench --device DEVICE --no-pair --no-mixed --json TRACE`,
+     its cold replay (ns_per_op) and warm replay (warm_ns_per_op);
+   - PyTorch: the anchor's own C++ loops (anchor_ext.cpp, built as its
+     bench.py builds it), `replay` and `replay_warm` in mode 0 (PyTorch's
+     caching allocator), with the statistics reset and the cache emptied
+     before each, as bench.py does.
+   Then the pair benchmark on each side, the same way: `ALLOCD bench
+   --no-mixed` (no trace) and the anchor's pair_torch, best of 3 each.
+3. Writes OUTJSON: the core, the calibration, and every round's figures.
+   Prints, per trace and kind, both statistics:
+   - the median over rounds of the round's ratio (PyTorch / allocd), from
+     figures taken seconds apart on the same core;
+   - the ratio of the two sides' best rounds.
+
+Needs torch with CUDA (the anchor's extension is compiled on first use into
+$EXT_BUILD, default /tmp/anchor_build).
+"""
+import argparse
+import glob
+import gzip
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import time
+
+
+def trace_ops(path, torch):
+    """The anchor's trace_ops (bench.py), reading .pickle.gz too."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        snap = pickle.load(f)
+    tr = snap["device_traces"][0]
+    has_req = any(e["action"] == "free_requested" for e in tr)
+    free_act = "free_requested" if has_req else "free_completed"
+    ids, ops, nid = {}, [], 0
+    for e in tr:
+        if e["action"] == "alloc":
+            ids[e["addr"]] = nid
+            ops.append((0, nid, e["size"]))
+            nid += 1
+        elif e["action"] == free_act:
+            i = ids.pop(e["addr"], None)
+            if i is not None:
+                ops.append((1, i, e["size"]))
+    return torch.tensor(ops, dtype=torch.int64)
+
+
+def trace_name(path):
+    base = os.path.basename(path)
+    for suffix in (".pickle.gz", ".pickle"):
+        if base.endswith(suffix):
+            return base[: -len(suffix)]
+    return base
+
+
+def allocd_bench(allocd, args, timeout=120):
+    out = subprocess.run([allocd, "bench", "--json", *args], capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"allocd bench {' '.join(args)}: rc {out.returncode}: {out.stderr[-500:]}")
+    return json.loads(out.stdout)
+
+
+def calibrate(allocd, trace, cores):
+    """Warm ns/op of trace on the simulated device, per core (median of 3)."""
+    speed = {}
+    for c in cores:
+        os.sched_setaffinity(0, {c})
+        rep = allocd_bench(allocd, ["--device", "sim", "--no-pair", "--no-mixed", trace, trace, trace])
+        speed[c] = statistics.median(r["warm_ns_per_op"] for r in rep["replay"])
+    return speed
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("allocd")
+    ap.add_argument("tracedir")
+    ap.add_argument("anchordir")
+    ap.add_argument("out")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--core", type=int, default=-1, help="the core to run on (default: the fastest found)")
+    ap.add_argument("--budget", type=float, default=0, help="start no round past this many seconds (0: no limit)")
+    args = ap.parse_args()
+    start = time.time()
+
+    traces = sorted(glob.glob(os.path.join(args.tracedir, "*.pickle.gz")) + glob.glob(os.path.join(args.tracedir, "*.pickle")))
+    if not traces:
+        sys.exit(f"no *.pickle.gz or *.pickle in {args.tracedir}")
+    allowed = sorted(os.sched_getaffinity(0))
+    if args.core >= 0:
+        core, speed = args.core, {}
+    else:
+        smallest = min(traces, key=os.path.getsize)
+        speed = calibrate(args.allocd, smallest, allowed)
+        core = min(speed, key=speed.get)
+        print(f"calibration on {trace_name(smallest)}, warm ns/op by core: "
+              + " ".join(f"{c}:{v:.0f}" for c, v in sorted(speed.items())) + f"; running on core {core}", flush=True)
+    os.sched_setaffinity(0, {core})
+
+    import torch
+    from torch.utils.cpp_extension import load
+
+    build = os.environ.get("EXT_BUILD", "/tmp/anchor_build")
+    os.makedirs(build, exist_ok=True)
+    ext = load(name="anchor_ext", sources=[os.path.join(args.anchordir, "anchor_ext.cpp")], extra_ldflags=["-lcudart"],
+               build_directory=build, verbose=False, with_cuda=True)
+
+    def reset():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()
+
+    def torch_replay(ops):
+        reset()
+        ns, n, _, _ = ext.replay(0, ops)
+        reset()
+        wns, wn, _, _ = ext.replay_warm(0, ops)
+        torch.cuda.empty_cache()
+        return {"ns_per_op": ns / n, "warm_ns_per_op": wns / wn}
+
+    def allocd_replay(path):
+        r = allocd_bench(args.allocd, ["--device", args.device, "--no-pair", "--no-mixed", path])["replay"][0]
+        return {"ns_per_op": r["ns_per_op"], "warm_ns_per_op": r["warm_ns_per_op"]}
+
+    sizes = [512, 4096, 1 << 20, 8 << 20, 64 << 20]
+
+    def torch_pair():
+        return {str(s): min(ext.pair_torch(s, 200000) for _ in range(3)) for s in sizes}
+
+    def allocd_pair():
+        return allocd_bench(args.allocd, ["--device", args.device, "--no-mixed"])["pair_ns"]
+
+    ops = {trace_name(p): trace_ops(p, torch) for p in traces}
+    result = {"core": core, "calibration": {str(c): v for c, v in speed.items()}, "device": args.device,
+              "torch": torch.__version__, "rounds": []}
+    for k in range(1, args.rounds + 1):
+        if args.budget and time.time() - start > args.budget:
+            print(f"no time left for round {k}", flush=True)
+            break
+        rnd = {"replay": {}, "pair": {}}
+        allocd_first = k % 2 == 1
+        for p in traces:
+            name = trace_name(p)
+            if allocd_first:
+                a, t = allocd_replay(p), torch_replay(ops[name])
+            else:
+                t, a = torch_replay(ops[name]), allocd_replay(p)
+            rnd["replay"][name] = {"allocd": a, "torch": t}
+        if allocd_first:
+            rnd["pair"] = {"allocd": allocd_pair(), "torch": torch_pair()}
+        else:
+            tp = torch_pair()
+            rnd["pair"] = {"allocd": allocd_pair(), "torch": tp}
+        result["rounds"].append(rnd)
+        print(f"round {k} done at {time.time() - start:.0f}s", flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    rounds = result["rounds"]
+    if not rounds:
+        return
+    print(f"core {core}, {len(rounds)} round(s); each side's figures taken seconds apart; "
+          "ratio = PyTorch / allocd: median of the rounds' ratios, and best round against best round")
+    for name in [trace_name(p) for p in traces]:
+        for key, kind in (("warm_ns_per_op", "warm"), ("ns_per_op", "cold")):
+            a = [r["replay"][name]["allocd"][key] for r in rounds]
+            t = [r["replay"][name]["torch"][key] for r in rounds]
+            ratios = [x / y for x, y in zip(t, a)]
+            print(f"{name:<22} {kind}: PyTorch {' '.join(f'{x:.0f}' for x in t)}; allocd {' '.join(f'{x:.0f}' for x in a)};"
+                  f" median ratio {statistics.median(ratios):.2f}x, best/best {min(t) / min(a):.2f}x")
+    for s in sizes:
+        a = [r["pair"]["allocd"][str(s)] for r in rounds]
+        t = [r["pair"]["torch"][str(s)] for r in rounds]
+        ratios = [x / y for x, y in zip(t, a)]
+        print(f"pair/{s:<17} PyTorch {' '.join(f'{x:.0f}' for x in t)}; allocd {' '.join(f'{x:.0f}' for x in a)};"
+              f" median ratio {statistics.median(ratios):.2f}x, best/best {min(t) / min(a):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
