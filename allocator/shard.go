@@ -36,12 +36,15 @@ package allocator
 // stays within its cap cannot make a new peak. One that would pass its
 // cap first borrows from the reservoir (the slack no shard holds, taken
 // with atomics; a shard whose frees leave it far more cap than it uses
-// gives the excess back). Only when the reservoir is short does it
-// escalate: it takes the allocator's mutex without waiting (world
-// mode when another holds it) and every other shard's lock, waiting for
-// each (escalate says why that cannot deadlock), and with every shard held
-// it makes
-// its change, raises the peaks from the exact sums and shares the slack
+// gives the excess back). When the reservoir is short, it takes into the
+// reservoir what other shards hold as cap above their values, from each
+// whose lock it gets without waiting (steal): a stream that grows back
+// toward a peak while another stream holds the slack need not stop
+// every stream. Only when that too falls short does it escalate: it
+// takes the allocator's mutex without waiting (world mode when another
+// holds it) and every other shard's lock, waiting for each (escalate
+// says why that cannot deadlock), and with every shard held it makes its
+// change, raises the peaks from the exact sums and shares the slack
 // (peak − sum) out again as caps. In world mode the sums are taken and
 // the peaks raised after every change of a hot statistic. Hot paths spin
 // briefly for their shard's lock before they sleep, since escalations
@@ -194,6 +197,9 @@ func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
 				continue
 			}
 			t := take(&res.r[k][q], need)
+			if t == 0 && a.steal(sh, k, q, need) {
+				t = take(&res.r[k][q], need)
+			}
 			if t == 0 {
 				res.short.Store(true)
 				giveBack()
@@ -218,6 +224,34 @@ func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
 		}
 	}
 	return true
+}
+
+// steal moves into the reservoir what other shards hold of hot
+// statistic k in pool q as cap above their values, from each shard whose
+// lock it takes without waiting, until the reservoir holds need, and
+// reports whether it does. Caps plus reservoir keep their sum, so no peak
+// can be passed; what an escalation would do (take every lock, settle,
+// share out again) is left for a change that needs more than the shards
+// hold: a new peak. A shard's slack stays in its caps until it frees
+// enough to repay (repay): with two streams in use, one stream's growth
+// would otherwise escalate while the other holds the slack. sh's lock is
+// held, so world mode, which alone changes a.shards, is not running.
+func (a *Allocator) steal(sh *shard, k int, q Pool, need int64) bool {
+	r := &a.res.r[k][q]
+	for _, o := range a.shards {
+		if o == sh || !o.mu.TryLock() {
+			continue
+		}
+		if x := o.caps[k][q] - o.stats.arrays()[k][q].Current; x > 0 && !o.capsZero {
+			o.caps[k][q] -= x
+			r.Add(x)
+		}
+		o.mu.Unlock()
+		if r.Load() >= need {
+			return true
+		}
+	}
+	return false
 }
 
 // fitsOrBorrow is fits, borrowing from the reservoir when the caps are

@@ -285,6 +285,58 @@ func TestReservoirSparesEscalations(t *testing.T) {
 	}
 }
 
+// TestStealSparesEscalations: slack that stays in one stream's caps (too
+// few frees to repay it) is taken by another stream that grows within the
+// peaks: it locks the holder's shard alone, and takes no other lock.
+func TestStealSparesEscalations(t *testing.T) {
+	a, sim := newTestAllocator(t, 4*giB, "")
+	s1, _ := sim.StreamCreate()
+	s2, _ := sim.StreamCreate()
+	const size = 1<<20 + 512 // large pool
+	// s2 in use, with a cached 20 MiB segment for what follows.
+	mustFree(t, a, mustMalloc(t, a, 9<<20, s2))
+	keep := mustMalloc(t, a, 512, s2)
+	// The peaks: 20 blocks on s1 and 2 on s2 at once.
+	grow := func(s cudart.Stream, n int) []cudart.Ptr {
+		var ps []cudart.Ptr
+		for range n {
+			ps = append(ps, mustMalloc(t, a, size, s))
+		}
+		return ps
+	}
+	for _, p := range append(grow(s1, 20), grow(s2, 2)...) {
+		mustFree(t, a, p)
+	}
+	// The same 20 on s1, then its last two freed (merged into the free
+	// tail of their segment): s1 keeps their slack as caps.
+	ps := grow(s1, 20)
+	mustFree(t, a, ps[19])
+	mustFree(t, a, ps[18])
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	before := a.Stats()
+	qs := grow(s2, 2) // back to the peaks, not past them
+	after := a.Stats()
+	if n := after.NumEscalations - before.NumEscalations; n != 0 {
+		t.Errorf("%d escalations for growth within the slack s1 holds", n)
+	}
+	for i, arr := range after.namedArrays() {
+		b := before.namedArrays()[i]
+		for p := range numPools {
+			if arr.a[p].Peak != b.a[p].Peak {
+				t.Errorf("%s.%v peak moved from %d to %d", arr.name, Pool(p), b.a[p].Peak, arr.a[p].Peak)
+			}
+		}
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range append(append(qs, keep), ps[:18]...) {
+		mustFree(t, a, q)
+	}
+}
+
 // TestBusyAllocatorRetries: a hot-path Malloc that must escalate while
 // another escalation or world-mode call holds the allocator waits for it
 // and escalates itself, instead of taking the slow path's world mode.
