@@ -117,7 +117,7 @@ func BenchmarkMixedWarmIsolated(b *testing.B) {
 					t0 := time.Now()
 					for t := range threads {
 						wg.Go(func() {
-							errs[t] = mixedRun(as[t], streams[t], uint64(42+t), steps, workload.MixedWindow/threads)
+							errs[t] = mixedRun(as[t], streams[t], uint64(42+t), steps, workload.MixedWindow/threads, new(time.Time))
 						})
 					}
 					wg.Wait()

@@ -56,6 +56,12 @@ type MixedResult struct {
 	// Escalations is the allocator's NumEscalations over every pass: hot
 	// calls that took every stream's lock to settle a peak.
 	Escalations int64
+	// FirstDone and LastDone are when the timed pass's first and last
+	// goroutines finished their steps, from its start. Elapsed ends with
+	// the last (LastDone, and the final frees); on a host whose cores run
+	// at different speeds the two differ even when the allocator makes no
+	// goroutine wait for another.
+	FirstDone, LastDone time.Duration
 }
 
 // NsPerOp is wall time per step over all goroutines.
@@ -99,23 +105,28 @@ func mixedPasses(a *allocator.Allocator, threads, steps, passes int) (MixedResul
 		}
 	}()
 	window := workload.MixedWindow / threads
-	var elapsed time.Duration
+	var elapsed, first, last time.Duration
 	for range passes {
 		runtime.GC() // no collection of earlier garbage inside the timed pass
 		errs := make([]error, threads)
+		done := make([]time.Time, threads)
 		var wg sync.WaitGroup
 		var start sync.WaitGroup
 		start.Add(1)
 		for t := range threads {
 			wg.Go(func() {
 				start.Wait()
-				errs[t] = mixedRun(a, streams[t], uint64(42+t), steps, window)
+				errs[t] = mixedRun(a, streams[t], uint64(42+t), steps, window, &done[t])
 			})
 		}
 		t0 := time.Now()
 		start.Done()
 		wg.Wait()
 		elapsed = time.Since(t0)
+		first, last = done[0].Sub(t0), done[0].Sub(t0)
+		for _, d := range done[1:] {
+			first, last = min(first, d.Sub(t0)), max(last, d.Sub(t0))
+		}
 		for _, err := range errs {
 			if err != nil {
 				return MixedResult{}, err
@@ -128,10 +139,13 @@ func mixedPasses(a *allocator.Allocator, threads, steps, passes int) (MixedResul
 		PeakAllocated: st.AllocatedBytes[allocator.PoolAll].Peak,
 		PeakReserved:  st.ReservedBytes[allocator.PoolAll].Peak,
 		Escalations:   st.NumEscalations,
+		FirstDone:     first, LastDone: last,
 	}, nil
 }
 
-func mixedRun(a *allocator.Allocator, s cudart.Stream, seed uint64, steps, window int) error {
+// mixedRun is one goroutine's steps; done is set when they end, before
+// the final frees.
+func mixedRun(a *allocator.Allocator, s cudart.Stream, seed uint64, steps, window int, done *time.Time) error {
 	r := workload.NewSplitMix64(seed)
 	live := make([]cudart.Ptr, window)
 	for range steps {
@@ -149,6 +163,7 @@ func mixedRun(a *allocator.Allocator, s cudart.Stream, seed uint64, steps, windo
 		}
 		live[slot] = p
 	}
+	*done = time.Now()
 	for _, p := range live {
 		if p != 0 {
 			if err := a.Free(p); err != nil {

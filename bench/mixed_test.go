@@ -2,6 +2,7 @@ package bench
 
 import (
 	"testing"
+	"time"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/cudart"
@@ -14,7 +15,7 @@ import (
 func TestMixedStepperIsTheBenchmarkLoop(t *testing.T) {
 	const steps, window = 20_000, 512
 	a := newSimAllocator(t, "", false)
-	if err := mixedRun(a, cudart.DefaultStream, 42, steps, window); err != nil {
+	if err := mixedRun(a, cudart.DefaultStream, 42, steps, window, new(time.Time)); err != nil {
 		t.Fatal(err)
 	}
 	b := newSimAllocator(t, "", false)

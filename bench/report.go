@@ -5,6 +5,7 @@ import (
 	"io"
 	"strconv"
 	"text/tabwriter"
+	"time"
 
 	"github.com/allocd/allocd/allocator"
 	"github.com/allocd/allocd/workload"
@@ -132,11 +133,17 @@ type MixedRow struct {
 	PeakAllocatedBytes int64   `json:"peak_allocated_bytes"`
 	PeakReservedBytes  int64   `json:"peak_reserved_bytes"`
 	Escalations        int64   `json:"escalations"`
+	// FirstDoneMs and LastDoneMs: when the first and the last goroutine
+	// finished their steps (MixedResult.FirstDone, LastDone).
+	FirstDoneMs float64 `json:"first_done_ms"`
+	LastDoneMs  float64 `json:"last_done_ms"`
 }
 
 // MixedRowOf returns m as a row.
 func MixedRowOf(m MixedResult) MixedRow {
-	return MixedRow{m.Threads, m.Ops, m.NsPerOp(), m.MopsPerSec(), m.PeakAllocated, m.PeakReserved, m.Escalations}
+	ms := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e6 }
+	return MixedRow{m.Threads, m.Ops, m.NsPerOp(), m.MopsPerSec(), m.PeakAllocated, m.PeakReserved, m.Escalations,
+		ms(m.FirstDone), ms(m.LastDone)}
 }
 
 // Report is every result of one `allocd bench` run, in the JSON shape of

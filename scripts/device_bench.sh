@@ -125,6 +125,13 @@ runs = {(kind, r["threads"]): r for kind in ("mixed", "mixed_warm") for r in a.g
 w1, w8 = runs.get(("mixed_warm", 1)), runs.get(("mixed_warm", 8))
 if w1 and w8:
     line(f"mixed warm t8 / own t1: {w8['mops_per_s']:.2f} / {w1['mops_per_s']:.2f} Mops/s", w8["mops_per_s"] / w1["mops_per_s"], 5)
+    if w8.get("first_done_ms") and w1.get("last_done_ms"):
+        # The wall time ends with the slowest goroutine: on a host whose cores differ
+        # in speed, the spread says how much of the ratio the slowest core took.
+        print(f"  t8's goroutines finished their steps from {w8['first_done_ms']:.0f} to {w8['last_done_ms']:.0f} ms"
+              f" (t1's one goroutine, taking as many steps, in {w1['last_done_ms']:.0f} ms);"
+              f" t8 / t1 at the first goroutine's pace {8 * w1['last_done_ms'] / w8['first_done_ms']:.2f}x, at the last's"
+              f" {8 * w1['last_done_ms'] / w8['last_done_ms']:.2f}x")
 tw8 = micro.get("mixed_warm_torch_t8", {}).get("mops_per_s")
 if w8 and tw8:
     line(f"mixed warm t8: allocd {w8['mops_per_s']:.2f} / PyTorch {tw8:.2f} Mops/s", w8["mops_per_s"] / tw8, 20)
