@@ -20,12 +20,24 @@ package allocator
 // directory was always one array (the directory holds that chunk where its
 // search reads it) and tests one more pointer; in a larger one it searches
 // the top level, then one chunk.
+//
+// While one shard owns every segment (a program on one stream, the common
+// case), the allocator's directory is only that shard and the count
+// (lazy): a Free needs no search, since the shard's active map tells a
+// foreign address apart, and a device malloc copies no entries. Kept in
+// full, the directory of a trace that grows to 200 segments made a cold
+// replay copy some 7 MB of entries and granule pages, garbage that set off
+// collections in the middle of it. The first segment of a second shard
+// builds the full directory from the segment table (dirAdd); a removal
+// that leaves one shard owning every segment drops it again (dirRemove).
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"iter"
 	"math/bits"
+	"slices"
 	"sort"
 
 	"github.com/allocd/allocd/blocks"
@@ -73,6 +85,9 @@ type directory struct {
 	chunks  []*dirChunk
 	n       int         // entries in all
 	fast    *granuleMap // the shard of each 2 MiB granule (dirfast.go)
+	// lazy: one owns all n segments and the directory holds nothing else
+	// (see above).
+	lazy bool
 }
 
 // newChunk returns the chunk of entries d (not empty; it keeps d).
@@ -304,18 +319,55 @@ func (a *Allocator) dirLookup(p uint64) *shard {
 }
 
 // dirAdd and dirRemove publish a new directory with seg added or removed,
-// and count the segments of seg's shard (world mode).
+// and count the segments of seg's shard (world mode). seg is already in
+// the segment table when dirAdd is called, and no longer in it when
+// dirRemove is. A directory whose segments are all one shard's is lazy
+// (see the top of this file).
 func (a *Allocator) dirAdd(seg *blocks.Segment) {
 	sh := a.shardOf(cudart.Stream(seg.Stream))
 	sh.segments++
-	a.dir.Store(a.dir.Load().add(dirEntry{seg.Ptr, seg.Ptr + seg.Size, sh}))
+	switch dir := a.dir.Load(); {
+	case dir.n == 0 || dir.lazy && dir.one == sh:
+		a.dir.Store(&directory{one: sh, n: dir.n + 1, lazy: true})
+	case dir.lazy:
+		a.dir.Store(a.fullDirectory())
+	default:
+		a.dir.Store(dir.add(dirEntry{seg.Ptr, seg.Ptr + seg.Size, sh}))
+	}
 }
 
 func (a *Allocator) dirRemove(seg *blocks.Segment) {
-	if dir, e, ok := a.dir.Load().remove(seg.Ptr); ok {
-		e.sh.segments--
-		a.dir.Store(dir)
+	dir := a.dir.Load()
+	if dir.lazy {
+		if cudart.Stream(seg.Stream) != dir.one.stream {
+			return // not in the directory
+		}
+		dir.one.segments--
+		nd := &directory{}
+		if dir.n > 1 {
+			nd = &directory{one: dir.one, n: dir.n - 1, lazy: true}
+		}
+		a.dir.Store(nd)
+		return
 	}
+	if nd, e, ok := dir.remove(seg.Ptr); ok {
+		e.sh.segments--
+		if nd.one != nil {
+			nd = &directory{one: nd.one, n: nd.n, lazy: true}
+		}
+		a.dir.Store(nd)
+	}
+}
+
+// fullDirectory returns the full directory of the segment table's
+// segments (world mode).
+func (a *Allocator) fullDirectory() *directory {
+	d := make([]dirEntry, 0, len(a.segs.list))
+	for _, s := range a.segs.list {
+		d = append(d, dirEntry{s.Ptr, s.Ptr + s.Size, a.shardOf(cudart.Stream(s.Stream))})
+	}
+	slices.SortFunc(d, func(x, y dirEntry) int { return cmp.Compare(x.start, y.start) })
+	return newDirectory(d)
 }
 
 // check reports broken invariants of the directory's structure: chunks
@@ -324,6 +376,12 @@ func (a *Allocator) dirRemove(seg *blocks.Segment) {
 // the count.
 func (dir *directory) check() []error {
 	var errs []error
+	if dir.lazy {
+		if dir.one == nil || dir.n < 1 || dir.chunks != nil || dir.tops != nil || dir.ends != nil || dir.entries != nil || dir.fast != nil {
+			errs = append(errs, fmt.Errorf("directory: lazy, with shard %p, %d segments and entries", dir.one, dir.n))
+		}
+		return errs
+	}
 	if len(dir.tops) != len(dir.chunks) {
 		errs = append(errs, fmt.Errorf("directory: %d chunks, %d tops", len(dir.chunks), len(dir.tops)))
 	}

@@ -82,24 +82,40 @@ func checkDirectory(t *testing.T, a *Allocator, d []dirEntry, every int, what st
 	for _, err := range dir.check() {
 		t.Fatalf("%s: %v", what, err)
 	}
-	var got []dirEntry
-	for e := range dir.all() {
-		got = append(got, e)
-	}
-	if !slices.Equal(got, d) {
-		t.Fatalf("%s: directory holds %d entries, want %d (or they differ)", what, len(got), len(d))
+	if dir.lazy {
+		if dir.n != len(d) || slices.ContainsFunc(d, func(e dirEntry) bool { return e.sh != dir.one }) {
+			t.Fatalf("%s: a lazy directory of %d segments of shard %p, want %d segments", what, dir.n, dir.one, len(d))
+		}
+	} else {
+		var got []dirEntry
+		for e := range dir.all() {
+			got = append(got, e)
+		}
+		if !slices.Equal(got, d) {
+			t.Fatalf("%s: directory holds %d entries, want %d (or they differ)", what, len(got), len(d))
+		}
 	}
 	if every == 0 {
 		return
 	}
 	probes := []uint64{0, 1, 1<<21 - 1, 1 << 62, ^uint64(0)}
+	around := func(e dirEntry) {
+		probes = append(probes, e.start-1, e.start, e.start+1, (e.start+e.end)/2, e.end-1, e.end, e.end+1)
+	}
 	i := 0
 	for _, c := range dir.chunks {
 		for j, e := range c.entries {
 			if i%every == 0 || j == 0 || j == len(c.entries)-1 {
-				probes = append(probes, e.start-1, e.start, e.start+1, (e.start+e.end)/2, e.end-1, e.end, e.end+1)
+				around(e)
 			}
 			i++
+		}
+	}
+	if dir.lazy {
+		for j, e := range d {
+			if j%every == 0 {
+				around(e)
+			}
 		}
 	}
 	for _, p := range probes {
@@ -177,12 +193,15 @@ func TestDirAddRemove(t *testing.T) {
 					seg := &blocks.Segment{Ptr: 1<<30 + uint64(i)*slot + uint64(rng.IntN(4))<<20, Size: uint64(1+rng.IntN(4)) << 20, Stream: uint64(rng.IntN(streams))}
 					bySlot[i] = seg
 					live = append(live, i)
+					seg.Index = len(a.segs.list)
+					a.segs.add(seg) // dirAdd builds a full directory from the table
 					a.dirAdd(seg)
 				} else {
 					j := rng.IntN(len(live))
 					i := live[j]
 					live[j] = live[len(live)-1]
 					live = live[:len(live)-1]
+					a.segs.remove(bySlot[i])
 					a.dirRemove(bySlot[i])
 					bySlot[i] = nil
 				}
@@ -203,6 +222,9 @@ func TestDirAddRemove(t *testing.T) {
 					every = 1 + len(live)/64
 				}
 				checkDirectory(t, a, d, every, fmt.Sprintf("step %d, %d segments", step, len(live)))
+				if one := len(d) > 0 && !slices.ContainsFunc(d, func(e dirEntry) bool { return e.sh != d[0].sh }); one != a.dir.Load().lazy {
+					t.Fatalf("step %d: lazy %v, and one shard owns every segment: %v", step, a.dir.Load().lazy, one)
+				}
 				chunks := len(a.dir.Load().chunks)
 				flattened = flattened || maxChunks > 1 && chunks == 1
 				maxChunks = max(maxChunks, chunks)
@@ -212,10 +234,14 @@ func TestDirAddRemove(t *testing.T) {
 					}
 				}
 			}
-			if !testing.Short() && (maxChunks < 8 || !flattened) {
+			if !testing.Short() && streams > 1 && (maxChunks < 8 || !flattened) {
 				t.Errorf("the directory grew to %d chunks and became one again: %v; want 8 or more, and true", maxChunks, flattened)
 			}
+			if streams == 1 && maxChunks > 0 {
+				t.Errorf("the directory of one stream's segments grew to %d chunks; want it lazy", maxChunks)
+			}
 			for _, i := range live {
+				a.segs.remove(bySlot[i])
 				a.dirRemove(bySlot[i])
 			}
 			checkDirectory(t, a, nil, 1, "emptied")

@@ -857,7 +857,15 @@ func (a *Allocator) checkShards() []error {
 	if dir.n != len(a.segs.list) {
 		errs = append(errs, fmt.Errorf("%d segments, %d in the directory", len(a.segs.list), dir.n))
 	}
+	if !dir.lazy && dir.one != nil {
+		errs = append(errs, fmt.Errorf("the directory holds every entry of one shard (stream %#x) in full, not lazily", uint64(dir.one.stream)))
+	}
 	byStart := make(map[uint64]dirEntry, dir.n)
+	if dir.lazy {
+		for _, s := range a.segs.list {
+			byStart[s.Ptr] = dirEntry{s.Ptr, s.Ptr + s.Size, dir.one}
+		}
+	}
 	for e := range dir.all() {
 		if _, ok := byStart[e.start]; ok {
 			errs = append(errs, fmt.Errorf("directory holds two entries at %#x", e.start))

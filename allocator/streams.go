@@ -450,6 +450,9 @@ func (a *Allocator) checkStreams() []error {
 			events[sh] += b.EventCount
 		}
 	}
+	if dir := a.dir.Load(); dir.lazy && dir.one.released {
+		errs = append(errs, fmt.Errorf("the directory leads to the released shard of stream %#x", uint64(dir.one.stream)))
+	}
 	for e := range a.dir.Load().all() {
 		if e.sh.released {
 			errs = append(errs, fmt.Errorf("directory entry %#x leads to the released shard of stream %#x", e.start, uint64(e.sh.stream)))
