@@ -13,8 +13,9 @@
 #      and the replay driver alone)
 #   2. PyTorch's anchor on the same traces              -> anchor.json, anchor.log
 #   3. $ROUNDS rounds (default 5) of the replays and the pair, both sides one right
-#      after the other on one CPU core (scripts/paired_replays.py: it picks the
-#      fastest core of the host and says why)              -> paired.json, paired.txt
+#      after the other on one CPU core, each side's timed replays of a trace after an
+#      untimed one (scripts/paired_replays.py: it picks the fastest core of the host
+#      and says why)                                       -> paired.json, paired.txt
 #   4. each ratio beside the speed goal it is held to   -> compare.txt
 #      (a replay's or a pair's ratio is the median over the paired rounds of the
 #      round's ratio, with the ratio of the two sides' best rounds beside it: on a
