@@ -26,11 +26,11 @@ What it does:
      emptied before each, as bench.py does; the second `replay` is the
      cold figure.
    Each side's first cold replay is left out of the ratios (it is kept in
-   OUTJSON as first_ns_per_op): a cold replay's time is mostly cudaMalloc's,
-   and the driver's first cudaMallocs of a trace's sizes in a process cost
-   more than later ones. allocd starts a fresh process for each trace, and
-   PyTorch's long-lived one would otherwise have replayed the trace in every
-   earlier round.
+   OUTJSON as first_ns_per_op), so that both sides' timed replays follow
+   one of the same trace in the same process: allocd starts a process for
+   each trace, PyTorch's one process replays every trace in every round.
+   On one H200 host the first replays cost what the later ones did (medians
+   within 20%, in both directions, on both sides).
    Then the pair benchmark on each side, the same way: `ALLOCD bench
    --no-mixed` (no trace) and the anchor's pair_torch, best of 3 each.
 3. Writes OUTJSON: the core, the calibration, and every round's figures.
