@@ -30,7 +30,7 @@ What it does:
    one of the same trace in the same process: allocd starts a process for
    each trace, PyTorch's one process replays every trace in every round.
    On one H200 host the first replays cost what the later ones did (medians
-   within 20%, in both directions, on both sides).
+   within 25%, in both directions, on both sides).
    Then the pair benchmark on each side, the same way: `ALLOCD bench
    --no-mixed` (no trace) and the anchor's pair_torch, best of 3 each.
 3. Writes OUTJSON: the core, the calibration, and every round's figures.
