@@ -132,9 +132,7 @@ func chunksOf(d []dirEntry) []*dirChunk {
 // order; it keeps d.
 func newDirectory(d []dirEntry) *directory {
 	dir := (&directory{}).splice(0, 0, len(d), chunksOf(d)...)
-	for _, e := range d {
-		dir.fast = dir.fast.withSpan(dir, e.start, e.end, e.sh, true)
-	}
+	dir.fast = granuleMapOf(dir)
 	return dir
 }
 

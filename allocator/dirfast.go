@@ -235,6 +235,54 @@ func (m *granuleMap) withSpan(dir *directory, start, end uint64, sh *shard, addi
 	return rm
 }
 
+// granuleMapOf returns the map of dir's segments, built in one pass: what
+// adding them one by one (withSpan) would leave, without a copy of the
+// table and of the pages each addition changes.
+func granuleMapOf(dir *directory) *granuleMap {
+	pages := map[uint64]*dirPage{}
+	for e := range dir.all() {
+		if !inMap(e.start, e.end) {
+			continue
+		}
+		first, last := e.start>>granuleShift, (e.end-1)>>granuleShift
+		for g := first; g <= last; {
+			r := g >> (regionShift - granuleShift)
+			rFirst := r << (regionShift - granuleShift)
+			rLast := rFirst + granulesPerRegion - 1
+			if g == rFirst && inside(rFirst, rLast, e.start, e.end) {
+				pages[r] = e.sh.fullPage() // no other segment touches the region
+				g = rLast + 1
+				continue
+			}
+			pg := pages[r]
+			if pg == nil {
+				pg = new(dirPage)
+				pages[r] = pg
+			}
+			for ; g <= min(last, rLast); g++ {
+				if inside(g, g, e.start, e.end) {
+					pg[g&(granulesPerRegion-1)] = e.sh
+				} else {
+					pg[g&(granulesPerRegion-1)] = dir.granuleOwner(g) // other segments may touch it
+				}
+			}
+		}
+	}
+	if len(pages) == 0 {
+		return nil
+	}
+	n := 8
+	for n < 2*len(pages) {
+		n <<= 1
+	}
+	m := &granuleMap{keys: make([]uint64, n), pages: make([]*dirPage, n), mask: uint64(n - 1)}
+	for r, pg := range pages {
+		i := m.slot(r + 1)
+		m.keys[i], m.pages[i] = r+1, pg
+	}
+	return m
+}
+
 // inside reports whether granules first to last lie wholly in [start, end).
 func inside(first, last, start, end uint64) bool {
 	return first<<granuleShift >= start && (last+1)<<granuleShift <= end
