@@ -546,7 +546,7 @@ func (a *Allocator) unlockWorld() {
 		a.reapDoomed()
 	}
 	if a.capsDirty {
-		a.shareCaps()
+		a.shareCaps(a.hotSums())
 	}
 	a.refreshGates()
 	a.world = false
@@ -672,9 +672,10 @@ func (a *Allocator) escalate(sh *shard) bool {
 // deescalate settles the peaks, shares out the caps and releases the
 // locks escalate took.
 func (a *Allocator) deescalate(sh *shard) {
-	a.settle()
+	sums, over := a.hotSums() // both settle and shareCaps' (nothing changes between them)
+	a.settleSums(sums, over)
 	a.favored = sh
-	a.shareCaps()
+	a.shareCaps(sums, over)
 	for _, o := range a.shards {
 		if o != sh {
 			o.mu.Unlock()
@@ -686,8 +687,10 @@ func (a *Allocator) deescalate(sh *shard) {
 // settle raises the global peaks of the hot statistics to the current
 // sums (world mode, after every change of a hot statistic) and marks the
 // caps for sharing out again.
-func (a *Allocator) settle() {
-	sums, over := a.hotSums()
+func (a *Allocator) settle() { a.settleSums(a.hotSums()) }
+
+// settleSums is settle with the sums already taken (hotSums).
+func (a *Allocator) settleSums(sums [numHot][numPools]int64, over int64) {
 	g := a.stats.hotArrays()
 	for k := range numHot {
 		for p := range numPools {
@@ -705,8 +708,9 @@ func (a *Allocator) settle() {
 // to the shard whose change made the caps be shared out (it is likely to
 // grow again: a replay, one goroutine's burst), the other half equally to
 // the shards in use; an idle shard gets none until it borrows or asks.
-// With one shard in use, all of it goes to that shard.
-func (a *Allocator) shareCaps() {
+// With one shard in use, all of it goes to that shard. sums and over are
+// hotSums' now.
+func (a *Allocator) shareCaps(sums [numHot][numPools]int64, over int64) {
 	a.capsDirty = false
 	favored := a.favored
 	a.favored = nil
@@ -719,7 +723,6 @@ func (a *Allocator) shareCaps() {
 			n++
 		}
 	}
-	sums, over := a.hotSums()
 	g := a.stats.hotArrays()
 	var slack, given [numHot][numPools]int64
 	for k := range numHot {
