@@ -12,6 +12,12 @@ PYTORCH_CALLS_JSONL is given (`allocd replay --device sim --pytorch-expandable -
 reproduces PyTorch's expandable segments and counts their calls, small-pool pages included),
 from those exact counts. allocd's calls are given both as timed and modelled with the same
 per-call costs, so the two sides can be compared on one scale.
+
+A third scale needs no model and times both sides alike: a replay's cold ns/op minus its warm
+ns/op (the second pass on the same pool, which makes no device call), times its operations, is
+what the cold pass spent beyond the warm one: its device calls, and whatever else only a cold
+pass does (new blocks, first touches of memory). Both sides' figures come from the same command,
+so the columns "cold - warm ms" compare what growth cost each, device calls included.
 """
 import json
 import re
@@ -31,6 +37,13 @@ def costs(log):
 def modelled(v, c):
     """The modelled ms of the calls in v (a vmm object) at the per-call costs c."""
     return (v.get("creates", 0) * c[0] + v.get("maps", 0) * c[1] + v.get("unmaps", 0) * c[2] + v.get("releases", 0) * c[3]) / 1e3
+
+
+def beyond_warm(r, ops):
+    """What the cold replay r spent beyond its warm one, in ms ("-" without a warm figure)."""
+    if not r.get("warm_ns_per_op") or not ops:
+        return "-"
+    return f"{(r['ns_per_op'] - r['warm_ns_per_op']) * ops / 1e6:.1f}"
 
 
 def main():
@@ -54,7 +67,8 @@ def main():
           " from the simulated device (multistream_prefetch on its two recorded streams; the anchor replays one)")
     print(f"{'trace':>22} | {'allocd ns/op':>12} {'torch ns/op':>11} {'speedup':>7} | {'allocd MiB':>10} {'torch MiB':>9} |"
           f" {'creates':>7} {'maps':>5} {'unmaps':>6} {'releases':>8} {'VMM ms':>7} {'modelled':>8} |"
-          f" {'torch est. ms':>13} {'torch calls':>11} {'modelled':>8}")
+          f" {'torch est. ms':>13} {'torch calls':>11} {'modelled':>8} |"
+          f" {'cold - warm ms: allocd':>22} {'torch':>6}")
     for r in a.get("replay", []):
         name = r["trace"].removesuffix(".pickle.gz")
         q = t.get(name, {}).get("torch", {})
@@ -67,7 +81,8 @@ def main():
               f" {r['peak_reserved_bytes'] / 2**20:>10.0f} {tr / 2**20:>9.0f} |"
               f" {v.get('creates', 0):>7} {v.get('maps', 0):>5} {v.get('unmaps', 0):>6} {v.get('releases', 0):>8}"
               f" {v.get('total_ns', 0) / 1e6:>7.1f} {modelled(v, c) if c else 0:>8.1f} |"
-              f" {est:>13.1f} {tcalls:>11} {modelled(pv, c) if c and pv is not None else 0:>8.1f}")
+              f" {est:>13.1f} {tcalls:>11} {modelled(pv, c) if c and pv is not None else 0:>8.1f} |"
+              f" {beyond_warm(r, r.get('ops', 0)):>22} {beyond_warm(q, t.get(name, {}).get('ops', 0)):>6}")
 
 
 if __name__ == "__main__":

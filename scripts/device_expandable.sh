@@ -22,7 +22,9 @@
 #      reserved, and VMM calls and time; PyTorch's VMM time is estimated from
 #      its handles (one per 20 MiB of its peak reserved: it never unmaps in a
 #      replay) and from its exact calls, at stage 1's measured cost of each
-#      call, as allocd's calls are modelled too   -> compare.txt, compare_coarse.txt
+#      call, as allocd's calls are modelled too; and, with no model, each
+#      side's cold replay minus its warm one, times its operations (what
+#      growth cost it, device calls included)   -> compare.txt, compare_coarse.txt
 # Stages stop starting past $BUDGET_S seconds (default 560). No network is used.
 set -uo pipefail
 . "$(dirname "$0")/device_lib.sh"
