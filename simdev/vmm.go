@@ -19,8 +19,9 @@ import (
 //   - Create allocates physical memory, counted against Capacity (Used and
 //     MemGetInfo include it). It counts as a malloc call for Faults.FailMalloc.
 //   - Map maps a whole handle (from its offset 0) at a granularity-aligned
-//     address inside one reservation, over no existing mapping; a handle is
-//     mapped at most once at a time.
+//     address inside one reservation, over no existing mapping. As on a
+//     GPU, a handle may be mapped at several addresses at once, which then
+//     reach the same memory.
 //   - Unmap takes a range covering whole mappings exactly.
 //   - Release refuses a handle that is still mapped, ReleaseRange a
 //     reservation with anything mapped inside.
@@ -57,7 +58,8 @@ type VMMCounters struct {
 type simHandle struct {
 	size      uint64
 	mem       []byte     // with Backed or Shared (then the memfd's mapping)
-	mapped    cudart.Ptr // where it is mapped, 0 when not
+	mappings  int        // how many addresses it is mapped at
+	at        cudart.Ptr // where it was mapped last, for messages
 	fd        int        // the memfd behind mem with Shared, -1 without
 	shareable bool       // made by CreateShareable or Import: Export accepts it
 	imported  bool       // made by Import: not counted against Capacity
@@ -242,8 +244,8 @@ func (s *Sim) Release(h cudart.Handle) error {
 	if !ok {
 		return fmt.Errorf("cudart: sim release of handle %#x, which is not live: %w", uint64(h), cudart.ErrInvalidValue)
 	}
-	if sh.mapped != 0 {
-		return fmt.Errorf("cudart: sim release of handle %#x, still mapped at %#x: %w", uint64(h), uint64(sh.mapped), cudart.ErrInvalidValue)
+	if sh.mappings != 0 {
+		return fmt.Errorf("cudart: sim release of handle %#x, still mapped at %d addresses (%#x last): %w", uint64(h), sh.mappings, uint64(sh.at), cudart.ErrInvalidValue)
 	}
 	if sh.fd >= 0 {
 		if err := unmapClose(sh.fd, sh.mem); err != nil {
@@ -260,7 +262,8 @@ func (s *Sim) Release(h cudart.Handle) error {
 
 // Map implements cudart.VirtualMemory: the whole of h (size must be its size) is
 // mapped at p, which must be granularity-aligned inside one reservation and
-// overlap no mapping. A handle is mapped at most once at a time.
+// overlap no mapping. A handle already mapped elsewhere may be mapped again:
+// both addresses then reach its memory.
 func (s *Sim) Map(p cudart.Ptr, size uint64, h cudart.Handle) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -308,8 +311,6 @@ func (s *Sim) mapLocked(p cudart.Ptr, size uint64, h cudart.Handle) error {
 		return fmt.Errorf("cudart: sim map of handle %#x, which is not live: %w", uint64(h), cudart.ErrInvalidValue)
 	case sh.size != size:
 		return fmt.Errorf("cudart: sim map of %d bytes of handle %#x, which holds %d: %w", size, uint64(h), sh.size, cudart.ErrInvalidValue)
-	case sh.mapped != 0:
-		return fmt.Errorf("cudart: sim map of handle %#x, already mapped at %#x: %w", uint64(h), uint64(sh.mapped), cudart.ErrInvalidValue)
 	case uint64(p)%simGranularity != 0:
 		return fmt.Errorf("cudart: sim map at %#x, which is not %d-byte aligned: %w", uint64(p), simGranularity, cudart.ErrInvalidValue)
 	}
@@ -326,7 +327,8 @@ func (s *Sim) mapLocked(p cudart.Ptr, size uint64, h cudart.Handle) error {
 	for g := p; uint64(g-p) < size; g += cudart.Ptr(simGranularity) {
 		v.granules[g] = m
 	}
-	sh.mapped = p
+	sh.mappings++
+	sh.at = p
 	v.mapped += size
 	v.counters.Maps++
 	return nil
@@ -341,7 +343,7 @@ func (s *Sim) removeMapping(p cudart.Ptr) uint64 {
 		delete(v.granules, x)
 	}
 	delete(v.mappings, m.addr)
-	v.handles[m.handle].mapped = 0
+	v.handles[m.handle].mappings--
 	v.mapped -= m.size
 	return m.size
 }
