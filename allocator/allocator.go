@@ -377,6 +377,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 			ReclaimPage: cmp.Or(o.expLargePage, cfg.ExpandablePageSize, DefaultExpandablePage),
 			Reclaim:     !o.pytorchExpandable,
 			Coarse:      cfg.ExpandableReclaim == ReclaimCoarse,
+			Standby:     !o.pytorchExpandable,
 		}, o.log)
 		a.src = expSource{space: a.exp, table: &a.segs, stats: &a.stats}
 	}

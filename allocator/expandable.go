@@ -138,7 +138,7 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 	if a.exp.Reclaims() && a.capturing == 0 { // unmapping synchronises: not during a capture
 		sums, _ := a.hotSums()
 		if excess := a.exp.GrowthExcess(b, rounded, uint64(sums[hotAllocatedBytes][PoolAll])+rounded); excess > 0 {
-			if err := a.reclaimPages(c, excess, p.small); err != nil {
+			if err := a.reclaimPages(c, excess, p.small, uint64(stream)); err != nil {
 				return nil, err
 			}
 			// Unmapping moved blocks around: look again.
@@ -238,16 +238,17 @@ func (a *Allocator) unmapBlock(c *call, b *blocks.Block, keep bool, most uint64)
 	return u, nil
 }
 
-// reclaimPages unmaps, before a mapping in the small or large pool, the
-// whole runs of free blocks that the Space chooses (vmm.Space.Choose) to
-// free at least want bytes, after waiting for the streams that own them:
-// blocks of that pool kind in every stream's pools when their runs cover
-// want, else blocks of both kinds. Runs that the mapping's pool can map
-// go to the handle cache, for this mapping and the next ones to map
-// again (the small pool's one-page runs serve the large pool too, when
-// pages are of one size); others are released.
-func (a *Allocator) reclaimPages(c *call, want uint64, small bool) error {
-	page := a.exp.PageSize(small)
+// reclaimPages unmaps, before a mapping in the small or large pool of
+// stream, the whole runs of free blocks that the Space chooses
+// (vmm.Space.Choose) to free at least want bytes, once the Space has
+// readied them (vmm.Space.Settle: the streams that own blocks it must
+// wait for): blocks of that pool kind in every stream's pools when their
+// runs cover want, else blocks of both kinds. Runs that the mapping's
+// pool can map go to the handle cache, for this mapping and the next ones
+// to map again (the small pool's one-page runs serve the large pool too,
+// when pages are of one size), staying mapped where they were as standby
+// mappings; others are released.
+func (a *Allocator) reclaimPages(c *call, want uint64, small bool, stream uint64) error {
 	list := a.chooseReclaim(want, []bool{small})
 	var got uint64
 	for _, b := range list {
@@ -259,13 +260,13 @@ func (a *Allocator) reclaimPages(c *call, want uint64, small bool) error {
 	if len(list) == 0 {
 		return nil
 	}
-	if err := a.exp.SyncStreams(list); err != nil {
+	if _, err := a.exp.Settle(list, small, stream); err != nil {
 		return err
 	}
 	a.stats.NumReclaims++
 	target, chosen := a.exp.Target(want), uint64(0)
 	for _, b := range list {
-		keep := b.Segment.PageSize == page && (!small || b.Segment.Small)
+		keep := a.exp.Keeps(b, small)
 		var most uint64 // coarse reclaim moves no more than the target
 		if a.cfg.ExpandableReclaim == ReclaimCoarse {
 			if chosen >= target {

@@ -242,6 +242,9 @@ func (a *Allocator) BeginAllocateToPool(id PoolID, filter func(cudart.Stream) bo
 	}
 	p.captures++
 	a.capturing++
+	if a.exp != nil {
+		a.exp.SetCapturing(true)
+	}
 	a.captures = append(a.captures, capture{seq: p.seq, filter: filter})
 	a.publishRoutes()
 	return nil
@@ -264,6 +267,9 @@ func (a *Allocator) EndAllocateToPool(id PoolID) error {
 	a.captures = slices.Delete(a.captures, i, i+1)
 	p.captures--
 	a.capturing--
+	if a.exp != nil {
+		a.exp.SetCapturing(a.capturing > 0)
+	}
 	a.publishRoutes()
 	if a.capturing == 0 {
 		a.recordDeferred()

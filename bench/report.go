@@ -48,7 +48,9 @@ type ReplayRow struct {
 // (allocator.VMMCalls): handles created, mapped (each map with its grant
 // of access, one grant per range mapped in one call), unmapped (one call
 // per contiguous stretch of runs) and released, and the nanoseconds each
-// kind took, with their total.
+// kind took, with their total; then the runs taken back through standby
+// mappings (no call) and the waits for a stream's queued work that
+// reclaim made (a stream or an event synchronised).
 type VMMRow struct {
 	Creates   int64 `json:"creates"`
 	Maps      int64 `json:"maps"`
@@ -60,6 +62,8 @@ type VMMRow struct {
 	UnmapNs   int64 `json:"unmap_ns"`
 	ReleaseNs int64 `json:"release_ns"`
 	TotalNs   int64 `json:"total_ns"`
+	Revived   int64 `json:"revived"`
+	Waits     int64 `json:"waits"`
 }
 
 // VMMRowOf returns c as a row, nil when no call was made.
@@ -69,7 +73,7 @@ func VMMRowOf(c allocator.VMMCalls) *VMMRow {
 	}
 	return &VMMRow{c.Creates, c.Maps, c.Grants, c.Unmaps, c.Releases,
 		c.CreateTime.Nanoseconds(), c.MapTime.Nanoseconds(), c.UnmapTime.Nanoseconds(), c.ReleaseTime.Nanoseconds(),
-		c.Total().Nanoseconds()}
+		c.Total().Nanoseconds(), c.Revived, c.Waits}
 }
 
 // WarmFigures are what `allocd bench` measures of a trace beside its cold

@@ -1,6 +1,8 @@
 package vmm
 
 import (
+	"fmt"
+	"slices"
 	"time"
 
 	"github.com/allocd/allocd/blocks"
@@ -13,9 +15,17 @@ import (
 // mapped in one call, so MapTime covers both); Unmaps counts cuMemUnmap
 // calls, one per contiguous stretch of runs. Reserving and releasing
 // address ranges, once per stream and pool, are not counted.
+//
+// Revived and Waits are not calls of virtual memory: Revived counts the
+// runs mapped again through a standby mapping, which took no call (see
+// "Standby mappings" in the package doc), and Waits the times the Space
+// waited for a stream's queued work before unmapping or reusing memory
+// (a stream synchronised by Settle, an event by a later unmapping or
+// mapping; see "Reclaim without waiting").
 type Calls struct {
 	Creates, Maps, Grants, Unmaps, Releases     int64
 	CreateTime, MapTime, UnmapTime, ReleaseTime time.Duration
+	Revived, Waits                              int64
 }
 
 // Total is the time of every call counted.
@@ -25,7 +35,7 @@ func (c Calls) Total() time.Duration {
 
 // Counts returns c without its times.
 func (c Calls) Counts() Calls {
-	return Calls{Creates: c.Creates, Maps: c.Maps, Grants: c.Grants, Unmaps: c.Unmaps, Releases: c.Releases}
+	return Calls{Creates: c.Creates, Maps: c.Maps, Grants: c.Grants, Unmaps: c.Unmaps, Releases: c.Releases, Revived: c.Revived, Waits: c.Waits}
 }
 
 // Sub returns c minus an earlier reading o: the calls made in between.
@@ -35,6 +45,7 @@ func (c Calls) Sub(o Calls) Calls {
 		Unmaps: c.Unmaps - o.Unmaps, Releases: c.Releases - o.Releases,
 		CreateTime: c.CreateTime - o.CreateTime, MapTime: c.MapTime - o.MapTime,
 		UnmapTime: c.UnmapTime - o.UnmapTime, ReleaseTime: c.ReleaseTime - o.ReleaseTime,
+		Revived: c.Revived - o.Revived, Waits: c.Waits - o.Waits,
 	}
 }
 
@@ -43,7 +54,7 @@ func (s *Space) Calls() Calls { return s.calls }
 
 // cachedRun is a run that reclaim unmapped and kept: its handle, its
 // length in pages of page bytes, the pool it was counted in (small) and
-// the stream whose range it left. Its memory is still held from the
+// the stream whose range it left, and what it waits for. Its memory is still held from the
 // device, so it counts as reserved (see "The handle cache" in the package
 // doc).
 type cachedRun struct {
@@ -51,6 +62,9 @@ type cachedRun struct {
 	pages, page uint64
 	small       bool
 	stream      uint64
+	// pend is the work that may still use the run where it was, when
+	// reclaim parked it without waiting (see pending.go).
+	pend *pending
 }
 
 func (r cachedRun) bytes() uint64 { return r.pages * r.page }
@@ -90,16 +104,18 @@ func (s *Space) cachedFor(seg *blocks.Segment) uint64 {
 // pages available: the longest that rem covers,
 // else the shortest longer one that fits in room (mapping past the
 // request costs no reserved memory, the run being held already, and
-// saves creating a run). ok is false when no cached run fits.
+// saves creating a run). It leaves out the runs in keepOut. ok is false
+// when no cached run fits.
 //
 // Taking the shortest run that covers rem first would map fewer runs,
 // but it leaves more pages mapped past requests and fewer in the cache:
 // on a decoder's trace (gpt2m_generate) it raised peak reserved memory
 // above PyTorch's.
-func (s *Space) takeCached(seg *blocks.Segment, rem, room uint64) (r cachedRun, ok bool) {
+func (s *Space) takeCached(seg *blocks.Segment, rem, room uint64, keepOut []cudart.Handle) (r cachedRun, ok bool) {
 	best, over := -1, -1
 	for i, c := range s.cache {
-		if !s.usable(c, seg) || c.pages > room {
+		if !s.usable(c, seg) || c.pages > room || slices.Contains(keepOut, c.h) ||
+			s.capturing && !c.pend.ready(seg.Stream) { // a capture may not wait
 			continue
 		}
 		if c.pages <= rem {
@@ -116,11 +132,102 @@ func (s *Space) takeCached(seg *blocks.Segment, rem, room uint64) (r cachedRun, 
 	if best < 0 {
 		return cachedRun{}, false
 	}
-	r = s.cache[best]
-	s.cache[best] = s.cache[len(s.cache)-1]
+	return s.takeAt(best), true
+}
+
+// takeAt removes the run at index i of the cache and returns it.
+func (s *Space) takeAt(i int) cachedRun {
+	r := s.cache[i]
+	s.cache[i] = s.cache[len(s.cache)-1]
 	s.cache = s.cache[:len(s.cache)-1]
 	s.cachedBytes -= r.bytes()
-	return r, true
+	return r
+}
+
+// revivable says whether the run of handle h is in the cache and, during
+// a capture (which may not wait), may be mapped for stream without
+// waiting: whether a standby mapping of it in a range of stream can be
+// taken back.
+func (s *Space) revivable(h cudart.Handle, stream uint64) bool {
+	i := slices.IndexFunc(s.cache, func(r cachedRun) bool { return r.h == h })
+	return i >= 0 && (!s.capturing || s.cache[i].pend.ready(stream))
+}
+
+// takeHandle removes from the cache and returns the run of handle h; ok
+// is false when h is not cached (mapped elsewhere).
+func (s *Space) takeHandle(h cudart.Handle) (r cachedRun, ok bool) {
+	for i, c := range s.cache {
+		if c.h == h {
+			return s.takeAt(i), true
+		}
+	}
+	return cachedRun{}, false
+}
+
+// Standby mappings (see the package doc): where each handle has them.
+
+func (s *Space) addStandby(h cudart.Handle, p place) {
+	if s.standbys == nil {
+		s.standbys = make(map[cudart.Handle][]place)
+	}
+	s.standbys[h] = append(s.standbys[h], p)
+}
+
+func (s *Space) removeStandby(h cudart.Handle, p place) {
+	ps := s.standbys[h]
+	if i := slices.Index(ps, p); i >= 0 {
+		ps = slices.Delete(ps, i, i+1)
+	}
+	if len(ps) == 0 {
+		delete(s.standbys, h)
+		return
+	}
+	s.standbys[h] = ps
+}
+
+// unmapStandby unmaps the standby mapping that starts at page i of es and
+// forgets it. If the unmap fails, nothing changes.
+func (s *Space) unmapStandby(es *expSegment, i uint64) error {
+	return s.unmapStandbys(es, i, i+1, nil)
+}
+
+// unmapStandbys unmaps, in one call, the standby mapping that starts at
+// page i of es and those that follow it back to back and start before
+// page through, up to the first whose handle spare (when not nil) keeps,
+// after waiting for the work each may still serve; and forgets them. If
+// a wait or the unmap fails, nothing changes.
+func (s *Space) unmapStandbys(es *expSegment, i, through uint64, spare func(cudart.Handle) bool) error {
+	j := i
+	for j < min(through, uint64(len(es.standby))) && es.standby[j] > 0 && (j == i || spare == nil || !spare(es.sbHandles[j])) {
+		if err := s.wait(es.sbPend[j]); err != nil {
+			return err
+		}
+		j += uint64(es.standby[j])
+	}
+	page := es.seg.PageSize
+	if err := s.unmap(cudart.Ptr(es.addr(i)), (j-i)*page); err != nil {
+		return fmt.Errorf("allocator: unmapping the %d bytes of standby mappings at %#x: %w", (j-i)*page, es.addr(i), err)
+	}
+	for k := i; k < j; {
+		n, h := uint64(es.standby[k]), es.sbHandles[k]
+		s.drop(es.sbPend[k])
+		es.standby[k], es.sbHandles[k], es.sbPend[k] = 0, 0, nil
+		s.removeStandby(h, place{es, k})
+		k += n
+	}
+	return nil
+}
+
+// dropStandbys unmaps every standby mapping of h, so that it can be
+// released; it stops at the first that fails.
+func (s *Space) dropStandbys(h cudart.Handle) error {
+	for ps := s.standbys[h]; len(ps) > 0; ps = s.standbys[h] {
+		p := ps[len(ps)-1]
+		if err := s.unmapStandby(p.es, p.page); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // putCached returns r to the cache.
@@ -141,6 +248,7 @@ func (s *Space) ReleaseCache(small bool) uint64 {
 			continue
 		}
 		s.releaseHandle(r.h)
+		s.drop(r.pend)
 		n += r.bytes()
 	}
 	clear(s.cache[len(kept):])

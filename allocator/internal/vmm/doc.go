@@ -69,8 +69,10 @@
 //     Mapping); live blocks never move. A block that another stream may still use (RecordStream) is
 //     not in any free index until its events complete, so its pages are
 //     never handed over before then.
-//   - Before unmapping, a reclaim waits for the streams that own the
-//     chosen blocks (SyncStreams), not for the whole device.
+//   - A reclaim waits only for what it must (Settle): for the streams
+//     that own blocks it releases or hands to another stream, not for the
+//     whole device, and not at all for a block of the growing stream
+//     itself (see "Reclaim without waiting").
 //   - With reclaim on, the large pool maps Config.ReclaimPage pages (2 MiB
 //     by default) instead of PyTorch's 20 MiB, so a free hole gives back
 //     all of itself but the partial pages at either end (and the runs,
@@ -129,12 +131,54 @@
 // creates new ones (the longest that what is missing covers, else the
 // shortest longer one that fits in the unmapped block: mapping past the
 // request costs no reserved memory, the run being held already). Moving
-// memory then costs an unmap and a map, not also a release and a create.
+// memory then costs an unmap and a map, not also a release and a create
+// (with standby mappings, below, a map).
 // The cache is held from the device, so Reserved counts it, and
 // GrowthExcess counts only the pages it cannot serve; reclaim therefore
 // never lets reserved memory pass what it did when it released. The cache
 // is released by ReleaseCache (the allocator's EmptyCache, its
 // out-of-memory path and a cap) and by Close.
+//
+// # Standby mappings
+//
+// A GPU may map one physical handle at several addresses at once. With
+// Config.Standby (on with reclaim), the runs that reclaim keeps are not
+// unmapped at all: they go to the handle cache and also stay mapped
+// where they were, as standby mappings, over pages that are unmapped as
+// far as the blocks go (an Unmapped block covers them, so nothing hands
+// them out). Moving memory then costs one map, and moving it back costs
+// nothing: a mapping that reaches a standby mapping whose run is still in
+// the cache takes it back as it stands (Calls.Revived), and one whose run
+// is mapped elsewhere by then first unmaps the standby mapping (the unmap
+// reclaim used to make, made later, and in one call for a stretch of
+// them). Standby mappings cost address space, which is plentiful, and no
+// physical memory: Reserved counts every run once. A cached run that a
+// mapping could take back a few pages on is left for it, unless nothing
+// else in the cache fits (new memory would cost more than the unmap).
+// Releasing a run (ReleaseCache, the release path of UnmapBlock, Close)
+// unmaps its standby mappings first, and ReleaseRange those of the range.
+// During a CUDA graph capture, which may not unmap or wait (SetCapturing),
+// Find gives no room over a standby mapping that would have to be
+// unmapped, and MapBlock stops before one.
+//
+// # Reclaim without waiting
+//
+// Unmapping, unlike cudaFree, does not wait for queued work that may still
+// use the pages, so PyTorch's unmapping, and allocd's before standby
+// mappings, synchronised the owning stream first: a host-side stall until
+// the stream drained, at every reclaim. With standby mappings, a reclaim
+// for a growth on the stream that owns the chosen block unmaps nothing:
+// the work queued before it keeps its addresses, and the growth's blocks
+// are used by work queued after it on the same stream. Settle therefore
+// waits only for the streams whose blocks are released (they are
+// unmapped now) or handed to another stream (whose work could otherwise
+// run beside the old), and for the growing stream it records an event
+// instead (pending.go). That event guards what the reclaim parked: a
+// standby mapping is unmapped, and a cached run mapped for another
+// stream, only once it has completed; by then it usually has, and a query
+// says so without blocking (Calls.Waits counts the waits that block or
+// synchronise). During a capture, cached runs that would need a wait are
+// left alone.
 //
 // The marks that the run and reclaim policies read (the largest reserved
 // figure, the largest allocated figure seen at a mapping) describe the
@@ -150,9 +194,9 @@
 // unmapped and merges with unmapped neighbours; the rest of the block at
 // either end stays mapped as free blocks. A range that is wholly unmapped
 // can be released (ReleaseRange). Unlike cudaFree, unmapping does not wait
-// for work still using the memory: the caller synchronises first
-// (SyncStreams, or the whole device). Close unmaps and releases
-// everything.
+// for work still using the memory: the caller readies a reclaim's blocks
+// first (Settle), or synchronises the whole device. Close unmaps and
+// releases everything.
 //
 // A Space counts and times every create, map, grant of access, unmap and
 // release it makes (Calls).

@@ -1,13 +1,10 @@
 package vmm
 
 import (
-	"errors"
-	"fmt"
 	"slices"
 	"sort"
 
 	"github.com/allocd/allocd/blocks"
-	"github.com/allocd/allocd/cudart"
 )
 
 // reclaimCand is a free block that reclaim may unmap and the bytes of its
@@ -98,6 +95,7 @@ func (s *Space) Choose(free []*blocks.Block, want uint64) []*blocks.Block {
 		return list
 	}
 	target := s.Target(want)
+	var got uint64
 	sort.SliceStable(cands, func(i, j int) bool { return cands[i].bytes > cands[j].bytes })
 	for i := len(cands) - 1; i >= 0; i-- {
 		if cands[i].bytes >= target {
@@ -105,7 +103,6 @@ func (s *Space) Choose(free []*blocks.Block, want uint64) []*blocks.Block {
 			break
 		}
 	}
-	var got uint64
 	for _, cand := range cands {
 		if got >= target {
 			break
@@ -135,37 +132,4 @@ const coarseMinMove = maxRunBytes
 // headroom is used up.
 func (s *Space) reclaimHeadroom() uint64 {
 	return s.mark / reclaimHeadroomDiv / s.cfg.SmallPage * s.cfg.SmallPage
-}
-
-// SyncStreams waits for the work queued on each stream that owns the
-// segment of a block in list, once per stream, before those blocks' pages
-// are unmapped: unlike cudaFree, unmapping does not wait for queued work
-// that may still read or write the pages. Waiting for the owning streams
-// is enough, as in PyTorch's ExpandableSegment::unmapHandles: a free block
-// in a free index was last used either on its own stream (work that
-// stream synchronisation waits for) or on other streams through
-// RecordStream, and then it entered the free index only after the events
-// recorded on those streams completed. Other streams keep running. A
-// stream the device no longer knows (destroyed, the allocator not told)
-// makes it wait for the whole device instead.
-func (s *Space) SyncStreams(list []*blocks.Block) error {
-	var done [8]uint64
-	synced := done[:0]
-	for _, b := range list {
-		st := blocks.DeviceStream(b.Segment.Stream)
-		if slices.Contains(synced, st) {
-			continue
-		}
-		if err := s.dev.StreamSynchronize(cudart.Stream(st)); err != nil {
-			if !errors.Is(err, cudart.ErrInvalidValue) {
-				return fmt.Errorf("allocator: synchronising stream %#x before unmapping: %w", st, err)
-			}
-			if err := s.dev.Synchronize(); err != nil {
-				return fmt.Errorf("allocator: synchronising the device before unmapping (stream %#x is gone): %w", st, err)
-			}
-			return nil
-		}
-		synced = append(synced, st)
-	}
-	return nil
 }

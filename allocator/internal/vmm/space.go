@@ -48,6 +48,10 @@ type Config struct {
 	// each and moves only long free stretches (see "Coarse reclaim" in
 	// the package doc).
 	Coarse bool
+	// Standby, with Reclaim, leaves the runs reclaim takes mapped where
+	// they were, for a later mapping there to take back without a call
+	// (see "Standby mappings" in the package doc).
+	Standby bool
 }
 
 // Space is the expandable segments of one device: their ranges, pages,
@@ -69,13 +73,22 @@ type Space struct {
 	// orphans are handles whose Release failed after their pages were
 	// unmapped; Close retries them.
 	orphans []cudart.Handle
-	calls   Calls
-	scratch []*blocks.Block
-	cands   []reclaimCand
-	chain   []*blocks.Block
-	handles []cudart.Handle // mapPages' runs, reused
-	lens    []uint64        // their lengths in pages
-	taken   []cachedRun     // mapPages' runs from the cache, reused
+	// standbys lists, for each handle with standby mappings, where they
+	// are (see "Standby mappings").
+	standbys map[cudart.Handle][]place
+	calls    Calls
+	scratch  []*blocks.Block
+	cands    []reclaimCand
+	chain    []*blocks.Block
+	pieces   []piece         // mapPages' runs, reused
+	handles  []cudart.Handle // mapPages' handles for one call, reused
+	keepOut  []cudart.Handle // standby handles a mapping may revive, reused
+	// parkWith is the pending the last Settle recorded, for UnmapBlock to
+	// attach to the runs it parks (see pending.go).
+	parkWith *pending
+	// capturing says that a CUDA graph capture is under way: no standby
+	// mapping may be unmapped (SetCapturing).
+	capturing bool
 	// mark is the largest reserved figure so far; allocMark the largest
 	// allocated figure seen at a mapping, the request included.
 	mark      uint64
@@ -89,6 +102,12 @@ type Space struct {
 func New(dev cudart.Device, vm cudart.VirtualMemory, cfg Config, log *zap.Logger) *Space {
 	return &Space{dev: dev, vm: vm, cfg: cfg, log: log}
 }
+
+// SetCapturing tells the Space whether a CUDA graph capture is under way.
+// While one is, it unmaps nothing: a growth never reaches a standby
+// mapping whose run is mapped elsewhere (Find leaves such pages out, and
+// MapBlock stops before them).
+func (s *Space) SetCapturing(on bool) { s.capturing = on }
 
 // Reclaims says whether reclaim before growth is on.
 func (s *Space) Reclaims() bool { return s.cfg.Reclaim }
@@ -110,6 +129,43 @@ type expSegment struct {
 	mapped  []bool
 	run     []uint32
 	handles []cudart.Handle
+	// standby[i] is the length in pages of a standby mapping that starts
+	// at the unmapped page i and sbHandles[i] its handle: a run that
+	// reclaim took from these pages and left mapped here, now in the
+	// handle cache or mapped elsewhere (see "Standby mappings"). Both are
+	// 0 at its other pages and everywhere else. They grow with mapped.
+	standby   []uint32
+	sbHandles []cudart.Handle
+	// sbPend[i] is what must complete before the standby mapping at page
+	// i is unmapped (nil: nothing; see pending.go).
+	sbPend []*pending
+}
+
+// place is where a standby mapping starts: a page of a range.
+type place struct {
+	es   *expSegment
+	page uint64
+}
+
+// grow extends the page arrays of es to n pages.
+func (es *expSegment) grow(n uint64) {
+	for uint64(len(es.mapped)) < n {
+		es.mapped = append(es.mapped, false)
+		es.run = append(es.run, 0)
+		es.handles = append(es.handles, 0)
+		es.standby = append(es.standby, 0)
+		es.sbHandles = append(es.sbHandles, 0)
+		es.sbPend = append(es.sbPend, nil)
+	}
+}
+
+// standbyAt returns the length of the standby mapping that starts at page
+// i, 0 when none does.
+func (es *expSegment) standbyAt(i uint64) uint64 {
+	if i < uint64(len(es.standby)) {
+		return uint64(es.standby[i])
+	}
+	return 0
 }
 
 // runHead returns the first page of the run holding mapped page i.
@@ -200,6 +256,18 @@ func (s *Space) of(seg *blocks.Segment) *expSegment {
 
 func (es *expSegment) addr(page uint64) uint64 { return es.seg.Ptr + page*es.seg.PageSize }
 
+// blocker returns the first page in [begin, limit) of es where a standby
+// mapping whose run is not in the handle cache (it is mapped elsewhere)
+// starts, or limit: where a mapping that may not unmap must stop.
+func (s *Space) blocker(es *expSegment, begin, limit uint64) uint64 {
+	for i := begin; i < min(limit, uint64(len(es.standby))); i++ {
+		if es.standby[i] > 0 && !s.revivable(es.sbHandles[i], es.seg.Stream) {
+			return i
+		}
+	}
+	return limit
+}
+
 // expandableSize is the size a free block can grow to: its own and the
 // unmapped pages right after it.
 func expandableSize(b *blocks.Block) uint64 {
@@ -228,6 +296,8 @@ func Fit(free *blocks.FreeIndex, b *blocks.Block) *blocks.Block {
 // unmapped block of the stream and pool which, with a free block just
 // before it and the free or unmapped blocks after it, has room for size
 // bytes (returning that free block when there is one); nil if none has.
+// During a capture the room of an unmapped block ends at its first standby
+// mapping whose run is mapped elsewhere (SetCapturing).
 func (s *Space) Find(p Pool, stream, size uint64) *blocks.Block {
 	for _, es := range s.segs {
 		seg := es.seg
@@ -244,6 +314,15 @@ func (s *Space) Find(p Pool, stream, size uint64) *blocks.Block {
 			}
 			var room uint64
 			for x := c; x != nil && room < size && x.Free(); x = x.Next {
+				if x.Unmapped && s.capturing {
+					off := (x.Ptr - seg.Ptr) / seg.PageSize
+					free := (s.blocker(es, off, off+x.Size/seg.PageSize) - off) * seg.PageSize
+					room += free
+					if free < x.Size {
+						break
+					}
+					continue
+				}
 				room += x.Size
 			}
 			if room >= size {
@@ -290,6 +369,9 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 	begin := (b.Ptr - seg.Ptr) / page
 	end := (b.Ptr - seg.Ptr + size + page - 1) / page
 	limit := (b.Ptr - seg.Ptr + b.Size) / page
+	if s.capturing {
+		limit = s.blocker(es, begin, limit)
+	}
 	if s.coarse(seg) { // to the next LargePage boundary, as PyTorch's pages end
 		step := max(1, s.cfg.LargePage/page)
 		end = min((end+step-1)/step*step, limit)
@@ -314,35 +396,55 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 	return Mapping{Bytes: n, New: created, Crossed: crossed, Took: elapsed, Moved: moved, Across: across}, nil
 }
 
+// piece is one run of a mapping that mapPages is making: its first page
+// and length, its handle, and where it came from: the handle cache (r is
+// the cached run), which includes a standby mapping at its place taken
+// back (revived: nothing to map), or else a new handle. mapped says that
+// mapPages has mapped it.
+type piece struct {
+	at, pages       uint64
+	h               cudart.Handle
+	cached, revived bool
+	mapped          bool
+	r               cachedRun
+}
+
 // mapPages maps pages [begin, end) of es, and at most up to page limit,
-// in runs: first runs from the handle cache (takeCached), then new runs
-// of at most runPages pages, each one handle (Create, then Map); runs of
-// one length are mapped in one call when the device is a
-// cudart.RangeMapper, else run by run. It returns the end of what it
-// mapped (past end when a cached run was longer than what was missing),
-// how many pages came from the cache and how many of those from another
-// stream's range, the bytes it created, and the bytes of cached runs that
-// the other pool had counted. On a failure it undoes what
-// it did (cached runs go back to the cache) and returns the error: the
-// device's own when it is out of memory, else wrapped.
+// in runs, page by page from begin: a standby mapping there whose run is
+// in the handle cache is taken back whole, with no call (one whose run is
+// mapped elsewhere is unmapped first); elsewhere come runs from the
+// handle cache (takeCached; never one with a standby mapping among the
+// pages this mapping may reach, which it can take back instead), then new
+// runs of at most runPages pages, each one handle (Create), up to the
+// next standby mapping. Runs side by side of one length are mapped in one
+// call when the device is a cudart.RangeMapper, else run by run. It
+// returns the end of what it mapped (past end when a run was longer than
+// what was missing), how many pages came from the cache and how many of
+// those from another stream's range, the bytes it created, and the bytes
+// of cached runs that the other pool had counted. On a failure it undoes
+// what it did (cached runs go back to the cache, taken-back standby
+// mappings stay standby; standby mappings it unmapped stay unmapped,
+// which changes nothing but the cost of a later mapping there) and
+// returns the error: the device's own when it is out of memory, else
+// wrapped.
 func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd uint64, moved, across int64, created, crossed uint64, err error) {
 	page, small := es.seg.PageSize, es.seg.Small
-	hs, lens := s.handles[:0], s.lens[:0]
-	taken := s.taken[:0] // hs[:len(taken)] came from the cache
-	mapped := 0          // runs mapped so far, in order
+	ps := s.pieces[:0]
+	defer func() {
+		clear(ps)
+		s.pieces = ps[:0]
+	}()
 	undo := func() {
-		at := es.addr(begin)
-		for k := range mapped {
-			if err := s.unmap(cudart.Ptr(at), lens[k]*page); err != nil {
-				s.log.Error("undoing a mapping failed", zap.Uint64("addr", at), zap.Error(err))
+		for _, pc := range ps {
+			if pc.mapped {
+				if err := s.unmap(cudart.Ptr(es.addr(pc.at)), pc.pages*page); err != nil {
+					s.log.Error("undoing a mapping failed", zap.Uint64("addr", es.addr(pc.at)), zap.Error(err))
+				}
 			}
-			at += lens[k] * page
-		}
-		for k, h := range hs {
-			if k < len(taken) {
-				s.putCached(taken[k])
+			if pc.cached {
+				s.putCached(pc.r)
 			} else {
-				s.releaseHandle(h)
+				s.releaseHandle(pc.h)
 			}
 		}
 	}
@@ -353,68 +455,155 @@ func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd ui
 		}
 		return 0, 0, 0, 0, 0, fmt.Errorf("allocator: %s for expandable segment %#x: %w", what, es.seg.Ptr, err)
 	}
-	rem, room := end-begin, limit-begin
-	for s.cfg.Reclaim && rem > 0 {
-		r, ok := s.takeCached(es.seg, rem, room)
-		if !ok {
-			break
-		}
-		hs, lens, taken = append(hs, r.h), append(lens, r.pages), append(taken, r)
-		if r.small != small {
-			crossed += r.bytes()
-		}
-		rem -= min(rem, r.pages)
-		room -= r.pages
-		moved += int64(r.pages)
-		if r.stream != es.seg.Stream {
-			across += int64(r.pages)
+	keepOut := s.keepOut[:0]
+	for i, stop := begin, min(end, uint64(len(es.standby))); i < stop; i++ {
+		if es.standby[i] > 0 && s.revivable(es.sbHandles[i], es.seg.Stream) {
+			keepOut = append(keepOut, es.sbHandles[i])
 		}
 	}
-	for maxRun := s.runPages(es.seg, rem); rem > 0; {
-		n := min(rem, maxRun)
-		h, err := s.create(n * page)
-		if err != nil {
-			return fail(err, fmt.Sprintf("creating a %d-byte run", n*page))
+	s.keepOut = keepOut[:0]
+	var maxRun uint64 // new runs' length, set at the first
+	for i, fromCache := begin, true; i < end; {
+		if n := es.standbyAt(i); n > 0 {
+			h := es.sbHandles[i]
+			if s.revivable(h, es.seg.Stream) {
+				r, _ := s.takeHandle(h)
+				ps = append(ps, piece{at: i, pages: n, h: h, cached: true, revived: true, r: r})
+				if err := s.waitFor(r, es.seg.Stream); err != nil {
+					return fail(err, "taking back a standby mapping")
+				}
+				i += n
+				continue
+			}
+			if s.capturing { // MapBlock's limit stops before it
+				return fail(fmt.Errorf("pages %d to %d hold a run mapped elsewhere, which a capture may not unmap: %w", i, i+n, cudart.ErrInvalidValue), "mapping")
+			}
+			revivable := func(h cudart.Handle) bool { return s.revivable(h, es.seg.Stream) }
+			if err := s.unmapStandbys(es, i, limit, revivable); err != nil {
+				return fail(err, "freeing pages of a standby mapping")
+			}
+			continue
 		}
-		hs, lens = append(hs, h), append(lens, n)
-		rem -= n
-		created += n * page
+		// The gap ends at the next standby mapping this mapping may take
+		// back (during a capture, which may not unmap, at the next one),
+		// or at limit.
+		gapEnd := limit
+		for j := i + 1; j < min(limit, uint64(len(es.standby))); j++ {
+			if es.standby[j] > 0 && (s.capturing || slices.Contains(keepOut, es.sbHandles[j])) {
+				gapEnd = j
+				break
+			}
+		}
+		need, room := min(end, gapEnd)-i, gapEnd-i
+		var pc piece
+		if s.cfg.Reclaim && fromCache {
+			r, ok := s.takeCached(es.seg, need, room, keepOut)
+			if !ok && len(keepOut) > 0 && !s.capturing { // one to take back later, rather than new memory
+				r, ok = s.takeCached(es.seg, need, room, nil)
+			}
+			if ok {
+				pc = piece{at: i, pages: r.pages, h: r.h, cached: true, r: r}
+			} else {
+				fromCache = false // nothing cached fits the rest of this gap
+			}
+		}
+		if pc.pages == 0 {
+			if maxRun == 0 {
+				maxRun = s.runPages(es.seg, end-i)
+			}
+			pc.at, pc.pages = i, min(need, maxRun)
+		}
+		// Standby mappings of runs mapped elsewhere in the way go first.
+		for j := i + 1; j < min(i+pc.pages, uint64(len(es.standby))); j++ {
+			if es.standby[j] > 0 {
+				if err := s.unmapStandbys(es, j, i+pc.pages, nil); err != nil {
+					if pc.cached {
+						s.putCached(pc.r)
+					}
+					return fail(err, "freeing pages of a standby mapping")
+				}
+			}
+		}
+		if !pc.cached {
+			h, err := s.create(pc.pages * page)
+			if err != nil {
+				return fail(err, fmt.Sprintf("creating a %d-byte run", pc.pages*page))
+			}
+			pc.h = h
+		}
+		ps = append(ps, pc)
+		if err := s.waitFor(pc.r, es.seg.Stream); err != nil {
+			return fail(err, "mapping a cached run")
+		}
+		i += pc.pages
+		if i == gapEnd {
+			fromCache = s.cfg.Reclaim // a new gap after the next standby mapping
+		}
 	}
-	at := es.addr(begin)
-	for k := 0; k < len(hs); {
+	hs := s.handles[:0]
+	for k := 0; k < len(ps); {
+		if ps[k].revived {
+			k++
+			continue
+		}
 		j := k + 1
-		for j < len(hs) && lens[j] == lens[k] {
+		for j < len(ps) && !ps[j].revived && ps[j].pages == ps[k].pages {
 			j++
 		}
-		done, err := s.mapHandles(at, lens[k]*page, hs[k:j])
-		mapped += done
-		if err != nil {
-			return fail(err, fmt.Sprintf("mapping %d runs of %d bytes at %#x", j-k, lens[k]*page, at))
+		hs = hs[:0]
+		for _, pc := range ps[k:j] {
+			hs = append(hs, pc.h)
 		}
-		at += uint64(j-k) * lens[k] * page
+		done, err := s.mapHandles(es.addr(ps[k].at), ps[k].pages*page, hs)
+		for x := k; x < k+done; x++ {
+			ps[x].mapped = true
+		}
+		if err != nil {
+			s.handles = hs[:0]
+			return fail(err, fmt.Sprintf("mapping %d runs of %d bytes at %#x", j-k, ps[k].pages*page, es.addr(ps[k].at)))
+		}
 		k = j
 	}
-	mappedEnd = (at - es.seg.Ptr) / page
-	for uint64(len(es.mapped)) < mappedEnd {
-		es.mapped = append(es.mapped, false)
-		es.run = append(es.run, 0)
-		es.handles = append(es.handles, 0)
-	}
-	i := begin
-	for k, h := range hs {
-		es.handles[i], es.run[i] = h, uint32(lens[k])
-		for range lens[k] {
+	s.handles = hs[:0]
+	last := ps[len(ps)-1]
+	mappedEnd = last.at + last.pages
+	es.grow(mappedEnd)
+	for _, pc := range ps {
+		if pc.revived {
+			s.drop(es.sbPend[pc.at])
+			es.standby[pc.at], es.sbHandles[pc.at], es.sbPend[pc.at] = 0, 0, nil
+			s.removeStandby(pc.h, place{es, pc.at})
+			s.calls.Revived++
+		}
+		if pc.cached {
+			s.drop(pc.r.pend)
+			moved += int64(pc.pages)
+			if pc.r.stream != es.seg.Stream {
+				across += int64(pc.pages)
+			}
+			if pc.r.small != small {
+				crossed += pc.r.bytes()
+			}
+		} else {
+			created += pc.pages * page
+		}
+		es.handles[pc.at], es.run[pc.at] = pc.h, uint32(pc.pages)
+		for i := pc.at; i < pc.at+pc.pages; i++ {
 			es.mapped[i] = true
-			i++
 		}
 	}
-	s.handles, s.lens, s.taken = hs[:0], lens[:0], taken[:0]
 	return mappedEnd, moved, across, created, crossed, nil
 }
 
-// releaseHandle releases a handle whose page is unmapped; one the device
-// refuses is kept for Close to retry.
+// releaseHandle releases a handle whose run is mapped nowhere live, after
+// unmapping its standby mappings; one the device refuses, or whose standby
+// mappings cannot all be unmapped, is kept for Close to retry.
 func (s *Space) releaseHandle(h cudart.Handle) {
+	if err := s.dropStandbys(h); err != nil {
+		s.orphans = append(s.orphans, h)
+		s.log.Error("unmapping a standby mapping failed; releasing its run at Close", zap.Uint64("handle", uint64(h)), zap.Error(err))
+		return
+	}
 	if err := s.release(h); err != nil {
 		s.orphans = append(s.orphans, h)
 		s.log.Error("releasing a physical page failed; retrying at Close", zap.Uint64("handle", uint64(h)), zap.Error(err))
@@ -422,8 +611,10 @@ func (s *Space) releaseHandle(h cudart.Handle) {
 }
 
 // unmapPages unmaps the runs that make up pages [begin, end) of es
-// (whole runs: see wholeRuns), in one call, and releases their handles,
-// or with keep puts them in the handle cache. It returns the bytes it
+// (whole runs: see wholeRuns), in one call, and releases their handles
+// (and their standby mappings elsewhere), or with keep puts them in the
+// handle cache; with keep and Config.Standby it makes no call, the runs
+// staying mapped there as standby mappings. It returns the bytes it
 // released. If the unmap fails, nothing changes and the error is
 // returned.
 func (s *Space) unmapPages(es *expSegment, begin, end uint64, keep bool) (uint64, error) {
@@ -432,6 +623,21 @@ func (s *Space) unmapPages(es *expSegment, begin, end uint64, keep bool) (uint64
 		if es.run[i] == 0 || i+uint64(es.run[i]) > end {
 			return 0, fmt.Errorf("allocator: expandable segment %#x: pages [%d, %d) are not whole runs (page %d)", es.seg.Ptr, begin, end, i)
 		}
+	}
+	if keep && s.cfg.Standby { // the runs stay mapped here, standby
+		for i := begin; i < end; {
+			n, h := uint64(es.run[i]), es.handles[i]
+			s.putCached(cachedRun{h: h, pages: n, page: page, small: es.seg.Small, stream: es.seg.Stream,
+				pend: s.parkedWith(es.seg.Stream)})
+			es.standby[i], es.sbHandles[i], es.sbPend[i] = uint32(n), h, s.parkedWith(es.seg.Stream)
+			s.addStandby(h, place{es, i})
+			es.handles[i], es.run[i] = 0, 0
+			for range n {
+				es.mapped[i] = false
+				i++
+			}
+		}
+		return 0, nil
 	}
 	if err := s.unmap(cudart.Ptr(es.addr(begin)), (end-begin)*page); err != nil {
 		return 0, fmt.Errorf("allocator: unmapping the %d bytes of runs at %#x: %w", (end-begin)*page, es.addr(begin), err)
@@ -528,11 +734,18 @@ func (s *Space) Unused(out []*blocks.Segment, stream uint64) []*blocks.Segment {
 	return out
 }
 
-// ReleaseRange returns the wholly unmapped range of seg to the device and
-// forgets it; the caller takes seg out of its table and recycles its one
+// ReleaseRange returns the wholly unmapped range of seg to the device,
+// after unmapping the standby mappings it holds, and forgets it; the caller takes seg out of its table and recycles its one
 // block.
 func (s *Space) ReleaseRange(seg *blocks.Segment) error {
 	es := s.of(seg)
+	for i := range es.standby {
+		if es.standby[i] > 0 {
+			if err := s.unmapStandbys(es, uint64(i), uint64(len(es.standby)), nil); err != nil {
+				return fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", seg.Ptr, err)
+			}
+		}
+	}
 	if err := s.vm.ReleaseRange(cudart.Ptr(seg.Ptr), seg.Size); err != nil {
 		return fmt.Errorf("allocator: releasing the address range of expandable segment %#x: %w", seg.Ptr, err)
 	}
@@ -545,7 +758,8 @@ func (s *Space) ReleaseRange(seg *blocks.Segment) error {
 	return nil
 }
 
-// Close unmaps every mapped page, releases every handle and every range,
+// Close unmaps every mapped page and standby mapping, releases every
+// handle and every range,
 // and leaves the Space empty. It returns how many device frees that made,
 // one per contiguous mapped stretch, and every failure.
 func (s *Space) Close() (frees int64, errs []error) {
@@ -553,6 +767,15 @@ func (s *Space) Close() (frees int64, errs []error) {
 	if s.reserved > 0 {
 		if err := s.dev.Synchronize(); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: synchronising the device before unmapping: %w", err))
+		}
+	}
+	for _, es := range s.segs { // standby mappings first: their runs are released below
+		for i := range es.standby {
+			if es.standby[i] > 0 {
+				if err := s.unmapStandbys(es, uint64(i), uint64(len(es.standby)), nil); err != nil {
+					errs = append(errs, err)
+				}
+			}
 		}
 	}
 	for _, es := range s.segs {
@@ -588,12 +811,18 @@ func (s *Space) Close() (frees int64, errs []error) {
 	}
 	for _, r := range s.cache {
 		s.orphans = append(s.orphans, r.h)
+		s.drop(r.pend)
 	}
+	if p := s.parkWith; p != nil && p.refs == 0 {
+		p.refs = 1
+		s.drop(p)
+	}
+	s.parkWith = nil
 	for _, h := range s.orphans {
 		if err := s.release(h); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: releasing physical page handle %#x: %w", uint64(h), err))
 		}
 	}
-	s.segs, s.orphans, s.cache, s.reserved, s.cachedBytes = nil, nil, nil, 0, 0
+	s.segs, s.orphans, s.cache, s.standbys, s.reserved, s.cachedBytes = nil, nil, nil, nil, 0, 0
 	return frees, errs
 }

@@ -34,8 +34,13 @@ func newSpace(t *testing.T, capacity uint64, reclaim bool) *space {
 // newSpaceConfig is newSpace with the configuration cfg.
 func newSpaceConfig(t *testing.T, cfg Config) *space {
 	t.Helper()
-	capacity := cfg.Total
-	sim, err := simdev.New(simdev.Config{Capacity: capacity})
+	return newSpaceOn(t, cfg, simdev.Config{Capacity: cfg.Total})
+}
+
+// newSpaceOn is newSpaceConfig on a simulated device configured by sc.
+func newSpaceOn(t *testing.T, cfg Config, sc simdev.Config) *space {
+	t.Helper()
+	sim, err := simdev.New(sc)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -294,7 +299,7 @@ func TestReclaimMovesRuns(t *testing.T) {
 	if len(list) != 1 || list[0] != b0 {
 		t.Fatalf("Choose = %v, want stream 0's free block", list)
 	}
-	if err := s.SyncStreams(list); err != nil {
+	if _, err := s.Settle(list, false, 1); err != nil {
 		t.Fatal(err)
 	}
 	if u, _, _, released, err := s.UnmapBlock(p0, b0, true, 0); err != nil || u == nil || released != 0 {
@@ -381,14 +386,20 @@ func TestCheckFindsCorruption(t *testing.T) {
 		{"reserved", func() { s.reserved += 20 * miB }, "reserved"},
 		{"cached run also mapped", func() { s.putCached(cachedRun{h: es.handles[0], pages: 4, page: 2 * miB}); s.reserved += 8 * miB }, "mapped and in the handle cache"},
 		{"cached bytes", func() { s.cachedBytes += 2 * miB }, "2097152 counted"},
+		{"standby over mapped pages", func() { es.standby[0], es.sbHandles[0] = 4, es.handles[0] }, "over mapped pages"},
+		{"standby not listed", func() { es.grow(20); es.standby[16], es.sbHandles[16] = 1, 999 }, "is not listed"},
+		{"standby of no run", func() { es.grow(20); es.standby[16], es.sbHandles[16] = 1, 999 }, "no run of that length"},
+		{"standby listed nowhere", func() { s.addStandby(es.handles[0], place{es, 3}) }, "does not hold it"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			saved, savedSegs, savedMapped, savedRes, savedTable := slices.Clone(es.mapped), s.segs, es.seg.Mapped, s.reserved, s.table
 			savedRun, savedHandles, savedCache, savedCached := slices.Clone(es.run), slices.Clone(es.handles), slices.Clone(s.cache), s.cachedBytes
+			savedSB, savedSBH, savedSBP := slices.Clone(es.standby), slices.Clone(es.sbHandles), slices.Clone(es.sbPend)
 			tc.corrupt()
 			err := errors.Join(s.Check(s.table)...)
 			es.mapped, s.segs, es.seg.Mapped, s.reserved, s.table = saved, savedSegs, savedMapped, savedRes, savedTable
 			es.run, es.handles, s.cache, s.cachedBytes = savedRun, savedHandles, savedCache, savedCached
+			es.standby, es.sbHandles, es.sbPend, s.standbys = savedSB, savedSBH, savedSBP, nil
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("Check = %v, want a report containing %q", err, tc.want)
 			}
@@ -423,4 +434,95 @@ func TestCloseCountsFrees(t *testing.T) {
 		t.Fatalf("Close = %d frees, %v, reserved %d after; want 2, none, 0", frees, errs, s.Reserved())
 	}
 	s.table = nil
+}
+
+// TestStandbyReclaim: with standby mappings, a reclaim for a growth on the
+// stream that owns the free block waits for nothing and unmaps nothing
+// (an event is recorded instead); the growth maps the cached runs; a
+// growth back at the old place takes the runs back with no call; another
+// stream's mapping of runs parked without a wait waits for that event
+// first; and during a capture Find leaves out pages whose standby mapping
+// holds a run mapped elsewhere.
+func TestStandbyReclaim(t *testing.T) {
+	s := newSpaceOn(t, Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true, Standby: true},
+		simdev.Config{Capacity: 1 << 30, ManualEvents: true})
+	p := newPool(false)
+	b := s.find(t, p, 40*miB)
+	if _, err := s.MapBlock(p, b, 40*miB); err != nil {
+		t.Fatal(err)
+	}
+	// [0, 20) free, [20, 40) allocated, unmapped from 40 on.
+	p.Free.Delete(b)
+	a := blocks.Split(b, 20*miB, p.Recycler)
+	a.Allocated = true
+	p.Free.Insert(b)
+	grow := func(u *blocks.Block, free *blocks.Block, stream uint64) Mapping {
+		t.Helper()
+		ex := s.GrowthExcess(u, 20*miB, 20*miB)
+		list := s.Choose([]*blocks.Block{free}, ex)
+		if ex == 0 || len(list) != 1 || list[0] != free {
+			t.Fatalf("GrowthExcess = %d, Choose = %v; want a reclaim of %v", ex, list, free)
+		}
+		if n, err := s.Settle(list, false, stream); err != nil || n != 0 {
+			t.Fatalf("Settle waited for %d streams, %v; want none", n, err)
+		}
+		if _, _, _, released, err := s.UnmapBlock(p, free, true, 0); err != nil || released != 0 {
+			t.Fatalf("UnmapBlock: %d released, %v", released, err)
+		}
+		m, err := s.MapBlock(p, u, 20*miB)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	m := grow(a.Next, b, 0)
+	c, calls := s.sim.Counters(), s.Calls()
+	if m.Moved != 10 || m.New != 0 || calls.Unmaps != 0 || calls.Maps != 6 || c.StreamSyncs != 0 || c.EventRecords != 1 {
+		t.Fatalf("moved %d pages, %d bytes new; calls %+v, %d stream syncs, %d events recorded; want 10 pages moved, none new, 6 maps, no unmap, no sync, 1 event",
+			m.Moved, m.New, calls, c.StreamSyncs, c.EventRecords)
+	}
+	// The runs are mapped at [40, 60) and stand by at [0, 20): a growth
+	// back there takes them back.
+	m = grow(s.segs[0].seg.Head, a.Next, 0)
+	if after := s.Calls(); m.Moved != 10 || after.Maps != calls.Maps || after.Unmaps != 0 || after.Revived != 2 || after.Waits != 0 {
+		t.Fatalf("taking back: moved %d pages, calls %+v; want 10 pages, no map, no unmap, 2 runs revived, no wait", m.Moved, after)
+	}
+	// A reclaim for stream 0 parks them again, without a wait, and stream 1
+	// maps them: it waits for the work queued on stream 0 first.
+	back := s.segs[0].seg.Head
+	if n, err := s.Settle([]*blocks.Block{back}, false, 0); err != nil || n != 0 {
+		t.Fatalf("Settle waited for %d streams, %v; want none", n, err)
+	}
+	if _, _, _, _, err := s.UnmapBlock(p, back, true, 0); err != nil {
+		t.Fatal(err)
+	}
+	p1 := Pool{Free: blocks.NewStreamFreeIndex(1), Recycler: new(blocks.Recycler)}
+	b1, err := s.Reserve(p1, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b1.Segment.Index = len(s.table)
+	s.table = append(s.table, b1.Segment)
+	m, err = s.MapBlock(p1, b1, 20*miB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := s.sim.Counters(); m.Across != 10 || m.New != 0 || s.Calls().Waits != 1 || c.EventSyncs != 1 || c.StreamSyncs != 0 {
+		t.Fatalf("stream 1: %d pages across, %d new, %d waits, %d event syncs, %d stream syncs; want 10, 0, 1, 1, 0",
+			m.Across, m.New, s.Calls().Waits, c.EventSyncs, c.StreamSyncs)
+	}
+	if errs := s.Check(s.table); len(errs) > 0 {
+		t.Fatal(errors.Join(errs...))
+	}
+	// [0, 20) and [40, 60) of stream 0 stand by for runs now mapped in
+	// stream 1's range: a capture, which may not unmap, finds no room
+	// there.
+	s.SetCapturing(true)
+	if got := s.Find(p, 0, 20*miB); got != nil {
+		t.Errorf("during a capture Find = %v, want none (the standby pages hold runs mapped elsewhere)", got)
+	}
+	s.SetCapturing(false)
+	if got := s.Find(p, 0, 20*miB); got == nil || got.Ptr != back.Ptr {
+		t.Errorf("Find = %v, want the unmapped block at %#x", got, back.Ptr)
+	}
 }
