@@ -81,6 +81,20 @@ func (s *space) find(t *testing.T, p Pool, size uint64) *blocks.Block {
 	return b
 }
 
+// reserveOn reserves a large-pool range for stream, entered in the table
+// as the allocator does, and returns its pool and its unmapped block.
+func (s *space) reserveOn(t *testing.T, stream uint64) (Pool, *blocks.Block) {
+	t.Helper()
+	p := Pool{Free: blocks.NewStreamFreeIndex(stream), Recycler: new(blocks.Recycler)}
+	b, err := s.Reserve(p, stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.Segment.Index = len(s.table)
+	s.table = append(s.table, b.Segment)
+	return p, b
+}
+
 // runs lists the run lengths of the first range, in page order.
 func (s *space) runs() []uint32 {
 	var out []uint32
@@ -284,13 +298,7 @@ func TestReclaimMovesRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Stream 1's range: nothing mapped yet.
-	p1 := Pool{Free: blocks.NewStreamFreeIndex(1), Recycler: new(blocks.Recycler)}
-	b1, err := s.Reserve(p1, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b1.Segment.Index = len(s.table)
-	s.table = append(s.table, b1.Segment)
+	p1, b1 := s.reserveOn(t, 1)
 	// 40 MiB reserved is the mark; 20 MiB allocated allows no slack.
 	if got := s.GrowthExcess(b1, 20*miB, 20*miB); got != 20*miB {
 		t.Fatalf("GrowthExcess = %d MiB, want 20", got/miB)
@@ -496,14 +504,8 @@ func TestStandbyReclaim(t *testing.T) {
 	if _, _, _, _, err := s.UnmapBlock(p, back, true, 0); err != nil {
 		t.Fatal(err)
 	}
-	p1 := Pool{Free: blocks.NewStreamFreeIndex(1), Recycler: new(blocks.Recycler)}
-	b1, err := s.Reserve(p1, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b1.Segment.Index = len(s.table)
-	s.table = append(s.table, b1.Segment)
-	m, err = s.MapBlock(p1, b1, 20*miB)
+	p1, b1 := s.reserveOn(t, 1)
+	m, err := s.MapBlock(p1, b1, 20*miB)
 	if err != nil {
 		t.Fatal(err)
 	}
