@@ -53,10 +53,10 @@ func (c Calls) Sub(o Calls) Calls {
 func (s *Space) Calls() Calls { return s.calls }
 
 // cachedRun is a run that reclaim unmapped and kept: its handle, its
-// length in pages of page bytes, the pool it was counted in (small) and
-// the stream whose range it left, and what it waits for. Its memory is still held from the
-// device, so it counts as reserved (see "The handle cache" in the package
-// doc).
+// length in pages of page bytes, the pool it was counted in (small), the
+// stream whose range it left, and what it waits for. Its memory is still
+// held from the device, so it counts as reserved (see "The handle cache"
+// in the package doc).
 type cachedRun struct {
 	h           cudart.Handle
 	pages, page uint64
@@ -144,24 +144,19 @@ func (s *Space) takeAt(i int) cachedRun {
 	return r
 }
 
+// cachedIndex returns the place in the cache of the run of handle h, -1
+// when h is not cached (mapped elsewhere).
+func (s *Space) cachedIndex(h cudart.Handle) int {
+	return slices.IndexFunc(s.cache, func(r cachedRun) bool { return r.h == h })
+}
+
 // revivable says whether the run of handle h is in the cache and, during
 // a capture (which may not wait), may be mapped for stream without
 // waiting: whether a standby mapping of it in a range of stream can be
 // taken back.
 func (s *Space) revivable(h cudart.Handle, stream uint64) bool {
-	i := slices.IndexFunc(s.cache, func(r cachedRun) bool { return r.h == h })
+	i := s.cachedIndex(h)
 	return i >= 0 && (!s.capturing || s.cache[i].pend.ready(stream))
-}
-
-// takeHandle removes from the cache and returns the run of handle h; ok
-// is false when h is not cached (mapped elsewhere).
-func (s *Space) takeHandle(h cudart.Handle) (r cachedRun, ok bool) {
-	for i, c := range s.cache {
-		if c.h == h {
-			return s.takeAt(i), true
-		}
-	}
-	return cachedRun{}, false
 }
 
 // Standby mappings (see the package doc): where each handle has them.

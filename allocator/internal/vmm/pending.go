@@ -3,6 +3,7 @@ package vmm
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"go.uber.org/zap"
 
@@ -69,6 +70,16 @@ func (p *pending) ready(stream uint64) bool {
 	return p == nil || p.done || p.stream == blocks.DeviceStream(stream)
 }
 
+// forgetParkWith forgets the last Settle's pending, destroying its event
+// when that reclaim parked nothing with it.
+func (s *Space) forgetParkWith() {
+	if p := s.parkWith; p != nil && p.refs == 0 {
+		p.refs = 1
+		s.drop(p)
+	}
+	s.parkWith = nil
+}
+
 // waitFor waits, before the cached run r is mapped in a range of stream,
 // for the work that may still use it elsewhere, unless r is ready there.
 // A capture never gets here with a run that is not (takeCached and
@@ -121,11 +132,7 @@ func (s *Space) Keeps(b *blocks.Block, small bool) bool {
 // stream, only once that work has completed (see "Reclaim without
 // waiting" in the package doc).
 func (s *Space) Settle(list []*blocks.Block, small bool, stream uint64) (int, error) {
-	if p := s.parkWith; p != nil && p.refs == 0 {
-		p.refs = 1
-		s.drop(p) // the last reclaim parked nothing with it
-	}
-	s.parkWith = nil
+	s.forgetParkWith()
 	var done [8]uint64
 	synced := done[:0]
 	for _, b := range list {
@@ -140,32 +147,22 @@ func (s *Space) Settle(list []*blocks.Block, small bool, stream uint64) (int, er
 			}
 			continue
 		}
-		if containsStream(synced, st) {
+		if slices.Contains(synced, st) {
 			continue
 		}
-		dst := st
 		s.calls.Waits++
-		if err := s.dev.StreamSynchronize(cudart.Stream(dst)); err != nil {
+		if err := s.dev.StreamSynchronize(cudart.Stream(st)); err != nil {
 			if !errors.Is(err, cudart.ErrInvalidValue) {
-				return len(synced), fmt.Errorf("allocator: synchronising stream %#x before unmapping: %w", dst, err)
+				return len(synced), fmt.Errorf("allocator: synchronising stream %#x before unmapping: %w", st, err)
 			}
 			if err := s.dev.Synchronize(); err != nil {
-				return len(synced), fmt.Errorf("allocator: synchronising the device before unmapping (stream %#x is gone): %w", dst, err)
+				return len(synced), fmt.Errorf("allocator: synchronising the device before unmapping (stream %#x is gone): %w", st, err)
 			}
 			return len(synced) + 1, nil
 		}
 		synced = append(synced, st)
 	}
 	return len(synced), nil
-}
-
-func containsStream(list []uint64, st uint64) bool {
-	for _, x := range list {
-		if x == st {
-			return true
-		}
-	}
-	return false
 }
 
 // record returns a pending for the work queued on the device stream now,

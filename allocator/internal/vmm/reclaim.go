@@ -95,7 +95,6 @@ func (s *Space) Choose(free []*blocks.Block, want uint64) []*blocks.Block {
 		return list
 	}
 	target := s.Target(want)
-	var got uint64
 	sort.SliceStable(cands, func(i, j int) bool { return cands[i].bytes > cands[j].bytes })
 	for i := len(cands) - 1; i >= 0; i-- {
 		if cands[i].bytes >= target {
@@ -103,6 +102,7 @@ func (s *Space) Choose(free []*blocks.Block, want uint64) []*blocks.Block {
 			break
 		}
 	}
+	var got uint64
 	for _, cand := range cands {
 		if got >= target {
 			break

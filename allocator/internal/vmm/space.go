@@ -467,7 +467,7 @@ func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd ui
 		if n := es.standbyAt(i); n > 0 {
 			h := es.sbHandles[i]
 			if s.revivable(h, es.seg.Stream) {
-				r, _ := s.takeHandle(h)
+				r := s.takeAt(s.cachedIndex(h))
 				ps = append(ps, piece{at: i, pages: n, h: h, cached: true, revived: true, r: r})
 				if err := s.waitFor(r, es.seg.Stream); err != nil {
 					return fail(err, "taking back a standby mapping")
@@ -813,11 +813,7 @@ func (s *Space) Close() (frees int64, errs []error) {
 		s.orphans = append(s.orphans, r.h)
 		s.drop(r.pend)
 	}
-	if p := s.parkWith; p != nil && p.refs == 0 {
-		p.refs = 1
-		s.drop(p)
-	}
-	s.parkWith = nil
+	s.forgetParkWith()
 	for _, h := range s.orphans {
 		if err := s.release(h); err != nil {
 			errs = append(errs, fmt.Errorf("allocator: releasing physical page handle %#x: %w", uint64(h), err))
