@@ -72,7 +72,14 @@ func (s *space) find(t *testing.T, p Pool, size uint64) *blocks.Block {
 	if b := s.Find(p, 0, size); b != nil {
 		return b
 	}
-	b, err := s.Reserve(p, 0)
+	return s.reserveIn(t, p, 0)
+}
+
+// reserveIn reserves a range of pool p for stream, entered in the table
+// as the allocator does, and returns its unmapped block.
+func (s *space) reserveIn(t *testing.T, p Pool, stream uint64) *blocks.Block {
+	t.Helper()
+	b, err := s.Reserve(p, stream)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -86,13 +93,7 @@ func (s *space) find(t *testing.T, p Pool, size uint64) *blocks.Block {
 func (s *space) reserveOn(t *testing.T, stream uint64) (Pool, *blocks.Block) {
 	t.Helper()
 	p := Pool{Free: blocks.NewStreamFreeIndex(stream), Recycler: new(blocks.Recycler)}
-	b, err := s.Reserve(p, stream)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.Segment.Index = len(s.table)
-	s.table = append(s.table, b.Segment)
-	return p, b
+	return p, s.reserveIn(t, p, stream)
 }
 
 // runs lists the run lengths of the first range, in page order.
@@ -423,13 +424,7 @@ func TestCheckFindsCorruption(t *testing.T) {
 func TestCloseCountsFrees(t *testing.T) {
 	s := newSpace(t, 1<<30, true)
 	for stream := range uint64(3) {
-		p := Pool{Free: blocks.NewStreamFreeIndex(stream), Recycler: new(blocks.Recycler)}
-		b, err := s.Reserve(p, stream)
-		if err != nil {
-			t.Fatal(err)
-		}
-		b.Segment.Index = len(s.table)
-		s.table = append(s.table, b.Segment)
+		p, b := s.reserveOn(t, stream)
 		if stream == 2 {
 			continue // reserved, nothing mapped
 		}
