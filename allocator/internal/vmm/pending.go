@@ -38,9 +38,14 @@ func (s *Space) drop(p *pending) {
 		return
 	}
 	if p.refs--; p.refs == 0 {
-		if err := s.dev.EventDestroy(p.ev); err != nil {
-			s.log.Error("destroying a reclaim's event failed", zap.Error(err))
-		}
+		s.destroy(p)
+	}
+}
+
+// destroy destroys p's event.
+func (s *Space) destroy(p *pending) {
+	if err := s.dev.EventDestroy(p.ev); err != nil {
+		s.log.Error("destroying a reclaim's event failed", zap.Error(err))
 	}
 }
 
@@ -57,7 +62,7 @@ func (s *Space) wait(p *pending) error {
 		err = s.dev.EventSynchronize(p.ev)
 	}
 	if err != nil {
-		return fmt.Errorf("allocator: waiting for the work queued on stream %#x before a reclaim: %w", p.stream, err)
+		return fmt.Errorf("allocator: waiting for the work a reclaim left queued on stream %#x: %w", p.stream, err)
 	}
 	p.done = true
 	return nil
@@ -74,8 +79,7 @@ func (p *pending) ready(stream uint64) bool {
 // when that reclaim parked nothing with it.
 func (s *Space) forgetParkWith() {
 	if p := s.parkWith; p != nil && p.refs == 0 {
-		p.refs = 1
-		s.drop(p)
+		s.destroy(p)
 	}
 	s.parkWith = nil
 }
