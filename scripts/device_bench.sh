@@ -21,8 +21,10 @@
 #      round's ratio, with the ratio of the two sides' best rounds beside it: on a
 #      shared host one core runs a replay up to 1.6x slower than another, and a core's
 #      speed moves from minute to minute; mixed ratios come from stages 1 and 2)
-#   5. CPU profiles of allocd's replays of gpt2_train and resnet50_train, each
-#      trace given $PROF_REPS times (default 100) to one allocd bench --cpuprofile:
+#   5. CPU profiles of allocd's replays of the traces $PROF_TRACES names (default
+#      gpt2m_generate, gpt2_train and resnet50_train, the remaining time shared
+#      equally), each trace given $PROF_REPS times (default 100; 30 for
+#      gpt2m_generate, twenty times longer) to one allocd bench --cpuprofile:
 #      one profile per trace holds its cold and warm replays, told apart by label
 #      (go tool pprof -tagfocus=bench=replay_cold, or -tagfocus=pass=second for the
 #      warm replay's timed pass)                        -> profiles.tar.gz
@@ -39,6 +41,7 @@ set -uo pipefail
 . "$(dirname "$0")/device_lib.sh"
 BUDGET_S=${BUDGET_S:-420}
 PROF_REPS=${PROF_REPS:-100}
+PROF_TRACES=${PROF_TRACES:-gpt2m_generate gpt2_train resnet50_train}
 ROUNDS=${ROUNDS:-5}
 DEVICE=${DEVICE:-cuda}
 read -ra bench_args <<<"${BENCH_ARGS:-}"
@@ -178,14 +181,18 @@ say "CPU profiles of allocd's replays -> $OUT/profiles.tar.gz"
 prof=$(mktemp -d)
 mkdir "$prof/profiles"
 cp "$BIN/allocd" "$prof/profiles/allocd"
-for name in gpt2_train resnet50_train; do
+read -r -a prof_traces <<<"$PROF_TRACES"
+remaining=${#prof_traces[@]}
+for name in "${prof_traces[@]}"; do
 	f=$(ls "$TRACES/$name".pickle.gz "$TRACES/$name".pickle 2>/dev/null | head -1)
+	remaining=$((remaining - 1))
 	[ -n "$f" ] || { say "no $name trace in $TRACES"; continue; }
 	[ "$(left)" -gt 20 ] || { say "no time left for the $name profile"; break; }
+	reps=$PROF_REPS
+	[ "$name" = gpt2m_generate ] && reps=$(((PROF_REPS * 3 + 9) / 10))
 	args=()
-	for _ in $(seq "$PROF_REPS"); do args+=("$f"); done
-	limit=$(($(left) - 10))
-	[ "$name" = gpt2_train ] && limit=$((limit / 2))
+	for _ in $(seq "$reps"); do args+=("$f"); done
+	limit=$((($(left) - 10) / (remaining + 1)))
 	timeout "$limit" "$BIN/allocd" bench --device "$DEVICE" --no-pair --no-mixed --json \
 		--cpuprofile "$prof/profiles/$name.prof" "${args[@]}" >"$prof/profiles/$name.json" 2>"$prof/profiles/$name.err"
 	echo "allocd bench --cpuprofile $name rc=$?"
