@@ -50,6 +50,9 @@ func newTestAllocatorOn(t testing.TB, dev cudart.Device, sim *simdev.Sim, conf s
 		if used := sim.Used(); used != 0 {
 			t.Errorf("after Close the device still holds %d bytes", used)
 		}
+		if n := sim.Counters().LiveEvents; n != 0 {
+			t.Errorf("after Close the device still holds %d events", n)
+		}
 	})
 	return a
 }

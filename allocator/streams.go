@@ -148,6 +148,9 @@ func (a *Allocator) releaseShard(sh *shard) error {
 	if sh.segments != 0 {
 		return fmt.Errorf("allocator: release stream %#x: %d segments remain", uint64(sh.stream), sh.segments)
 	}
+	if a.exp != nil {
+		a.exp.ForgetStream(uint64(sh.stream))
+	}
 	a.dropShard(sh)
 	return nil
 }

@@ -115,7 +115,7 @@ func (s *Space) takeCached(seg *blocks.Segment, rem, room uint64, keepOut []cuda
 	best, over := -1, -1
 	for i, c := range s.cache {
 		if !s.usable(c, seg) || c.pages > room || slices.Contains(keepOut, c.h) ||
-			s.capturing && !c.pend.ready(seg.Stream) { // a capture may not wait
+			s.capturing && !c.pend.settled() { // a capture may not wait (settled)
 			continue
 		}
 		if c.pages <= rem {
@@ -151,12 +151,11 @@ func (s *Space) cachedIndex(h cudart.Handle) int {
 }
 
 // revivable says whether the run of handle h is in the cache and, during
-// a capture (which may not wait), may be mapped for stream without
-// waiting: whether a standby mapping of it in a range of stream can be
-// taken back.
-func (s *Space) revivable(h cudart.Handle, stream uint64) bool {
+// a capture, settled (see pending.settled): whether a standby mapping of
+// it can be taken back.
+func (s *Space) revivable(h cudart.Handle) bool {
 	i := s.cachedIndex(h)
-	return i >= 0 && (!s.capturing || s.cache[i].pend.ready(stream))
+	return i >= 0 && (!s.capturing || s.cache[i].pend.settled())
 }
 
 // Standby mappings (see the package doc): where each handle has them.

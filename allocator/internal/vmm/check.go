@@ -151,8 +151,9 @@ func (s *Space) checkStandby() []error {
 	found := 0
 	for _, es := range s.segs {
 		seg := es.seg
-		if len(es.standby) != len(es.mapped) || len(es.sbHandles) != len(es.mapped) {
-			errs = append(errs, fmt.Errorf("expandable segment %#x: %d pages, %d standby lengths, %d standby handles", seg.Ptr, len(es.mapped), len(es.standby), len(es.sbHandles)))
+		if len(es.standby) != len(es.mapped) || len(es.sbHandles) != len(es.mapped) || len(es.sbPend) != len(es.mapped) {
+			errs = append(errs, fmt.Errorf("expandable segment %#x: %d pages, %d standby lengths, %d standby handles, %d standby events",
+				seg.Ptr, len(es.mapped), len(es.standby), len(es.sbHandles), len(es.sbPend)))
 			continue
 		}
 		var in uint64 // pages of es still inside the standby mapping seen last
@@ -193,8 +194,11 @@ func (s *Space) checkStandby() []error {
 		errs = append(errs, fmt.Errorf("standby mappings: %d in the ranges, %d listed", found, listed))
 	}
 	// Every pending is held by as many cached runs and standby mappings
-	// as its count says.
+	// as its count says, and by parkWith.
 	held := make(map[*pending]int)
+	if p := s.parkWith; p != nil {
+		held[p]++
+	}
 	for _, r := range s.cache {
 		if r.pend != nil {
 			held[r.pend]++

@@ -177,8 +177,15 @@
 // standby mapping is unmapped, and a cached run mapped for another
 // stream, only once it has completed; by then it usually has, and a query
 // says so without blocking (Calls.Waits counts the waits that block or
-// synchronise). During a capture, cached runs that would need a wait are
-// left alone.
+// synchronise). During a capture, cached runs whose event is not known to
+// have completed are left alone, even on the stream that parked them: the
+// captured work runs when the graph is launched, on whatever stream that
+// is, and would not be ordered after the work that used them.
+//
+// The pending that Settle records is held by parkWith as well as by what
+// UnmapBlock parks with it, until the next Settle or Close: a mapping may
+// take every parked run back before then, and the event must be
+// destroyed exactly once, when its last holder lets it go.
 //
 // The marks that the run and reclaim policies read (the largest reserved
 // figure, the largest allocated figure seen at a mapping) describe the

@@ -62,7 +62,11 @@ func (s *Space) wait(p *pending) error {
 		err = s.dev.EventSynchronize(p.ev)
 	}
 	if err != nil {
-		return fmt.Errorf("allocator: waiting for the work a reclaim left queued on stream %#x: %w", p.stream, err)
+		where := fmt.Sprintf("stream %#x", p.stream)
+		if p.stream == goneStream {
+			where = "a stream since let go"
+		}
+		return fmt.Errorf("allocator: waiting for the work a reclaim left queued on %s: %w", where, err)
 	}
 	p.done = true
 	return nil
@@ -75,19 +79,56 @@ func (p *pending) ready(stream uint64) bool {
 	return p == nil || p.done || p.stream == blocks.DeviceStream(stream)
 }
 
-// forgetParkWith forgets the last Settle's pending, destroying its event
-// when that reclaim parked nothing with it.
-func (s *Space) forgetParkWith() {
-	if p := s.parkWith; p != nil && p.refs == 0 {
-		s.destroy(p)
+// goneStream is the stream of a pending whose stream the allocator let
+// go (ForgetStream): no stream is ever it, not even a pool stream's device
+// stream.
+const goneStream = ^uint64(0)
+
+// ForgetStream marks the work that parked runs wait for on device stream
+// as no stream's: the allocator lets the stream go, and a stream created
+// later may get its handle, whose growths must then wait for that work
+// (a query, usually) rather than take it for their own (see ready). A
+// pool stream is no device stream: ForgetStream of one changes nothing.
+func (s *Space) ForgetStream(stream uint64) {
+	if stream&blocks.PoolStreamBit != 0 {
+		return
 	}
+	forget := func(p *pending) {
+		if p != nil && p.stream == stream {
+			p.stream = goneStream
+		}
+	}
+	for _, r := range s.cache {
+		forget(r.pend)
+	}
+	for _, es := range s.segs {
+		for _, p := range es.sbPend {
+			forget(p)
+		}
+	}
+	forget(s.parkWith)
+}
+
+// settled says whether the work p stands for is known to have completed,
+// or there is none: what a capture needs before it maps a run p holds. A
+// capture may not wait, and the work it records runs when the graph is
+// launched, on whatever stream that is, so that even a run parked from
+// the capturing stream is not ordered after the work that used it.
+func (p *pending) settled() bool { return p == nil || p.done }
+
+// forgetParkWith forgets the last Settle's pending and drops the
+// reference parkWith holds: its event is destroyed now when that reclaim
+// parked nothing with it, or when everything it parked has let it go
+// since (a mapping took its standby runs back).
+func (s *Space) forgetParkWith() {
+	s.drop(s.parkWith)
 	s.parkWith = nil
 }
 
 // waitFor waits, before the cached run r is mapped in a range of stream,
 // for the work that may still use it elsewhere, unless r is ready there.
-// A capture never gets here with a run that is not (takeCached and
-// revivable leave such runs out).
+// A capture never gets here with a run that is not settled (takeCached
+// and revivable leave such runs out).
 func (s *Space) waitFor(r cachedRun, stream uint64) error {
 	if r.pend.ready(stream) {
 		return nil
@@ -134,25 +175,29 @@ func (s *Space) Keeps(b *blocks.Block, small bool) bool {
 // the stream instead, which UnmapBlock attaches to what it parks: a
 // standby mapping is unmapped, and a cached run mapped for another
 // stream, only once that work has completed (see "Reclaim without
-// waiting" in the package doc).
+// waiting" in the package doc). When the event cannot be created or
+// recorded, Settle waits for the stream instead.
 func (s *Space) Settle(list []*blocks.Block, small bool, stream uint64) (int, error) {
 	s.forgetParkWith()
 	var done [8]uint64
 	synced := done[:0]
 	for _, b := range list {
 		st := blocks.DeviceStream(b.Segment.Stream)
-		if s.cfg.Standby && s.Keeps(b, small) && st == blocks.DeviceStream(stream) {
-			if s.parkWith == nil {
-				p, err := s.record(st)
-				if err != nil {
-					return len(synced), err
-				}
-				s.parkWith = p
-			}
-			continue
-		}
 		if slices.Contains(synced, st) {
-			continue
+			continue // waited for: what is parked from it waits for nothing
+		}
+		if s.cfg.Standby && s.Keeps(b, small) && st == blocks.DeviceStream(stream) {
+			if s.parkWith != nil {
+				continue
+			}
+			p, err := s.record(st)
+			if err == nil {
+				s.parkWith = p.hold()
+				continue
+			}
+			// Without an event, wait for the stream, as without standby
+			// mappings: what UnmapBlock parks then waits for nothing.
+			s.log.Warn("a reclaim waits for its stream instead", zap.Error(err))
 		}
 		s.calls.Waits++
 		if err := s.dev.StreamSynchronize(cudart.Stream(st)); err != nil {
@@ -170,7 +215,8 @@ func (s *Space) Settle(list []*blocks.Block, small bool, stream uint64) (int, er
 }
 
 // record returns a pending for the work queued on the device stream now,
-// with no reference yet: an event recorded there.
+// with no reference yet: an event recorded there. Settle takes the first
+// for parkWith.
 func (s *Space) record(stream uint64) (*pending, error) {
 	ev, err := s.dev.EventCreate()
 	if err != nil {

@@ -84,7 +84,9 @@ type Space struct {
 	handles  []cudart.Handle // mapPages' handles for one call, reused
 	keepOut  []cudart.Handle // standby handles a mapping may revive, reused
 	// parkWith is the pending the last Settle recorded, for UnmapBlock to
-	// attach to the runs it parks (see pending.go).
+	// attach to the runs it parks (see pending.go). It holds a reference
+	// of its own until the next Settle or Close, so that the event
+	// outlives the runs that let it go before then.
 	parkWith *pending
 	// capturing says that a CUDA graph capture is under way: no standby
 	// mapping may be unmapped (SetCapturing).
@@ -261,7 +263,7 @@ func (es *expSegment) addr(page uint64) uint64 { return es.seg.Ptr + page*es.seg
 // starts, or limit: where a mapping that may not unmap must stop.
 func (s *Space) blocker(es *expSegment, begin, limit uint64) uint64 {
 	for i := begin; i < min(limit, uint64(len(es.standby))); i++ {
-		if es.standby[i] > 0 && !s.revivable(es.sbHandles[i], es.seg.Stream) {
+		if es.standby[i] > 0 && !s.revivable(es.sbHandles[i]) {
 			return i
 		}
 	}
@@ -457,7 +459,7 @@ func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd ui
 	}
 	keepOut := s.keepOut[:0]
 	for i, stop := begin, min(end, uint64(len(es.standby))); i < stop; i++ {
-		if es.standby[i] > 0 && s.revivable(es.sbHandles[i], es.seg.Stream) {
+		if es.standby[i] > 0 && s.revivable(es.sbHandles[i]) {
 			keepOut = append(keepOut, es.sbHandles[i])
 		}
 	}
@@ -466,7 +468,7 @@ func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd ui
 	for i, fromCache := begin, true; i < end; {
 		if n := es.standbyAt(i); n > 0 {
 			h := es.sbHandles[i]
-			if s.revivable(h, es.seg.Stream) {
+			if s.revivable(h) {
 				r := s.takeAt(s.cachedIndex(h))
 				ps = append(ps, piece{at: i, pages: n, h: h, cached: true, revived: true, r: r})
 				if err := s.waitFor(r, es.seg.Stream); err != nil {
@@ -478,8 +480,7 @@ func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd ui
 			if s.capturing { // MapBlock's limit stops before it
 				return fail(fmt.Errorf("pages %d to %d hold a run mapped elsewhere, which a capture may not unmap: %w", i, i+n, cudart.ErrInvalidValue), "mapping")
 			}
-			revivable := func(h cudart.Handle) bool { return s.revivable(h, es.seg.Stream) }
-			if err := s.unmapStandbys(es, i, limit, revivable); err != nil {
+			if err := s.unmapStandbys(es, i, limit, s.revivable); err != nil {
 				return fail(err, "freeing pages of a standby mapping")
 			}
 			continue
@@ -775,6 +776,12 @@ func (s *Space) Close() (frees int64, errs []error) {
 				if err := s.unmapStandbys(es, uint64(i), uint64(len(es.standby)), nil); err != nil {
 					errs = append(errs, err)
 				}
+			}
+		}
+		for i, p := range es.sbPend { // those that failed still hold their events
+			if p != nil {
+				s.drop(p)
+				es.sbPend[i] = nil
 			}
 		}
 	}

@@ -2,11 +2,13 @@ package vmm
 
 import (
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
@@ -44,7 +46,8 @@ func newSpaceOn(t *testing.T, cfg Config, sc simdev.Config) *space {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &space{Space: New(sim, sim, cfg, zap.NewNop()), sim: sim}
+	core, logs := observer.New(zap.ErrorLevel)
+	s := &space{Space: New(sim, sim, cfg, zap.New(core)), sim: sim}
 	t.Cleanup(func() {
 		if errs := s.Check(s.table); len(errs) > 0 {
 			t.Errorf("Check at end of test: %v", errors.Join(errs...))
@@ -56,6 +59,12 @@ func newSpaceOn(t *testing.T, cfg Config, sc simdev.Config) *space {
 		if used := sim.Used(); used != 0 || c.LiveHandles != 0 || c.LiveMappings != 0 || c.LiveReservations != 0 {
 			t.Errorf("after Close the device holds %d bytes, %d handles, %d mappings, %d reservations",
 				used, c.LiveHandles, c.LiveMappings, c.LiveReservations)
+		}
+		if n := sim.Counters().LiveEvents; n != 0 {
+			t.Errorf("after Close the device holds %d events", n)
+		}
+		for _, e := range logs.All() { // a failed device call the Space could only log
+			t.Errorf("logged: %s %v", e.Message, e.ContextMap())
 		}
 	})
 	return s
@@ -521,5 +530,195 @@ func TestStandbyReclaim(t *testing.T) {
 	s.SetCapturing(false)
 	if got := s.Find(p, 0, 20*miB); got == nil || got.Ptr != back.Ptr {
 		t.Errorf("Find = %v, want the unmapped block at %#x", got, back.Ptr)
+	}
+}
+
+// TestStandbyTakenBackThenSettle: a reclaim parks its runs with the event
+// it recorded, a mapping at the same place takes them all back, and the
+// next Settle forgets the event: it is destroyed once, when the last
+// holder lets it go (newSpaceOn fails on a logged failure to destroy it,
+// and on an event left after Close).
+func TestStandbyTakenBackThenSettle(t *testing.T) {
+	s := newSpaceOn(t, Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true, Standby: true},
+		simdev.Config{Capacity: 1 << 30, ManualEvents: true})
+	p := newPool(false)
+	b := s.find(t, p, 40*miB)
+	if _, err := s.MapBlock(p, b, 40*miB); err != nil {
+		t.Fatal(err)
+	}
+	// [0, 20) free, [20, 40) allocated.
+	p.Free.Delete(b)
+	a := blocks.Split(b, 20*miB, p.Recycler)
+	a.Allocated = true
+	p.Free.Insert(b)
+	if n, err := s.Settle([]*blocks.Block{b}, false, 0); err != nil || n != 0 {
+		t.Fatalf("Settle waited for %d streams, %v; want none", n, err)
+	}
+	u, _, _, _, err := s.UnmapBlock(p, b, true, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if errs := s.Check(s.table); len(errs) > 0 {
+		t.Fatalf("Check after the reclaim: %v", errors.Join(errs...))
+	}
+	before := s.sim.Counters().EventDestroys
+	if _, err := s.MapBlock(p, u, 20*miB); err != nil {
+		t.Fatal(err)
+	}
+	if c := s.Calls(); c.Revived == 0 {
+		t.Fatalf("the mapping took back no standby run: %+v", c)
+	}
+	if errs := s.Check(s.table); len(errs) > 0 {
+		t.Fatalf("Check after taking the runs back: %v", errors.Join(errs...))
+	}
+	if _, err := s.Settle(nil, false, 0); err != nil {
+		t.Fatal(err)
+	}
+	if n := s.sim.Counters().EventDestroys - before; n != 1 {
+		t.Errorf("the reclaim's event was destroyed %d times, want once", n)
+	}
+}
+
+// TestCaptureMapsNoUnsettledRun: during a capture, a growth on the very
+// stream that parked cached runs without waiting neither maps them
+// elsewhere nor takes their standby mappings back until their event is
+// seen done: the captured work runs when the graph is launched, on any
+// stream, unordered with the work that used them.
+func TestCaptureMapsNoUnsettledRun(t *testing.T) {
+	s := newSpaceOn(t, Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true, Standby: true},
+		simdev.Config{Capacity: 1 << 30, ManualEvents: true})
+	p := newPool(false)
+	b := s.find(t, p, 40*miB)
+	if _, err := s.MapBlock(p, b, 40*miB); err != nil {
+		t.Fatal(err)
+	}
+	// [0, 20) free, [20, 40) allocated, unmapped from 40 on.
+	p.Free.Delete(b)
+	a := blocks.Split(b, 20*miB, p.Recycler)
+	a.Allocated = true
+	p.Free.Insert(b)
+	if n, err := s.Settle([]*blocks.Block{b}, false, 0); err != nil || n != 0 {
+		t.Fatalf("Settle waited for %d streams, %v; want none", n, err)
+	}
+	u, _, _, _, err := s.UnmapBlock(p, b, true, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.SetCapturing(true)
+	if got := s.Find(p, 0, 20*miB); got != nil && got.Ptr == u.Ptr {
+		t.Errorf("during a capture Find = %v, the pages whose standby runs are not settled", got)
+	}
+	m, err := s.MapBlock(p, a.Next, 20*miB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := s.Calls(); m.Moved != 0 || m.New != 20*miB || c.Revived != 0 || c.Waits != 0 || s.sim.Counters().EventQueries != 0 {
+		t.Errorf("capture: %d pages moved, %d bytes new, calls %+v, %d event queries; want the runs left, 20 MiB new, no wait or query",
+			m.Moved, m.New, c, s.sim.Counters().EventQueries)
+	}
+	s.SetCapturing(false)
+	if errs := s.Check(s.table); len(errs) > 0 {
+		t.Fatal(errors.Join(errs...))
+	}
+}
+
+// TestForgetStream: runs a reclaim parked from a stream without waiting
+// are the stream's own work only while the allocator keeps the stream;
+// once it lets it go (ForgetStream), a stream that gets the same handle
+// waits for that work before it maps them.
+func TestForgetStream(t *testing.T) {
+	for _, forget := range []bool{false, true} {
+		t.Run(fmt.Sprintf("forget=%v", forget), func(t *testing.T) {
+			s := newSpaceOn(t, Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true, Standby: true},
+				simdev.Config{Capacity: 1 << 30, ManualEvents: true})
+			st, err := s.sim.StreamCreate()
+			if err != nil {
+				t.Fatal(err)
+			}
+			stream := uint64(st)
+			p, b := s.reserveOn(t, stream)
+			if _, err := s.MapBlock(p, b, 40*miB); err != nil {
+				t.Fatal(err)
+			}
+			// [0, 20) free, [20, 40) allocated, unmapped from 40 on.
+			p.Free.Delete(b)
+			a := blocks.Split(b, 20*miB, p.Recycler)
+			a.Allocated = true
+			p.Free.Insert(b)
+			if n, err := s.Settle([]*blocks.Block{b}, false, stream); err != nil || n != 0 {
+				t.Fatalf("Settle waited for %d streams, %v; want none", n, err)
+			}
+			if _, _, _, _, err := s.UnmapBlock(p, b, true, 0); err != nil {
+				t.Fatal(err)
+			}
+			if forget {
+				s.ForgetStream(stream)
+			}
+			p2, b2 := s.reserveOn(t, stream) // a new range of the stream
+			m, err := s.MapBlock(p2, b2, 20*miB)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := int64(0)
+			if forget {
+				want = 1
+			}
+			if c := s.Calls(); m.Moved+m.Across != 10 || c.Waits != want {
+				t.Errorf("%d pages moved, %d across, %d waits; want the 10 cached pages mapped after %d waits", m.Moved, m.Across, c.Waits, want)
+			}
+		})
+	}
+}
+
+// noEvents is a simulated device whose events cannot be recorded.
+type noEvents struct{ *simdev.Sim }
+
+func (noEvents) EventRecord(cudart.Event, cudart.Stream) error {
+	return fmt.Errorf("sim: no events today: %w", cudart.ErrInvalidValue)
+}
+
+// TestSettleWithoutEvents: a reclaim on its own stream that cannot record
+// its event waits for the stream instead, as without standby mappings,
+// and what it parks then waits for nothing; the growth goes on.
+func TestSettleWithoutEvents(t *testing.T) {
+	sim, err := simdev.New(simdev.Config{Capacity: 1 << 30, ManualEvents: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	core, logs := observer.New(zap.WarnLevel)
+	s := &space{Space: New(noEvents{sim}, sim, Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true, Standby: true}, zap.New(core)), sim: sim}
+	defer func() {
+		if _, errs := s.Close(); len(errs) > 0 {
+			t.Errorf("Close: %v", errors.Join(errs...))
+		}
+		if c := sim.Counters(); c.LiveEvents != 0 {
+			t.Errorf("after Close the device holds %d events", c.LiveEvents)
+		}
+	}()
+	p := newPool(false)
+	b := s.find(t, p, 40*miB)
+	if _, err := s.MapBlock(p, b, 40*miB); err != nil {
+		t.Fatal(err)
+	}
+	p.Free.Delete(b)
+	a := blocks.Split(b, 20*miB, p.Recycler)
+	a.Allocated = true
+	p.Free.Insert(b)
+	if n, err := s.Settle([]*blocks.Block{b, b}, false, 0); err != nil || n != 1 {
+		t.Fatalf("Settle waited for %d streams, %v; want 1 and no error", n, err)
+	}
+	if c := sim.Counters(); c.StreamSyncs != 1 || s.Calls().Waits != 1 || logs.Len() != 1 {
+		t.Errorf("%d stream syncs, %d waits, %d warnings; want one each", c.StreamSyncs, s.Calls().Waits, logs.Len())
+	}
+	if _, _, _, _, err := s.UnmapBlock(p, b, true, 0); err != nil {
+		t.Fatal(err)
+	}
+	// Another stream maps the runs with no wait: nothing holds them.
+	p1, b1 := s.reserveOn(t, 1)
+	if m, err := s.MapBlock(p1, b1, 20*miB); err != nil || m.Across != 10 || s.Calls().Waits != 1 {
+		t.Errorf("stream 1: %+v, %v, %d waits; want the 10 parked pages across and no further wait", m, err, s.Calls().Waits)
+	}
+	if errs := s.Check(s.table); len(errs) > 0 {
+		t.Fatal(errors.Join(errs...))
 	}
 }
