@@ -180,7 +180,9 @@
 // synchronise). During a capture, cached runs whose event is not known to
 // have completed are left alone, even on the stream that parked them: the
 // captured work runs when the graph is launched, on whatever stream that
-// is, and would not be ordered after the work that used them.
+// is, and would not be ordered after the work that used them. A capture
+// may not query events either, so SetCapturing queries them just before
+// the first capture begins.
 //
 // The pending that Settle records is held by parkWith as well as by what
 // UnmapBlock parks with it, until the next Settle or Close: a mapping may

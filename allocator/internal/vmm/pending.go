@@ -116,6 +116,18 @@ func (s *Space) ForgetStream(stream uint64) {
 // the capturing stream is not ordered after the work that used it.
 func (p *pending) settled() bool { return p == nil || p.done }
 
+// querySettled asks the device, without blocking, whether the events
+// that cached runs wait for have completed, and marks those that have.
+func (s *Space) querySettled() {
+	for _, r := range s.cache {
+		if p := r.pend; p != nil && !p.done {
+			if done, err := s.dev.EventQuery(p.ev); err == nil && done {
+				p.done = true
+			}
+		}
+	}
+}
+
 // forgetParkWith forgets the last Settle's pending and drops the
 // reference parkWith holds: its event is destroyed now when that reclaim
 // parked nothing with it, or when everything it parked has let it go

@@ -106,10 +106,19 @@ func New(dev cudart.Device, vm cudart.VirtualMemory, cfg Config, log *zap.Logger
 }
 
 // SetCapturing tells the Space whether a CUDA graph capture is under way.
-// While one is, it unmaps nothing: a growth never reaches a standby
-// mapping whose run is mapped elsewhere (Find leaves such pages out, and
-// MapBlock stops before them).
-func (s *Space) SetCapturing(on bool) { s.capturing = on }
+// While one is, it unmaps, waits for and queries nothing: a growth never
+// reaches a standby mapping whose run is mapped elsewhere (Find leaves
+// such pages out, and MapBlock stops before them), and maps no cached run
+// whose event it has not seen complete (pending.settled). So the first
+// call with on, made before the capture begins (as PyTorch's
+// beginAllocateToPool is), queries the events of the cached runs first:
+// those that have completed, as most have by then, serve the capture.
+func (s *Space) SetCapturing(on bool) {
+	if on && !s.capturing {
+		s.querySettled()
+	}
+	s.capturing = on
+}
 
 // Reclaims says whether reclaim before growth is on.
 func (s *Space) Reclaims() bool { return s.cfg.Reclaim }
