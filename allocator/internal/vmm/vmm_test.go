@@ -105,6 +105,21 @@ func (s *space) reserveOn(t *testing.T, stream uint64) (Pool, *blocks.Block) {
 	return p, s.reserveIn(t, p, stream)
 }
 
+// freeThenAllocated maps the first 40 MiB of b, an unmapped block of pool
+// p, and splits them into a free 20 MiB block, indexed and returned first,
+// and an allocated one after it; the rest of b's range stays unmapped.
+func (s *space) freeThenAllocated(t *testing.T, p Pool, b *blocks.Block) (free, alloc *blocks.Block) {
+	t.Helper()
+	if _, err := s.MapBlock(p, b, 40*miB); err != nil {
+		t.Fatal(err)
+	}
+	p.Free.Delete(b)
+	alloc = blocks.Split(b, 20*miB, p.Recycler)
+	alloc.Allocated = true
+	p.Free.Insert(b)
+	return b, alloc
+}
+
 // runs lists the run lengths of the first range, in page order.
 func (s *space) runs() []uint32 {
 	var out []uint32
@@ -459,15 +474,8 @@ func TestStandbyReclaim(t *testing.T) {
 	s := newSpaceOn(t, Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true, Standby: true},
 		simdev.Config{Capacity: 1 << 30, ManualEvents: true})
 	p := newPool(false)
-	b := s.find(t, p, 40*miB)
-	if _, err := s.MapBlock(p, b, 40*miB); err != nil {
-		t.Fatal(err)
-	}
 	// [0, 20) free, [20, 40) allocated, unmapped from 40 on.
-	p.Free.Delete(b)
-	a := blocks.Split(b, 20*miB, p.Recycler)
-	a.Allocated = true
-	p.Free.Insert(b)
+	b, a := s.freeThenAllocated(t, p, s.find(t, p, 40*miB))
 	grow := func(u *blocks.Block, free *blocks.Block, stream uint64) Mapping {
 		t.Helper()
 		ex := s.GrowthExcess(u, 20*miB, 20*miB)
@@ -542,15 +550,8 @@ func TestStandbyTakenBackThenSettle(t *testing.T) {
 	s := newSpaceOn(t, Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true, Standby: true},
 		simdev.Config{Capacity: 1 << 30, ManualEvents: true})
 	p := newPool(false)
-	b := s.find(t, p, 40*miB)
-	if _, err := s.MapBlock(p, b, 40*miB); err != nil {
-		t.Fatal(err)
-	}
 	// [0, 20) free, [20, 40) allocated.
-	p.Free.Delete(b)
-	a := blocks.Split(b, 20*miB, p.Recycler)
-	a.Allocated = true
-	p.Free.Insert(b)
+	b, _ := s.freeThenAllocated(t, p, s.find(t, p, 40*miB))
 	if n, err := s.Settle([]*blocks.Block{b}, false, 0); err != nil || n != 0 {
 		t.Fatalf("Settle waited for %d streams, %v; want none", n, err)
 	}
@@ -588,15 +589,8 @@ func TestCaptureMapsNoUnsettledRun(t *testing.T) {
 	s := newSpaceOn(t, Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true, Standby: true},
 		simdev.Config{Capacity: 1 << 30, ManualEvents: true})
 	p := newPool(false)
-	b := s.find(t, p, 40*miB)
-	if _, err := s.MapBlock(p, b, 40*miB); err != nil {
-		t.Fatal(err)
-	}
 	// [0, 20) free, [20, 40) allocated, unmapped from 40 on.
-	p.Free.Delete(b)
-	a := blocks.Split(b, 20*miB, p.Recycler)
-	a.Allocated = true
-	p.Free.Insert(b)
+	b, a := s.freeThenAllocated(t, p, s.find(t, p, 40*miB))
 	if n, err := s.Settle([]*blocks.Block{b}, false, 0); err != nil || n != 0 {
 		t.Fatalf("Settle waited for %d streams, %v; want none", n, err)
 	}
@@ -653,15 +647,9 @@ func TestForgetStream(t *testing.T) {
 				t.Fatal(err)
 			}
 			stream := uint64(st)
-			p, b := s.reserveOn(t, stream)
-			if _, err := s.MapBlock(p, b, 40*miB); err != nil {
-				t.Fatal(err)
-			}
+			p, r := s.reserveOn(t, stream)
 			// [0, 20) free, [20, 40) allocated, unmapped from 40 on.
-			p.Free.Delete(b)
-			a := blocks.Split(b, 20*miB, p.Recycler)
-			a.Allocated = true
-			p.Free.Insert(b)
+			b, _ := s.freeThenAllocated(t, p, r)
 			if n, err := s.Settle([]*blocks.Block{b}, false, stream); err != nil || n != 0 {
 				t.Fatalf("Settle waited for %d streams, %v; want none", n, err)
 			}
@@ -713,14 +701,7 @@ func TestSettleWithoutEvents(t *testing.T) {
 		}
 	}()
 	p := newPool(false)
-	b := s.find(t, p, 40*miB)
-	if _, err := s.MapBlock(p, b, 40*miB); err != nil {
-		t.Fatal(err)
-	}
-	p.Free.Delete(b)
-	a := blocks.Split(b, 20*miB, p.Recycler)
-	a.Allocated = true
-	p.Free.Insert(b)
+	b, _ := s.freeThenAllocated(t, p, s.find(t, p, 40*miB))
 	if n, err := s.Settle([]*blocks.Block{b, b}, false, 0); err != nil || n != 1 {
 		t.Fatalf("Settle waited for %d streams, %v; want 1 and no error", n, err)
 	}
