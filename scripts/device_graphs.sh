@@ -26,6 +26,11 @@
 # cold, later ones reuse it. INDUCTOR_CACHE=DIR names another (kept). Not under $OUT: its many
 # files would crowd the results out of a folder that is copied back.
 #
+# EXPANDABLE=1 runs every process with expandable segments: PYTORCH_CUDA_ALLOC_CONF=
+# expandable_segments:True for native, ALLOCD_CONF=expandable_segments:True for allocd (whose
+# captures then map physical memory into private pools' ranges, and must take only memory whose
+# earlier users have finished).
+#
 # Overrides (environment): FUNC_GROUPS (space-separated groups, "" for none), WARM_COMPILE, PAIRS,
 # REPLAYS (capture_forward, default 100), DECODE_REPLAYS (default 300), DECODE_IMPL
 # (auto|hf|manual), SYNC (torch_graphs.py --sync, default auto), PROC_S (the most a process
@@ -47,6 +52,7 @@ SYNC=${SYNC:-auto}
 PROC_S=${PROC_S:-170}
 BUDGET_S=${BUDGET_S:-420}
 HARD_S=${HARD_S:-$((BUDGET_S + 40))}
+EXPANDABLE=${EXPANDABLE:-0}
 
 START=$(date +%s)
 elapsed() { echo $(($(date +%s) - START)); }
@@ -81,7 +87,8 @@ cleanup() { [ "$own_cache" = 1 ] && rm -rf "$INDUCTOR_CACHE"; }
 trap cleanup EXIT
 
 say "OUT=$OUT ALLOCD_LIB=$ALLOCD_LIB ANCHOR=$ANCHOR FUNC_GROUPS='$FUNC_GROUPS' PAIRS=$PAIRS REPLAYS=$REPLAYS" \
-	"DECODE_REPLAYS=$DECODE_REPLAYS DECODE_IMPL=$DECODE_IMPL SYNC=$SYNC PROC_S=$PROC_S BUDGET_S=$BUDGET_S HARD_S=$HARD_S"
+	"DECODE_REPLAYS=$DECODE_REPLAYS DECODE_IMPL=$DECODE_IMPL SYNC=$SYNC PROC_S=$PROC_S BUDGET_S=$BUDGET_S HARD_S=$HARD_S" \
+	"EXPANDABLE=$EXPANDABLE"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader 2>&1 | sed 's/^/  gpu: /'
 python3 -c 'import sys, torch, transformers, torchvision; print("  python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "torchvision", torchvision.__version__, "cuda", torch.cuda.is_available())' ||
 	die "python3 with torch, transformers and torchvision is needed"
@@ -109,9 +116,16 @@ proc() {
 	fi
 	lim=$((HARD_S - $(elapsed)))
 	((lim > PROC_S)) && lim=$PROC_S
-	say "$name -> $json (limit $lim s)"
+	local conf=()
+	if [ "$EXPANDABLE" = 1 ]; then
+		case " $* " in
+		*" --allocator native "*) conf=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) ;;
+		*" --allocator allocd "*) conf=(ALLOCD_CONF=expandable_segments:True) ;;
+		esac
+	fi
+	say "$name -> $json (limit $lim s)${conf:+ with ${conf[*]}}"
 	t=$(date +%s)
-	timeout -k 10 "$lim" python3 scripts/torch_graphs.py --anchor "$ANCHOR" --out "$json" --sync "$SYNC" "$@" >"$logf" 2>&1
+	env "${conf[@]}" timeout -k 10 "$lim" python3 scripts/torch_graphs.py --anchor "$ANCHOR" --out "$json" --sync "$SYNC" "$@" >"$logf" 2>&1
 	r=$?
 	last_s=$(($(date +%s) - t))
 	kind_last[$kind]=$last_s
