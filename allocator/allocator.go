@@ -236,13 +236,16 @@ type Allocator struct {
 	// capsDirty: a hot statistic or a peak changed in world mode, so
 	// unlockWorld shares out the caps again.
 	capsDirty bool
-	favored   *shard     // the shard whose change marked the caps dirty
-	res       *reservoir // slack no shard holds as cap (shard.go)
-	dev       cudart.Device
-	info      cudart.Info
-	cfg       Config
-	log       *zap.Logger
-	closed    bool
+	// noPark (tests): every shard, those made later included, frees as
+	// PyTorch does, straight into the index (shard.noPark).
+	noPark  bool
+	favored *shard     // the shard whose change marked the caps dirty
+	res     *reservoir // slack no shard holds as cap (shard.go)
+	dev     cudart.Device
+	info    cudart.Info
+	cfg     Config
+	log     *zap.Logger
+	closed  bool
 
 	shards   []*shard // one per live stream, in stream order (streams.go)
 	byStream map[cudart.Stream]*shard

@@ -30,6 +30,7 @@ func TestFrontCacheMatchesPyTorch(t *testing.T) {
 				streams[i] = append(streams[i], s)
 			}
 			plain.lockWorld()
+			plain.noPark = true // the shards made later too (addShard)
 			for _, sh := range plain.shards {
 				sh.noPark = true
 			}
@@ -79,6 +80,13 @@ func TestFrontCacheMatchesPyTorch(t *testing.T) {
 				}
 			}
 			compareAllocators(t, -1, front, plain)
+			plain.lockWorld()
+			for _, sh := range plain.shards {
+				if !sh.noPark {
+					t.Errorf("the baseline's shard of stream %#x parks blocks", uint64(sh.stream))
+				}
+			}
+			plain.unlockWorld()
 			t.Logf("%d parked blocks taken back", taken)
 			if taken == 0 && conf != "expandable_segments:True" {
 				t.Error("no parked block was ever taken back")

@@ -515,6 +515,7 @@ func (a *Allocator) addShard(s cudart.Stream) *shard {
 		a.byStream = make(map[cudart.Stream]*shard)
 	}
 	a.byStream[s] = sh
+	sh.noPark = a.noPark
 	a.newShards++
 	if _, ok := a.swept[s]; ok {
 		a.misses++
