@@ -291,16 +291,17 @@ type Allocator struct {
 	// way (BeginAllocateToPool) in the order they began, and their count;
 	// the blocks whose events wait for the last capture to end. routes
 	// and livePools are what Malloc and MallocInPool read without locks.
-	private    map[PoolID]*privatePool
-	privateSeq map[uint64]*privatePool
-	captures   []capture
-	capturing  int
-	deferred   []*blocks.Block
-	routes     atomic.Pointer[[]capture]
-	livePools  atomic.Pointer[[]poolRef]
-	ownsDevice bool           // opened by Open: Close closes the device
-	broker     *broker.Client // WithBroker, closed by Close when Open dialled it
-	brokerMem  *brokerMemory  // the broker's segment source, when there is one
+	private     map[PoolID]*privatePool
+	privateSeq  map[uint64]*privatePool
+	lastPoolSeq uint64 // the pool number newPoolSeq gave last
+	captures    []capture
+	capturing   int
+	deferred    []*blocks.Block
+	routes      atomic.Pointer[[]capture]
+	livePools   atomic.Pointer[[]poolRef]
+	ownsDevice  bool           // opened by Open: Close closes the device
+	broker      *broker.Client // WithBroker, closed by Close when Open dialled it
+	brokerMem   *brokerMemory  // the broker's segment source, when there is one
 }
 
 // call is the state of one Malloc or Free on its way down the slow path:

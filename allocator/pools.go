@@ -155,11 +155,19 @@ func (a *Allocator) poolCallOK(op string, id PoolID) error {
 	return nil
 }
 
-// newPoolSeq returns the lowest pool number no pool uses (world mode).
+// newPoolSeq returns the next pool number after the last one given that
+// no pool uses, wrapping after blocks.MaxPoolSeq (world mode). Numbers go
+// round: MallocInPool and a routed Malloc read a pool's number without a
+// lock, so a number freed by ReleasePool while such a call runs must not
+// come back at once to a new pool, which would take that call's
+// allocation. Given round, it comes back only after every other number
+// has been handed out, and the call meanwhile finds no pool behind it
+// (ErrUnknownPool).
 func (a *Allocator) newPoolSeq() (uint64, error) {
-	for seq := uint64(1); seq <= blocks.MaxPoolSeq; seq++ {
-		if a.privateSeq[seq] == nil {
-			return seq, nil
+	for range blocks.MaxPoolSeq {
+		a.lastPoolSeq = a.lastPoolSeq%blocks.MaxPoolSeq + 1
+		if a.privateSeq[a.lastPoolSeq] == nil {
+			return a.lastPoolSeq, nil
 		}
 	}
 	return 0, fmt.Errorf("%d private pools exist, the most at once: %w", blocks.MaxPoolSeq, ErrNotSupported)

@@ -369,6 +369,53 @@ func TestPoolBadCalls(t *testing.T) {
 	}
 }
 
+// TestPoolNumbersGoRound: a pool number that ReleasePool frees does not
+// come back to the next pool created. MallocInPool and a routed Malloc
+// read a pool's number without a lock: one that read it just before the
+// release would otherwise allocate into the new pool; instead it finds
+// no pool. Numbers wrap after blocks.MaxPoolSeq and skip those in use.
+func TestPoolNumbersGoRound(t *testing.T) {
+	a, _ := newTestAllocator(t, giB, "")
+	seqOf := func(id PoolID) uint64 {
+		a.lockWorld()
+		defer a.unlockWorld()
+		return a.private[id].seq
+	}
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	old, next := PoolID{1, 1}, PoolID{2, 2}
+	must(a.CreatePool(old))
+	seq := seqOf(old)
+	stale, _ := blocks.PoolStream(seq, uint64(cudart.DefaultStream))
+	must(a.ReleasePool(old))
+	must(a.CreatePool(next))
+	if got := seqOf(next); got == seq {
+		t.Fatalf("the pool created after a release got the released pool's number %d", got)
+	}
+	// The rest of a MallocInPool that read the old number before the release.
+	if p, err := a.mallocStream(miB, cudart.Stream(stale)); !errors.Is(err, ErrUnknownPool) {
+		t.Fatalf("malloc on the released pool's number: %#x, %v; want ErrUnknownPool", uint64(p), err)
+	}
+	mustCheck(t, a)
+
+	a.lockWorld()
+	a.lastPoolSeq = blocks.MaxPoolSeq - 1
+	a.unlockWorld()
+	var got []uint64
+	for _, id := range []PoolID{{3, 3}, {4, 4}, {5, 5}} {
+		must(a.CreatePool(id))
+		got = append(got, seqOf(id))
+	}
+	// next holds 2; 1 is free again.
+	if want := []uint64{blocks.MaxPoolSeq, 1, 3}; fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("pool numbers after %d: %v, want %v", blocks.MaxPoolSeq-1, got, want)
+	}
+}
+
 // TestPoolExpandableKeepsPages: with expandable segments a pool's pages
 // stay mapped under its blocks, freed or not, while the general cache's
 // churn reclaims around them.
