@@ -211,6 +211,11 @@ func runPattern(t *testing.T, conf string, ops int) {
 	st := a.Stats()
 	t.Logf("gpu-pattern: conf=%q ops=%d blocks_checked=%d corruptions=%d peak_reserved=%s device_mallocs=%d",
 		conf, ops, checked, corruptions, allocator.FormatSize(uint64(st.ReservedBytes[allocator.PoolAll].Peak)), st.NumDeviceAlloc)
+	if v := st.VMM; v.Maps > 0 {
+		// Revived runs and waits show that reclaim's standby mappings were exercised.
+		t.Logf("gpu-pattern: vmm creates=%d maps=%d unmaps=%d releases=%d revived=%d waits=%d",
+			v.Creates, v.Maps, v.Unmaps, v.Releases, v.Revived, v.Waits)
+	}
 	fmt.Printf("gpu-pattern: conf=%q ops=%d blocks_checked=%d corruptions=%d\n", conf, ops, checked, corruptions)
 	if corruptions != 0 {
 		t.Fatalf("%d corrupted blocks", corruptions)
