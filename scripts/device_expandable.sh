@@ -10,7 +10,8 @@
 # .devrun/expandable):
 #   1. the GPU tests of mapping: TestGPUVirtualMemoryCost (the device calls'
 #      costs), TestGPUPatternExpandable (every block's bytes checked on three
-#      streams with RecordStream) and TestGPUReplayMatchesSim (every trace's
+#      streams with RecordStream), TestGPUExpandableReclaimWaits (a reclaim
+#      of queued memory waits for it) and TestGPUReplayMatchesSim (every trace's
 #      peaks on the GPU equal the simulated device's)     -> gputest.log
 #   2. allocd bench --device cuda --conf expandable_segments:True, replays only,
 #      every trace in TRACEDIR, with the driver's VMM calls    -> allocd.json;
@@ -33,7 +34,7 @@ device_build gputest
 
 say "GPU tests -> $OUT/gputest.log"
 (cd gputest && ALLOCD_TRACES="$TRACES" ALLOCD_GPU_OPS=200000 timeout "$(($(left) / 2))" "$BIN/gputest.test" \
-	-test.run 'VirtualMemoryCost|PatternExpandable|ReplayMatchesSim' -test.v) >"$OUT/gputest.log" 2>&1
+	-test.run 'VirtualMemoryCost|PatternExpandable|ReclaimWaits|ReplayMatchesSim' -test.v) >"$OUT/gputest.log" 2>&1
 echo "gputest rc=$?" | tee -a "$OUT/gputest.log"
 grep -E '^(--- |ok|FAIL|PASS)|corrupt|peak' "$OUT/gputest.log" | head -40
 
