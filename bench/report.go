@@ -49,8 +49,10 @@ type ReplayRow struct {
 // of access, one grant per range mapped in one call), unmapped (one call
 // per contiguous stretch of runs) and released, and the nanoseconds each
 // kind took, with their total; then the runs taken back through standby
-// mappings (no call) and the waits for a stream's queued work that
-// reclaim made (a stream or an event synchronised).
+// mappings (no call), the waits for a stream's queued work that
+// reclaim made (a stream or an event synchronised), and the time of the
+// calls that order memory against queued work (events and stream
+// synchronisations, the waits included; not part of TotalNs).
 type VMMRow struct {
 	Creates   int64 `json:"creates"`
 	Maps      int64 `json:"maps"`
@@ -64,6 +66,7 @@ type VMMRow struct {
 	TotalNs   int64 `json:"total_ns"`
 	Revived   int64 `json:"revived"`
 	Waits     int64 `json:"waits"`
+	SyncNs    int64 `json:"sync_ns"`
 }
 
 // VMMRowOf returns c as a row, nil when no call was made.
@@ -73,7 +76,7 @@ func VMMRowOf(c allocator.VMMCalls) *VMMRow {
 	}
 	return &VMMRow{c.Creates, c.Maps, c.Grants, c.Unmaps, c.Releases,
 		c.CreateTime.Nanoseconds(), c.MapTime.Nanoseconds(), c.UnmapTime.Nanoseconds(), c.ReleaseTime.Nanoseconds(),
-		c.Total().Nanoseconds(), c.Revived, c.Waits}
+		c.Total().Nanoseconds(), c.Revived, c.Waits, c.SyncTime.Nanoseconds()}
 }
 
 // WarmFigures are what `allocd bench` measures of a trace beside its cold
@@ -89,6 +92,9 @@ type WarmFigures struct {
 	// WarmDeviceMallocNsPerOp is the share of WarmNsPerOp spent in device
 	// mallocs.
 	WarmDeviceMallocNsPerOp float64 `json:"warm_device_malloc_ns_per_op"`
+	// WarmVMM is the virtual memory calls of that pass (expandable
+	// segments only): what a workload that repeats its steps pays in each.
+	WarmVMM *VMMRow `json:"warm_vmm,omitempty"`
 	// DriverNsPerOp is the replay loop's own cost per operation, the
 	// allocator left out (workload.DriverCost): a part of NsPerOp and of
 	// WarmNsPerOp that is not the allocator's.
@@ -98,7 +104,8 @@ type WarmFigures struct {
 // WarmFiguresOf returns the figures of a warm replay (workload.ReplayWarm)
 // and of the driver alone (workload.DriverCost).
 func WarmFiguresOf(warm, driver workload.ReplayResult) *WarmFigures {
-	w := &WarmFigures{WarmNsPerOp: warm.NsPerOp(), WarmDeviceMallocs: warm.DeviceMallocs, DriverNsPerOp: driver.NsPerOp()}
+	w := &WarmFigures{WarmNsPerOp: warm.NsPerOp(), WarmDeviceMallocs: warm.DeviceMallocs, WarmVMM: VMMRowOf(warm.VMM),
+		DriverNsPerOp: driver.NsPerOp()}
 	if warm.Ops > 0 {
 		w.WarmDeviceMallocNsPerOp = float64(warm.DeviceMallocTime.Nanoseconds()) / float64(warm.Ops)
 	}

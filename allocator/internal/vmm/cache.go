@@ -21,11 +21,15 @@ import (
 // "Standby mappings" in the package doc), and Waits the times the Space
 // waited for a stream's queued work before unmapping or reusing memory
 // (a stream synchronised by Settle, an event by a later unmapping or
-// mapping; see "Reclaim without waiting").
+// mapping; see "Reclaim without waiting"). SyncTime is the time of every
+// call that reclaim makes to order memory against queued work: events
+// created, recorded, queried, synchronised and destroyed, and streams
+// synchronised (the waits' time included); it is not part of Total.
 type Calls struct {
 	Creates, Maps, Grants, Unmaps, Releases     int64
 	CreateTime, MapTime, UnmapTime, ReleaseTime time.Duration
 	Revived, Waits                              int64
+	SyncTime                                    time.Duration
 }
 
 // Total is the time of every call counted.
@@ -46,6 +50,7 @@ func (c Calls) Sub(o Calls) Calls {
 		CreateTime: c.CreateTime - o.CreateTime, MapTime: c.MapTime - o.MapTime,
 		UnmapTime: c.UnmapTime - o.UnmapTime, ReleaseTime: c.ReleaseTime - o.ReleaseTime,
 		Revived: c.Revived - o.Revived, Waits: c.Waits - o.Waits,
+		SyncTime: c.SyncTime - o.SyncTime,
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -42,8 +43,12 @@ func (s *Space) drop(p *pending) {
 	}
 }
 
+// timeSync adds the time since t0 to the calls' SyncTime.
+func (s *Space) timeSync(t0 time.Time) { s.calls.SyncTime += time.Since(t0) }
+
 // destroy destroys p's event.
 func (s *Space) destroy(p *pending) {
+	defer s.timeSync(time.Now())
 	if err := s.dev.EventDestroy(p.ev); err != nil {
 		s.log.Error("destroying a reclaim's event failed", zap.Error(err))
 	}
@@ -56,6 +61,7 @@ func (s *Space) wait(p *pending) error {
 	if p == nil || p.done {
 		return nil
 	}
+	defer s.timeSync(time.Now())
 	done, err := s.dev.EventQuery(p.ev)
 	if err == nil && !done {
 		s.calls.Waits++
@@ -119,6 +125,7 @@ func (p *pending) settled() bool { return p == nil || p.done }
 // querySettled asks the device, without blocking, whether the events
 // that cached runs wait for have completed, and marks those that have.
 func (s *Space) querySettled() {
+	defer s.timeSync(time.Now())
 	for _, r := range s.cache {
 		if p := r.pend; p != nil && !p.done {
 			if done, err := s.dev.EventQuery(p.ev); err == nil && done {
@@ -212,7 +219,10 @@ func (s *Space) Settle(list []*blocks.Block, small bool, stream uint64) (int, er
 			s.log.Warn("a reclaim waits for its stream instead", zap.Error(err))
 		}
 		s.calls.Waits++
-		if err := s.dev.StreamSynchronize(cudart.Stream(st)); err != nil {
+		t0 := time.Now()
+		err := s.dev.StreamSynchronize(cudart.Stream(st))
+		s.timeSync(t0)
+		if err != nil {
 			if !errors.Is(err, cudart.ErrInvalidValue) {
 				return len(synced), fmt.Errorf("allocator: synchronising stream %#x before unmapping: %w", st, err)
 			}
@@ -230,6 +240,7 @@ func (s *Space) Settle(list []*blocks.Block, small bool, stream uint64) (int, er
 // with no reference yet: an event recorded there. Settle takes the first
 // for parkWith.
 func (s *Space) record(stream uint64) (*pending, error) {
+	defer s.timeSync(time.Now())
 	ev, err := s.dev.EventCreate()
 	if err != nil {
 		return nil, fmt.Errorf("allocator: creating an event for a reclaim: %w", err)
