@@ -80,19 +80,7 @@ func runReclaimWaits(t *testing.T, dev cudart.Device, timed bool) {
 			if timed {
 				writes = 2000
 			}
-			for range writes {
-				if err := dev.MemsetAsync(x, 0xa1, xSize, owner); err != nil {
-					t.Fatal(err)
-				}
-			}
-			marker, err := dev.EventCreate()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer dev.EventDestroy(marker)
-			if err := dev.EventRecord(marker, owner); err != nil {
-				t.Fatal(err)
-			}
+			marker := queueWrites(t, dev, x, xSize, 0xa1, owner, writes)
 			if err := a.Free(x); err != nil {
 				t.Fatal(err)
 			}

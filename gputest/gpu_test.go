@@ -222,6 +222,27 @@ func runPattern(t *testing.T, conf string, ops int) {
 	}
 }
 
+// queueWrites queues n memsets of the size bytes at p, of value v, on
+// stream s, and returns an event recorded after them, destroyed at the
+// end of the test.
+func queueWrites(t testing.TB, dev cudart.Device, p cudart.Ptr, size uint64, v byte, s cudart.Stream, n int) cudart.Event {
+	t.Helper()
+	for range n {
+		if err := dev.MemsetAsync(p, v, size, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	marker, err := dev.EventCreate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dev.EventDestroy(marker) })
+	if err := dev.EventRecord(marker, s); err != nil {
+		t.Fatal(err)
+	}
+	return marker
+}
+
 // TestGPUStreamDeferral: a block freed while a memset on another stream
 // still uses it is not handed out until that stream's event completes.
 func TestGPUStreamDeferral(t *testing.T) {
@@ -241,19 +262,7 @@ func TestGPUStreamDeferral(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Keep s2 busy for a while on p: ~2000 memsets of 256 MiB.
-	for range 2000 {
-		if err := dev.MemsetAsync(p, 0x5a, size, s2); err != nil {
-			t.Fatal(err)
-		}
-	}
-	marker, err := dev.EventCreate()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.EventDestroy(marker)
-	if err := dev.EventRecord(marker, s2); err != nil {
-		t.Fatal(err)
-	}
+	marker := queueWrites(t, dev, p, size, 0x5a, s2, 2000)
 	if err := a.Free(p); err != nil {
 		t.Fatal(err)
 	}
