@@ -14,10 +14,13 @@ from those exact counts. allocd's calls are given both as timed and modelled wit
 per-call costs, so the two sides can be compared on one scale.
 
 A third scale needs no model and times both sides alike: a replay's cold ns/op minus its warm
-ns/op (the second pass on the same pool, which makes no device call), times its operations, is
-what the cold pass spent beyond the warm one: its device calls, and whatever else only a cold
-pass does (new blocks, first touches of memory). Both sides' figures come from the same command,
-so the columns "cold - warm ms" compare what growth cost each, device calls included.
+ns/op (the second pass on the same pool), times its operations, is what the cold pass spent
+beyond the warm one: its device calls, and whatever else only a cold pass does (new blocks,
+first touches of memory). Both sides' figures come from the same command, so the columns
+"cold - warm ms" compare what growth cost each, device calls included. PyTorch's second pass
+makes no device call; allocd's may, where reclaim moves memory at every step: the last column
+is the time of its second pass's virtual memory calls (bench's warm_vmm), what a workload that
+repeats its steps pays in each pass.
 """
 import json
 import re
@@ -46,6 +49,13 @@ def beyond_warm(r, ops):
     return f"{(r['ns_per_op'] - r['warm_ns_per_op']) * ops / 1e6:.1f}"
 
 
+def warm_vmm(r):
+    """The ms of the virtual memory calls of r's warm pass ("-" where bench gave no warm figures)."""
+    if "warm_ns_per_op" not in r:
+        return "-"
+    return f"{(r.get('warm_vmm') or {}).get('total_ns', 0) / 1e6:.1f}"
+
+
 def main():
     if len(sys.argv) not in (4, 5):
         sys.exit(__doc__)
@@ -68,7 +78,7 @@ def main():
     print(f"{'trace':>22} | {'allocd ns/op':>12} {'torch ns/op':>11} {'speedup':>7} | {'allocd MiB':>10} {'torch MiB':>9} |"
           f" {'creates':>7} {'maps':>5} {'unmaps':>6} {'releases':>8} {'VMM ms':>7} {'modelled':>8} |"
           f" {'torch est. ms':>13} {'torch calls':>11} {'modelled':>8} |"
-          f" {'cold - warm ms: allocd':>22} {'torch':>6}")
+          f" {'cold - warm ms: allocd':>22} {'torch':>6} | {'allocd warm VMM ms':>18}")
     for r in a.get("replay", []):
         name = r["trace"].removesuffix(".pickle.gz")
         q = t.get(name, {}).get("torch", {})
@@ -82,7 +92,8 @@ def main():
               f" {v.get('creates', 0):>7} {v.get('maps', 0):>5} {v.get('unmaps', 0):>6} {v.get('releases', 0):>8}"
               f" {v.get('total_ns', 0) / 1e6:>7.1f} {modelled(v, c) if c else 0:>8.1f} |"
               f" {est:>13.1f} {tcalls:>11} {modelled(pv, c) if c and pv is not None else 0:>8.1f} |"
-              f" {beyond_warm(r, r.get('ops', 0)):>22} {beyond_warm(q, t.get(name, {}).get('ops', 0)):>6}")
+              f" {beyond_warm(r, r.get('ops', 0)):>22} {beyond_warm(q, t.get(name, {}).get('ops', 0)):>6} |"
+              f" {warm_vmm(r):>18}")
 
 
 if __name__ == "__main__":
