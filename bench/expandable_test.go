@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/cudart"
 	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/trace"
 	"github.com/allocd/allocd/workload"
@@ -141,6 +142,61 @@ func TestReplayExpandableCoarse(t *testing.T) {
 		}
 		if ours > theirs {
 			t.Errorf("device calls cost %.1f ms, PyTorch's %.1f", ours, theirs)
+		}
+	})
+}
+
+// expandableRepeats is how many passes TestReplayExpandableRepeated makes.
+const expandableRepeats = 5
+
+// TestReplayExpandableRepeated replays every recorded trace
+// expandableRepeats times on one allocator with expandable_segments:True,
+// on the same streams, freeing what each pass left live before the next,
+// as a workload repeats its steps. Reclaim keeps moving memory where the
+// steps refragment it, and each pass starts from the last one's layout, so
+// a policy whose reserved memory creeps from pass to pass would pass the
+// single replay of TestReplayExpandable: here peak reserved memory stays
+// within 5% of peak allocated over all the passes, and the allocator's
+// invariants hold after each. It logs each pass's virtual memory calls,
+// modelled as vmmCost does, beside PyTorch's peak over as many passes.
+func TestReplayExpandableRepeated(t *testing.T) {
+	eachTrace(t, func(t *testing.T, name, path string) {
+		ops, _ := loadOps(t, path)
+		peaks := func(opts ...allocator.Option) (allocated, reserved int64, perPass []float64) {
+			sim, a := newExpandable(t, opts...)
+			defer func() {
+				if err := a.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {
+					t.Errorf("Close: %v", err)
+				}
+			}()
+			opt := workload.ReplayOptions{Streams: map[uint64]cudart.Stream{}}
+			for pass := 1; pass <= expandableRepeats; pass++ {
+				before := sim.VMMCounters()
+				r, err := workload.Replay(ops, a, opt)
+				if err != nil {
+					t.Fatalf("pass %d: %v", pass, err)
+				}
+				if r.FailedAllocs != 0 {
+					t.Fatalf("pass %d: %d allocations failed", pass, r.FailedAllocs)
+				}
+				if err := workload.FreeLive(a); err != nil {
+					t.Fatalf("pass %d: freeing what it left: %v", pass, err)
+				}
+				if err := a.Check(); err != nil {
+					t.Fatalf("after pass %d: %v", pass, err)
+				}
+				perPass = append(perPass, vmmCost(sim.VMMCounters().Sub(before)))
+			}
+			st := a.Stats()
+			return st.AllocatedBytes[allocator.PoolAll].Peak, st.ReservedBytes[allocator.PoolAll].Peak, perPass
+		}
+		allocated, reserved, calls := peaks()
+		_, ptReserved, _ := peaks(allocator.WithPyTorchExpandable())
+		ratio := float64(reserved) / float64(allocated)
+		t.Logf("%-20s over %d passes: reserved/allocated %.3f, peak reserved %.0f MiB (PyTorch %.0f); modelled calls a pass, ms: %.1f",
+			name, expandableRepeats, ratio, mib(reserved), mib(ptReserved), calls)
+		if ratio > 1.05 {
+			t.Errorf("over %d passes peak reserved %d bytes is %.3f times peak allocated, above 1.05", expandableRepeats, reserved, ratio)
 		}
 	})
 }

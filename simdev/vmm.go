@@ -55,6 +55,23 @@ type VMMCounters struct {
 	ReservedBytes, MappedBytes, HandleBytes uint64
 }
 
+// Sub returns c minus an earlier reading o: the calls made in between.
+// The live figures and the bytes are c's, as they were at its reading.
+func (c VMMCounters) Sub(o VMMCounters) VMMCounters {
+	d := c
+	d.Reserves -= o.Reserves
+	d.ReleaseRanges -= o.ReleaseRanges
+	d.Creates -= o.Creates
+	d.FailedCreates -= o.FailedCreates
+	d.Releases -= o.Releases
+	d.Maps -= o.Maps
+	d.Unmaps -= o.Unmaps
+	d.AccessCalls -= o.AccessCalls
+	d.Exports -= o.Exports
+	d.Imports -= o.Imports
+	return d
+}
+
 type simHandle struct {
 	size      uint64
 	mem       []byte     // with Backed or Shared (then the memfd's mapping)
