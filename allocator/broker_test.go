@@ -109,7 +109,7 @@ func TestBrokerStatsUnchanged(t *testing.T) {
 	brokerOps(t, local)
 	sb, sl := withBroker.Stats(), local.Stats()
 	got, want := sb.Flat(), sl.Flat()
-	for _, k := range []string{"vmm_create_ns", "vmm_map_ns", "vmm_unmap_ns", "vmm_release_ns", "vmm_total_ns"} {
+	for _, k := range []string{"vmm_create_ns", "vmm_map_ns", "vmm_unmap_ns", "vmm_release_ns", "vmm_total_ns", "vmm_sync_ns"} {
 		delete(got, k)
 		delete(want, k)
 	}

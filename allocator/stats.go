@@ -190,8 +190,11 @@ type VMMCalls = vmm.Calls
 // "segment.large_pool.peak", "num_ooms", …; allocd's own expandable
 // reclaim counters follow the same style: "num_reclaims",
 // "num_pages_moved", "num_pages_moved_across_streams",
-// "handle_cache_bytes"; and the private pools' "private_reserved_bytes"
-// and "private_allocated_bytes".
+// "handle_cache_bytes"; the private pools' "private_reserved_bytes"
+// and "private_allocated_bytes"; and expandable segments' virtual memory
+// calls (VMM): "num_handles_created", "num_handles_released",
+// "num_runs_revived", "num_reclaim_waits", "vmm_total_ns" and
+// "vmm_sync_ns".
 func (s *Stats) Flat() map[string]int64 {
 	m := make(map[string]int64, 128)
 	for _, st := range s.namedArrays() {
@@ -213,6 +216,12 @@ func (s *Stats) Flat() map[string]int64 {
 	m["handle_cache_bytes"] = s.HandleCacheBytes
 	m["private_reserved_bytes"] = s.PrivateReservedBytes
 	m["private_allocated_bytes"] = s.PrivateAllocatedBytes
+	m["num_handles_created"] = s.VMM.Creates
+	m["num_handles_released"] = s.VMM.Releases
+	m["num_runs_revived"] = s.VMM.Revived
+	m["num_reclaim_waits"] = s.VMM.Waits
+	m["vmm_total_ns"] = s.VMM.Total().Nanoseconds()
+	m["vmm_sync_ns"] = s.VMM.SyncTime.Nanoseconds()
 	return m
 }
 

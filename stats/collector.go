@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"strconv"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -46,6 +47,7 @@ type metricKind uint8
 const (
 	kindPool        metricKind = iota // one gauge or counter per pool
 	kindPlain                         // one gauge or counter per device
+	kindSeconds                       // one counter of seconds per device
 	kindDeviceFree                    // MemGetInfo's free bytes
 	kindDeviceTotal                   // MemGetInfo's total bytes
 	kindHist                          // the device-malloc latency histogram
@@ -68,10 +70,11 @@ type MetricInfo struct {
 	// large_pool.
 	PyTorch string
 
-	kind  metricKind
-	vtype prometheus.ValueType
-	pool  func(*allocator.Stats, allocator.Pool) int64 // kindPool
-	plain func(*allocator.Stats) int64                 // kindPlain
+	kind    metricKind
+	vtype   prometheus.ValueType
+	pool    func(*allocator.Stats, allocator.Pool) int64 // kindPool
+	plain   func(*allocator.Stats) int64                 // kindPlain
+	seconds func(*allocator.Stats) time.Duration         // kindSeconds
 }
 
 var (
@@ -99,6 +102,12 @@ func plainMetric(name, typ, help, torch string, f func(*allocator.Stats) int64) 
 	}
 	return MetricInfo{Name: Namespace + "_" + name, Type: typ, Help: help, Labels: deviceLabels, PyTorch: torch,
 		kind: kindPlain, vtype: vt, plain: f}
+}
+
+// secondsCounter is a counter of the seconds f reads.
+func secondsCounter(name, help string, f func(*allocator.Stats) time.Duration) MetricInfo {
+	return MetricInfo{Name: Namespace + "_" + name, Type: "counter", Help: help, Labels: deviceLabels,
+		kind: kindSeconds, vtype: prometheus.CounterValue, seconds: f}
 }
 
 func allocated(s *allocator.Stat) int64 { return s.Allocated }
@@ -165,6 +174,18 @@ var metrics = []MetricInfo{
 		"", func(s *allocator.Stats) int64 { return s.NumPagesMovedAcrossStreams }),
 	plainMetric("expandable_handle_cache_bytes", "gauge", "Physical memory that reclaim took from free blocks and keeps for the next growths to map again (still mapped where it was, standby, when it came from the growing stream's own blocks); held from the device, so counted in reserved bytes.",
 		"", func(s *allocator.Stats) int64 { return s.HandleCacheBytes }),
+	plainMetric("expandable_handles_created_total", "counter", "Physical-memory handles that expandable segments created (cuMemCreate): growth that the handle cache could not serve.",
+		"", func(s *allocator.Stats) int64 { return s.VMM.Creates }),
+	plainMetric("expandable_handles_released_total", "counter", "Physical-memory handles that expandable segments released (cuMemRelease): runs that a reclaim took and the growing pool cannot map, and memory EmptyCache, the out-of-memory path or a cap gave back.",
+		"", func(s *allocator.Stats) int64 { return s.VMM.Releases }),
+	plainMetric("expandable_runs_revived_total", "counter", "Runs that a growth took back from a standby mapping at its own place, with no device call.",
+		"", func(s *allocator.Stats) int64 { return s.VMM.Revived }),
+	plainMetric("expandable_reclaim_waits_total", "counter", "Times reclaim waited for a stream's queued work before unmapping memory or handing it to another stream (a stream or an event synchronised).",
+		"", func(s *allocator.Stats) int64 { return s.VMM.Waits }),
+	secondsCounter("expandable_vmm_seconds_total", "Time in the driver's virtual-memory calls of expandable segments: creating, mapping (access grants included), unmapping and releasing physical memory.",
+		func(s *allocator.Stats) time.Duration { return s.VMM.Total() }),
+	secondsCounter("expandable_sync_seconds_total", "Time reclaim spent ordering memory against queued work: events created, recorded, queried, synchronised and destroyed, and streams synchronised, waits included.",
+		func(s *allocator.Stats) time.Duration { return s.VMM.SyncTime }),
 	plainMetric("private_pool_reserved_bytes", "gauge", "Memory that private pools (CUDA graphs, torch.cuda.MemPool) hold; counted in reserved bytes too.",
 		"", func(s *allocator.Stats) int64 { return s.PrivateReservedBytes }),
 	plainMetric("private_pool_allocated_bytes", "gauge", "Memory allocated from private pools (CUDA graphs, torch.cuda.MemPool); counted in allocated bytes too.",
@@ -275,6 +296,8 @@ func (c *Collector) collect(ch chan<- prometheus.Metric, s *source) {
 			ch <- prometheus.MustNewConstMetric(d, m.vtype, float64(m.pool(&st, allocator.PoolLarge)), s.gpu, s.uuid, "large")
 		case kindPlain:
 			ch <- prometheus.MustNewConstMetric(d, m.vtype, float64(m.plain(&st)), s.gpu, s.uuid)
+		case kindSeconds:
+			ch <- prometheus.MustNewConstMetric(d, m.vtype, m.seconds(&st).Seconds(), s.gpu, s.uuid)
 		case kindDeviceFree, kindDeviceTotal:
 			if memErr != nil {
 				ch <- prometheus.NewInvalidMetric(d, fmt.Errorf("gpu %s: reading device memory: %w", s.gpu, memErr))

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -403,5 +404,47 @@ allocd_live_allocations{UUID="SIM-00000001-0000-0000-0000-000000000000",gpu="1",
 	}
 	if _, err := NewDevicesCollector(nil); err == nil {
 		t.Error("NewDevicesCollector(nil) succeeded")
+	}
+}
+
+// TestCollectorVMMCalls exports expandable segments' virtual memory calls
+// from Stats.VMM: the handle counts, the runs revived and the waits as
+// they are, and the calls' times in seconds (create, map, unmap and
+// release together; the ordering calls apart).
+func TestCollectorVMMCalls(t *testing.T) {
+	src := &fakeSource{dev: newSim(t, 0)}
+	src.st.VMM = allocator.VMMCalls{
+		Creates: 7, Maps: 9, Unmaps: 4, Releases: 3, Revived: 5, Waits: 2,
+		CreateTime: 100 * time.Microsecond, MapTime: 250 * time.Microsecond,
+		UnmapTime: 120 * time.Microsecond, ReleaseTime: 30 * time.Microsecond,
+		SyncTime: 1500 * time.Microsecond,
+	}
+	label := `{UUID="` + simUUID + `",gpu="0"}`
+	want := `
+# HELP allocd_expandable_handles_created_total Physical-memory handles that expandable segments created (cuMemCreate): growth that the handle cache could not serve.
+# TYPE allocd_expandable_handles_created_total counter
+allocd_expandable_handles_created_total` + label + ` 7
+# HELP allocd_expandable_handles_released_total Physical-memory handles that expandable segments released (cuMemRelease): runs that a reclaim took and the growing pool cannot map, and memory EmptyCache, the out-of-memory path or a cap gave back.
+# TYPE allocd_expandable_handles_released_total counter
+allocd_expandable_handles_released_total` + label + ` 3
+# HELP allocd_expandable_runs_revived_total Runs that a growth took back from a standby mapping at its own place, with no device call.
+# TYPE allocd_expandable_runs_revived_total counter
+allocd_expandable_runs_revived_total` + label + ` 5
+# HELP allocd_expandable_reclaim_waits_total Times reclaim waited for a stream's queued work before unmapping memory or handing it to another stream (a stream or an event synchronised).
+# TYPE allocd_expandable_reclaim_waits_total counter
+allocd_expandable_reclaim_waits_total` + label + ` 2
+# HELP allocd_expandable_vmm_seconds_total Time in the driver's virtual-memory calls of expandable segments: creating, mapping (access grants included), unmapping and releasing physical memory.
+# TYPE allocd_expandable_vmm_seconds_total counter
+allocd_expandable_vmm_seconds_total` + label + ` 0.0005
+# HELP allocd_expandable_sync_seconds_total Time reclaim spent ordering memory against queued work: events created, recorded, queried, synchronised and destroyed, and streams synchronised, waits included.
+# TYPE allocd_expandable_sync_seconds_total counter
+allocd_expandable_sync_seconds_total` + label + ` 0.0015
+`
+	err := testutil.CollectAndCompare(newCollector(t, src), strings.NewReader(want),
+		"allocd_expandable_handles_created_total", "allocd_expandable_handles_released_total",
+		"allocd_expandable_runs_revived_total", "allocd_expandable_reclaim_waits_total",
+		"allocd_expandable_vmm_seconds_total", "allocd_expandable_sync_seconds_total")
+	if err != nil {
+		t.Error(err)
 	}
 }
