@@ -172,13 +172,7 @@ func TestReplayExpandableRepeated(t *testing.T) {
 			opt := workload.ReplayOptions{Streams: map[uint64]cudart.Stream{}}
 			for pass := 1; pass <= expandableRepeats; pass++ {
 				before := sim.VMMCounters()
-				r, err := workload.Replay(ops, a, opt)
-				if err != nil {
-					t.Fatalf("pass %d: %v", pass, err)
-				}
-				if r.FailedAllocs != 0 {
-					t.Fatalf("pass %d: %d allocations failed", pass, r.FailedAllocs)
-				}
+				replayCheckedWith(t, ops, a, opt)
 				if err := workload.FreeLive(a); err != nil {
 					t.Fatalf("pass %d: freeing what it left: %v", pass, err)
 				}

@@ -207,7 +207,14 @@ func replayTrace(t *testing.T, name, mode string) replayed {
 // Check finds a broken invariant after it, or an allocation failed.
 func replayChecked(t *testing.T, ops *trace.Ops, a *allocator.Allocator) workload.ReplayResult {
 	t.Helper()
-	r, err := workload.Replay(ops, a, workload.ReplayOptions{})
+	return replayCheckedWith(t, ops, a, workload.ReplayOptions{})
+}
+
+// replayCheckedWith is replayChecked with the replay options opt (the
+// streams of an earlier pass, say).
+func replayCheckedWith(t *testing.T, ops *trace.Ops, a *allocator.Allocator, opt workload.ReplayOptions) workload.ReplayResult {
+	t.Helper()
+	r, err := workload.Replay(ops, a, opt)
 	if err != nil {
 		t.Fatal(err)
 	}
