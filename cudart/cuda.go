@@ -82,6 +82,7 @@ package cudart
 #cgo noescape allocd_event_query
 #cgo nocallback allocd_event_query
 #cgo nocallback allocd_event_synchronize
+#cgo nocallback allocd_stream_wait_event
 #cgo nocallback allocd_event_destroy
 #cgo noescape allocd_malloc_async
 #cgo nocallback allocd_malloc_async
@@ -359,6 +360,10 @@ func shimEventQuery(dev int, ev Event) (bool, *CUDAError) {
 
 func shimEventSynchronize(dev int, ev Event) *CUDAError {
 	return convStatus(C.allocd_event_synchronize(C.int(dev), C.uintptr_t(ev)))
+}
+
+func shimStreamWaitEvent(dev int, s Stream, ev Event) *CUDAError {
+	return convStatus(C.allocd_stream_wait_event(C.int(dev), C.uintptr_t(s), C.uintptr_t(ev)))
 }
 
 func shimEventDestroy(dev int, ev Event) *CUDAError {

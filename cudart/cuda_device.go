@@ -525,6 +525,22 @@ func (c *CUDA) EventSynchronize(ev Event) error {
 	return nil
 }
 
+// StreamWaitEvent makes the work queued on s after this call wait, on the
+// device, until ev as last recorded has completed (cudaStreamWaitEvent);
+// the host does not wait. It implements StreamWaiter.
+func (c *CUDA) StreamWaitEvent(s Stream, ev Event) error {
+	if err := c.usable("stream wait event"); err != nil {
+		return err
+	}
+	if ev == 0 {
+		return c.invalid("stream wait event: the zero event")
+	}
+	if e := shimStreamWaitEvent(c.state.index, s, ev); e != nil {
+		return c.fail(fmt.Sprintf("stream %#x wait event %#x", uint64(s), uint64(ev)), e)
+	}
+	return nil
+}
+
 // EventDestroy destroys ev (cudaEventDestroy).
 func (c *CUDA) EventDestroy(ev Event) error {
 	if err := c.usable("event destroy"); err != nil {

@@ -49,6 +49,7 @@ func shimEventCreate(int) (Event, *CUDAError)                   { return 0, nocg
 func shimEventRecord(int, Event, Stream) *CUDAError             { return nocgo() }
 func shimEventQuery(int, Event) (bool, *CUDAError)              { return false, nocgo() }
 func shimEventSynchronize(int, Event) *CUDAError                { return nocgo() }
+func shimStreamWaitEvent(int, Stream, Event) *CUDAError         { return nocgo() }
 func shimEventDestroy(int, Event) *CUDAError                    { return nocgo() }
 func shimMallocAsync(int, uint64, Stream) (Ptr, *CUDAError)     { return 0, nocgo() }
 func shimFreeAsync(int, Ptr, Stream) *CUDAError                 { return nocgo() }

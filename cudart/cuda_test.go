@@ -205,6 +205,7 @@ func TestStickyErrorShortCircuits(t *testing.T) {
 		"EventQuery":        func(c *CUDA) error { _, err := c.EventQuery(1); return err },
 		"EventSynchronize":  func(c *CUDA) error { return c.EventSynchronize(1) },
 		"EventDestroy":      func(c *CUDA) error { return c.EventDestroy(1) },
+		"StreamWaitEvent":   func(c *CUDA) error { return c.StreamWaitEvent(0, 1) },
 		"MemsetAsync":       func(c *CUDA) error { return c.MemsetAsync(0x1000, 0, 1, 0) },
 		"Memset":            func(c *CUDA) error { return c.Memset(0x1000, 0, 1) },
 		"MemcpyHtoD":        func(c *CUDA) error { return c.MemcpyHtoD(0x1000, []byte{1}) },
@@ -272,6 +273,7 @@ func TestArgumentChecksNeverReachCUDA(t *testing.T) {
 	invalid["EventQuery(0)"] = func() error { _, err := c.EventQuery(0); return err }()
 	invalid["EventSynchronize(0)"] = c.EventSynchronize(0)
 	invalid["EventDestroy(0)"] = c.EventDestroy(0)
+	invalid["StreamWaitEvent(0)"] = c.StreamWaitEvent(0, 0)
 	invalid["MemsetAsync(nil)"] = c.MemsetAsync(0, 1, 10, 0)
 	invalid["MemcpyHtoD(nil)"] = c.MemcpyHtoD(0, []byte{1})
 	invalid["MemcpyDtoH(nil)"] = c.MemcpyDtoH([]byte{1}, 0)
@@ -747,6 +749,24 @@ func TestStreamsAndEvents(t *testing.T) {
 		t.Fatalf("EventQuery(pending) = %v", err)
 	}
 	t.Logf("EventQuery right after queueing 8 GiB of memset: done=%v", pending)
+	// A second stream that waits for ev has, once it drains, waited for
+	// the memsets: StreamWaitEvent orders it after them on the device.
+	s2, err := c.StreamCreate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.StreamWaitEvent(s2, ev); err != nil {
+		t.Fatalf("StreamWaitEvent: %v", err)
+	}
+	if err := c.StreamSynchronize(s2); err != nil {
+		t.Fatal(err)
+	}
+	if done, err := c.EventQuery(ev); err != nil || !done {
+		t.Errorf("EventQuery after synchronising a stream that waited for it = %v, %v; want done", done, err)
+	}
+	if err := c.StreamDestroy(s2); err != nil {
+		t.Fatal(err)
+	}
 	if err := c.EventSynchronize(ev); err != nil {
 		t.Fatal(err)
 	}

@@ -222,6 +222,16 @@ type StreamChecker interface {
 	CheckStream(s Stream) error
 }
 
+// StreamWaiter is implemented by devices that can order one stream's work
+// after another's on the device (cudaStreamWaitEvent), without the host
+// waiting. The allocator uses it to lend a free block of one stream's
+// expandable segment to another stream.
+type StreamWaiter interface {
+	// StreamWaitEvent makes the work queued on s after this call wait
+	// until e, as last recorded, has completed.
+	StreamWaitEvent(s Stream, e Event) error
+}
+
 // PoolReporter is implemented by AsyncAllocator devices that can report
 // their stream-ordered pool's usage.
 type PoolReporter interface {

@@ -119,6 +119,7 @@ static struct {
 	cudaError_t (*EventQuery)(cudaEvent_t);
 	cudaError_t (*EventSynchronize)(cudaEvent_t);
 	cudaError_t (*EventDestroy)(cudaEvent_t);
+	cudaError_t (*StreamWaitEvent)(cudaStream_t, cudaEvent_t, unsigned int);
 	cudaError_t (*DeviceSynchronize)(void);
 	const char *(*GetErrorName)(cudaError_t);
 	const char *(*GetErrorString)(cudaError_t);
@@ -225,6 +226,7 @@ int allocd_bind(void *cudart, void *cuda, char *missing, size_t missinglen) {
 	BIND(cudart, rt, EventQuery, "cudaEventQuery");
 	BIND(cudart, rt, EventSynchronize, "cudaEventSynchronize");
 	BIND(cudart, rt, EventDestroy, "cudaEventDestroy");
+	BIND(cudart, rt, StreamWaitEvent, "cudaStreamWaitEvent");
 	BIND(cudart, rt, DeviceSynchronize, "cudaDeviceSynchronize");
 	BIND(cudart, rt, GetErrorName, "cudaGetErrorName");
 	BIND(cudart, rt, GetErrorString, "cudaGetErrorString");
@@ -682,6 +684,12 @@ allocd_status allocd_event_query(int dev, uintptr_t event, int *done) {
 allocd_status allocd_event_synchronize(int dev, uintptr_t event) {
 	USE_DEVICE(dev);
 	RT(rt.EventSynchronize((cudaEvent_t)event), "cudaEventSynchronize");
+	return ok_status();
+}
+
+allocd_status allocd_stream_wait_event(int dev, uintptr_t stream, uintptr_t event) {
+	USE_DEVICE(dev);
+	RT(rt.StreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)event, 0), "cudaStreamWaitEvent");
 	return ok_status();
 }
 

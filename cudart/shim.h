@@ -87,6 +87,7 @@ allocd_status allocd_event_create(int dev, uintptr_t *event);
 allocd_status allocd_event_record(int dev, uintptr_t event, uintptr_t stream);
 allocd_status allocd_event_query(int dev, uintptr_t event, int *done);
 allocd_status allocd_event_synchronize(int dev, uintptr_t event);
+allocd_status allocd_stream_wait_event(int dev, uintptr_t stream, uintptr_t event);
 allocd_status allocd_event_destroy(int dev, uintptr_t event);
 
 allocd_status allocd_malloc_async(int dev, size_t size, uintptr_t stream, unsigned long long *ptr);

@@ -85,6 +85,7 @@ type Counters struct {
 	EventCreates, EventDestroys             int64
 	EventRecords, EventQueries, EventSyncs  int64
 	DeviceSyncs, StreamSyncs, MemGetInfos   int64
+	StreamWaits                             int64
 	LiveAllocations, LiveEvents, LiveStream int64
 }
 
@@ -595,6 +596,24 @@ func (s *Sim) EventSynchronize(e cudart.Event) error {
 		return err
 	}
 	s.counters.EventSyncs++
+	s.completeEventLocked(ev)
+	return nil
+}
+
+// StreamWaitEvent implements cudart.StreamWaiter. The simulated device
+// orders the two streams by finishing, at once, the work of e's stream
+// up to e (its copies run), which is one order a GPU could take.
+func (s *Sim) StreamWaitEvent(st cudart.Stream, e cudart.Event) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ev, err := s.event("stream wait event", e)
+	if err != nil {
+		return err
+	}
+	if err := s.checkStream("stream wait event", st); err != nil {
+		return err
+	}
+	s.counters.StreamWaits++
 	s.completeEventLocked(ev)
 	return nil
 }

@@ -118,6 +118,14 @@ int cudaEventQuery(void *e) {
 	if (((obj *)e)->pending) { ((obj *)e)->pending = 0; return fail(600); }
 	return 0;
 }
+// The mock's work completes at once: a stream that waits for an event
+// finds it complete.
+int cudaStreamWaitEvent(void *s, void *e, unsigned f) {
+	if (f != 0) return fail(1);
+	if (!live(e) || !stream_ok(s)) return fail(400);
+	((obj *)e)->pending = 0;
+	return 0;
+}
 int cudaEventSynchronize(void *e) { if (!live(e)) return fail(400); ((obj *)e)->pending = 0; return 0; }
 int cudaEventDestroy(void *e) { if (!live(e)) return fail(400); ((obj *)e)->magic = 0; free(e); return 0; }
 int cudaDeviceSynchronize(void) { return 0; }
