@@ -313,6 +313,7 @@ type Allocator struct {
 type call struct {
 	stack  uint32 // interned stack of the caller (history.capture), or 0
 	devErr error  // the device's last out-of-memory error in this call
+	lender *pool  // the other stream's pool whose free block grow lent (expandable.go), or nil
 }
 
 // New returns an allocator for dev. It reads the device's total memory once
@@ -694,6 +695,9 @@ func (n native) malloc(c *call, sh *shard, size uint64) (cudart.Ptr, error) {
 		if b, err = a.grow(c, p, stream, size, rounded); err != nil {
 			return 0, err
 		}
+		if c.lender != nil {
+			p = c.lender
+		}
 	}
 	var d delta
 	a.mallocDeltaOf(&d, p, b, rounded, size)
@@ -868,7 +872,7 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) (ok, busy bool) {
 		return false, false
 	}
 	b := sh.active.vals[slot]
-	if len(b.StreamUses) > 0 {
+	if len(b.StreamUses) > 0 || b.Lent {
 		return false, false
 	}
 	pl := &sh.large
@@ -938,7 +942,10 @@ func (n native) free(c *call, p cudart.Ptr) error {
 	pl.sh.active.del(b.Ptr)
 	a.release(pl, b)
 	a.record(c, actionFreeRequested, b.Ptr, b.Requested, cudart.Stream(b.Segment.Stream))
-	if len(b.StreamUses) > 0 {
+	if b.Lent && a.capturing == 0 {
+		a.returnLent(b)
+	}
+	if len(b.StreamUses) > 0 || b.Lent {
 		if a.capturing > 0 {
 			a.deferEvents(b)
 			return nil
@@ -1036,8 +1043,8 @@ func (n native) recordStream(p cudart.Ptr, s cudart.Stream) error {
 	if _, err := a.checkStream(s); err != nil {
 		return err
 	}
-	if uint64(s) == blocks.DeviceStream(b.Segment.Stream) {
-		return nil
+	if uint64(s) == blocks.DeviceStream(b.Segment.Stream) || (b.Lent && uint64(s) == b.Borrower) {
+		return nil // its own stream: ordered already
 	}
 	for _, u := range b.StreamUses {
 		if u == uint64(s) {
@@ -1426,6 +1433,12 @@ func (n native) check() error {
 			events += b.EventCount
 			if b.Allocated && a.shardOf(cudart.Stream(s.Stream)).active.get(b.Ptr) != b {
 				errs = append(errs, fmt.Errorf("allocated %v is missing from its stream's active map", b))
+			}
+			if b.Lent && ((!b.Allocated && b.EventCount == 0) || !s.Expandable || b.Borrower == blocks.DeviceStream(s.Stream) || blocks.PoolSeq(s.Stream) != 0) {
+				errs = append(errs, fmt.Errorf("%v of stream %#x is lent to stream %#x but not an allocated (or deferred) block of another stream's expandable segment", b, s.Stream, b.Borrower))
+			}
+			if !b.Lent && b.Borrower != 0 {
+				errs = append(errs, fmt.Errorf("%v has borrower %#x but is not lent", b, b.Borrower))
 			}
 		}
 	}

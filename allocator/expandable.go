@@ -31,6 +31,29 @@ package allocator
 // collector (garbage_collection_threshold) release only ordinary segments.
 // release_lock_on_cudamalloc does not apply to mapping, as in PyTorch.
 //
+// # Lending across streams
+//
+// With reclaim (not WithPyTorchExpandable), a growth that the device or
+// the per-process cap refuses first borrows a free block of another
+// stream's range, before the out-of-memory path releases cached memory
+// (which synchronises the device) or fails: reclaim moves only whole runs
+// inside free blocks, so free memory in pieces shorter than a run, or in
+// the same runs as live blocks, is otherwise out of reach of a stream
+// that does not own it. The block is the smallest that holds the request,
+// mapped, in a pool of the same kind and no private pool; it stays in its
+// segment (its stream's shard counts it) and is marked Lent to the
+// borrowing stream. Order on the device keeps it safe without the host
+// waiting (cudart.StreamWaiter: an event recorded on one stream that the
+// other waits for): at the loan, the borrower's work from then on waits
+// for the work its owner queued so far; at Free, which takes world mode
+// for a lent block, the owner's work from then on waits for the
+// borrower's, and the block returns to its owner's pool as any of its
+// blocks does. A device that cannot order streams lends nothing; a
+// return that cannot be ordered synchronises the borrower. During a
+// capture nothing is lent, and a lent block freed then waits, as blocks
+// used by other streams do, until the capture ends. Stats.NumLends counts
+// the loans.
+//
 // None of this touches the default path: with expandable segments off, no
 // segment is Expandable and no block Unmapped.
 
@@ -99,12 +122,18 @@ func (p *pool) vmPool() vmm.Pool {
 }
 
 // growExpandable is grow for expandable segments: map pages for the
-// request; if the device says no, release cached memory (unmap free pages)
-// and try once more; then fail with an OOMError.
+// request; if the device or the cap says no, borrow another stream's free
+// block (lend, with reclaim), else release cached memory (unmap free
+// pages) and try once more; then fail with an OOMError.
 func (a *Allocator) growExpandable(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
 	allocSize := allocationSize(rounded)
 	b, err := a.allocExpandable(c, p, stream, rounded, allocSize, false)
 	if b == nil && err == nil && a.capturing == 0 { // nothing is released during a capture (pools.go)
+		if a.exp.Reclaims() {
+			if lb := a.lend(c, p, stream, rounded); lb != nil {
+				return lb, nil
+			}
+		}
 		if err = a.releaseCachedBlocks(c); err == nil {
 			b, err = a.allocExpandable(c, p, stream, rounded, allocSize, true)
 		}
@@ -397,4 +426,86 @@ func otherPool(p Pool) Pool {
 		return PoolLarge
 	}
 	return PoolSmall
+}
+
+// lend serves a request that the device or the cap refused to map for,
+// before releasing cached memory (see "Lending across streams" above):
+// the smallest mapped free block of another stream's pool of p's kind
+// that holds size bytes, taken out of its free index for the request on
+// stream, with that stream's work from now on ordered after the work its
+// owner queued so far. c.lender says whose pool it came from. It
+// returns nil when no block qualifies or the device cannot order the
+// streams. Private pools neither lend nor borrow.
+func (a *Allocator) lend(c *call, p *pool, stream cudart.Stream, size uint64) *blocks.Block {
+	if p.sh.held() {
+		return nil
+	}
+	var best *blocks.Block
+	var from *pool
+	for _, q := range a.pools(p.small) {
+		if q == p {
+			continue
+		}
+		b := q.free.LowerBound(uint64(q.sh.stream), size)
+		if b == nil || b.Unmapped || !b.Segment.Expandable {
+			continue
+		}
+		if best == nil || b.Size < best.Size {
+			best, from = b, q
+		}
+	}
+	if best == nil || !a.orderAfter(from.sh.stream, stream) {
+		return nil
+	}
+	from.free.Delete(best)
+	best.Lent, best.Borrower = true, uint64(stream)
+	c.lender = from
+	a.stats.NumLends++
+	a.log.Debug("expandable block lent", zap.Uint64("addr", best.Ptr), zap.Uint64("bytes", best.Size),
+		zap.Uint64("owner", uint64(from.sh.stream)), zap.Uint64("borrower", uint64(stream)))
+	return best
+}
+
+// orderAfter makes the work queued on later from now on wait, on the
+// device, for the work queued on first so far: an event recorded on first
+// that later waits for (cudart.StreamWaiter). It reports false when it
+// could not, having logged why.
+func (a *Allocator) orderAfter(first, later cudart.Stream) bool {
+	w, ok := a.dev.(cudart.StreamWaiter)
+	if !ok {
+		return false
+	}
+	ev, err := a.getEvent()
+	if err != nil {
+		a.log.Warn("ordering two streams: no event", zap.Error(err))
+		return false
+	}
+	defer a.spareEvents.Put(ev)
+	if err := a.dev.EventRecord(ev, first); err != nil {
+		a.log.Warn("ordering two streams: recording an event", zap.Uint64("stream", uint64(first)), zap.Error(err))
+		return false
+	}
+	if err := w.StreamWaitEvent(later, ev); err != nil {
+		a.log.Warn("ordering two streams: waiting for an event", zap.Uint64("stream", uint64(later)), zap.Error(err))
+		return false
+	}
+	return true
+}
+
+// returnLent ends the loan of the freed block b: the work its segment's
+// stream queues from now on waits for the work the borrower queued so
+// far, so that b returns to its pool as any block of that stream does.
+// If the device cannot order them, the borrower is synchronised.
+func (a *Allocator) returnLent(b *blocks.Block) {
+	owner, borrower := cudart.Stream(blocks.DeviceStream(b.Segment.Stream)), cudart.Stream(b.Borrower)
+	b.Lent, b.Borrower = false, 0
+	if a.orderAfter(borrower, owner) {
+		return
+	}
+	if err := a.dev.StreamSynchronize(borrower); err != nil {
+		a.log.Error("synchronising a borrowing stream failed; synchronising the device", zap.Error(err))
+		if serr := a.dev.Synchronize(); serr != nil {
+			a.log.Error("device synchronize failed", zap.Error(serr))
+		}
+	}
 }

@@ -369,10 +369,10 @@ func (a *Allocator) checkPoolStream(s cudart.Stream) (*privatePool, error) {
 	return p, nil
 }
 
-// deferEvents holds a freed block that other streams used until the last
-// capture under way ends (world mode): recording their events now would
-// capture the records into the graph. It counts as one pending event
-// meanwhile.
+// deferEvents holds a freed block that other streams used, or a lent one
+// (expandable.go), until the last capture under way ends (world mode):
+// recording their events now would capture the records into the graph.
+// It counts as one pending event meanwhile.
 func (a *Allocator) deferEvents(b *blocks.Block) {
 	b.EventCount++
 	a.poolOf(b).sh.pendingEv++
@@ -387,6 +387,9 @@ func (a *Allocator) recordDeferred() {
 		pl := a.poolOf(b)
 		b.EventCount--
 		pl.sh.pendingEv--
+		if b.Lent {
+			a.returnLent(b)
+		}
 		a.eventsOrSync(nil, pl, b)
 	}
 	a.deferred = a.deferred[:0]

@@ -148,6 +148,11 @@ type Stats struct {
 	// free pages first. Each waits once for the streams that own those
 	// pages (allocd only; not a PyTorch key).
 	NumReclaims int64
+	// NumLends counts free blocks of one stream's expandable segment
+	// handed out to a request on another stream that the device or the
+	// per-process cap refused to map for, before the out-of-memory path
+	// (allocd only; not a PyTorch key).
+	NumLends int64
 	// MaxSplitSize is the max_split_size in effect (bytes); -1 when unset,
 	// as PyTorch reports it.
 	MaxSplitSize int64
@@ -213,6 +218,7 @@ func (s *Stats) Flat() map[string]int64 {
 	m["num_reclaims"] = s.NumReclaims
 	m["num_pages_moved"] = s.NumPagesMoved
 	m["num_pages_moved_across_streams"] = s.NumPagesMovedAcrossStreams
+	m["num_lends"] = s.NumLends
 	m["handle_cache_bytes"] = s.HandleCacheBytes
 	m["private_reserved_bytes"] = s.PrivateReservedBytes
 	m["private_allocated_bytes"] = s.PrivateAllocatedBytes

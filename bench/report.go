@@ -33,6 +33,9 @@ type ReplayRow struct {
 	Reclaims                int64 `json:"reclaims,omitempty"`
 	PagesMoved              int64 `json:"pages_moved,omitempty"`
 	PagesMovedAcrossStreams int64 `json:"pages_moved_across_streams,omitempty"`
+	// Lends counts free blocks of one stream's expandable segment handed
+	// out to another stream (allocator.Stats.NumLends); left out when 0.
+	Lends int64 `json:"lends,omitempty"`
 	// VMM is the driver's virtual memory calls of expandable segments and
 	// their time; left out without them.
 	VMM *VMMRow `json:"vmm,omitempty"`
@@ -127,6 +130,7 @@ func RowOf(r workload.ReplayResult) ReplayRow {
 		Reclaims:                r.Reclaims,
 		PagesMoved:              r.PagesMoved,
 		PagesMovedAcrossStreams: r.PagesMovedAcrossStreams,
+		Lends:                   r.Lends,
 		VMM:                     VMMRowOf(r.VMM),
 	}
 	if r.Ops > 0 {

@@ -53,6 +53,12 @@ type Block struct {
 	// GCBase is the allocator's free-search count when the block was last
 	// handed out; the garbage collector ages blocks by it.
 	GCBase uint64
+	// Lent is true from Malloc until Free for a block of an expandable
+	// segment handed out to Borrower, a stream other than the segment's
+	// (the allocator lends one when it cannot map memory for Borrower).
+	Lent bool
+	// Borrower is the stream a Lent block is allocated to.
+	Borrower uint64
 	// Unmapped is true for a block of an expandable segment whose pages
 	// are not backed by physical memory. It is always false in an
 	// ordinary segment.

@@ -36,6 +36,9 @@ type ReplayResult struct {
 	// NumPagesMoved, NumPagesMovedAcrossStreams); 0 without expandable
 	// segments.
 	Reclaims, PagesMoved, PagesMovedAcrossStreams int64
+	// Lends counts free blocks of one stream's expandable segment lent
+	// to another stream on the out-of-memory path (Stats.NumLends).
+	Lends int64
 	// VMM is the driver's virtual memory calls of expandable segments
 	// and their time (allocator.Stats.VMM); zero without them.
 	VMM allocator.VMMCalls
@@ -129,6 +132,7 @@ func Replay(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayRe
 	res.AllocRetries = st.NumAllocRetries
 	res.OOMs = st.NumOOMs
 	res.Reclaims = st.NumReclaims
+	res.Lends = st.NumLends
 	res.PagesMoved = st.NumPagesMoved
 	res.PagesMovedAcrossStreams = st.NumPagesMovedAcrossStreams
 	res.VMM = st.VMM
@@ -416,6 +420,7 @@ func ReplayWarm(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (Repl
 	res.AllocRetries -= before.NumAllocRetries
 	res.OOMs -= before.NumOOMs
 	res.Reclaims -= before.NumReclaims
+	res.Lends -= before.NumLends
 	res.PagesMoved -= before.NumPagesMoved
 	res.PagesMovedAcrossStreams -= before.NumPagesMovedAcrossStreams
 	res.VMM = res.VMM.Sub(before.VMM)
