@@ -34,12 +34,14 @@ package allocator
 // # Lending across streams
 //
 // With reclaim (not WithPyTorchExpandable), a growth that the device or
-// the per-process cap refuses first borrows a free block of another
-// stream's range, before the out-of-memory path releases cached memory
-// (which synchronises the device) or fails: reclaim moves only whole runs
-// inside free blocks, so free memory in pieces shorter than a run, or in
-// the same runs as live blocks, is otherwise out of reach of a stream
-// that does not own it. The block is the smallest that holds the request,
+// the per-process cap refuses even after the out-of-memory path released
+// cached memory borrows a free block of another stream's range instead
+// of failing: reclaim and release move only whole runs inside free
+// blocks, so free memory in pieces shorter than a run, or in the same
+// runs as live blocks, is otherwise out of reach of a stream that does
+// not own it. Lending comes last because it leaves the free memory as
+// fragmented as it found it, where releasing it lets the next growths map
+// it whole (docs/fragmentation.md has the measurements). The block is the smallest that holds the request,
 // mapped, in a pool of the same kind and no private pool; it stays in its
 // segment (its stream's shard counts it) and is marked Lent to the
 // borrowing stream. Order on the device keeps it safe without the host
@@ -122,24 +124,22 @@ func (p *pool) vmPool() vmm.Pool {
 }
 
 // growExpandable is grow for expandable segments: map pages for the
-// request; if the device or the cap says no, borrow another stream's free
-// block (lend, with reclaim), else release cached memory (unmap free
-// pages) and try once more; then fail with an OOMError.
+// request; if the device or the cap says no, release cached memory (unmap
+// free pages) and try once more; then, with reclaim, borrow another
+// stream's free block (lend); then fail with an OOMError.
 func (a *Allocator) growExpandable(c *call, p *pool, stream cudart.Stream, size, rounded uint64) (*blocks.Block, error) {
 	allocSize := allocationSize(rounded)
 	b, err := a.allocExpandable(c, p, stream, rounded, allocSize, false)
 	if b == nil && err == nil && a.capturing == 0 { // nothing is released during a capture (pools.go)
-		if a.exp.Reclaims() {
-			if lb := a.lend(c, p, stream, rounded); lb != nil {
-				return lb, nil
-			}
-		}
 		if err = a.releaseCachedBlocks(c); err == nil {
 			b, err = a.allocExpandable(c, p, stream, rounded, allocSize, true)
 		}
 	}
 	if err != nil {
 		return nil, err
+	}
+	if b == nil && a.capturing == 0 && a.exp.Reclaims() {
+		b = a.lend(c, p, stream, rounded)
 	}
 	if b == nil {
 		return nil, a.outOfMemory(c, size, allocSize, stream, c.devErr)
@@ -429,7 +429,7 @@ func otherPool(p Pool) Pool {
 }
 
 // lend serves a request that the device or the cap refused to map for,
-// before releasing cached memory (see "Lending across streams" above):
+// even after cached memory was released (see "Lending across streams"):
 // the smallest mapped free block of another stream's pool of p's kind
 // that holds size bytes, taken out of its free index for the request on
 // stream, with that stream's work from now on ordered after the work its

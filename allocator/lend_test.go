@@ -1,6 +1,7 @@
 package allocator
 
 import (
+	"errors"
 	"testing"
 
 	"github.com/allocd/allocd/cudart"
@@ -11,20 +12,31 @@ import (
 // 64 MiB, under a 70 MiB cap on a 4 GiB device.
 const lendConf = "expandable_reclaim:coarse,per_process_memory_fraction:0.01708984375"
 
-// TestLendAcrossStreams follows one loan: the owner frees a 40 MiB block,
-// one run that reclaim does not move, and the borrower's 30 MiB request,
-// which the cap refuses to map, is lent that block instead of releasing
-// cached memory or failing: no new memory, no device-wide wait, two
-// streams ordered on the device (one wait), and the invariants hold. A
-// RecordStream on the borrower changes nothing; Free orders the owner
-// after the borrower (a second wait) and returns the block to the owner,
-// whose next request gets it on the hot path.
+// ownerFreeBlock leaves the owner's range with one 60 MiB run, mapped
+// whole, holding a live 4 MiB block y at its start and a 56 MiB free
+// block after it, at x: neither reclaim nor releasing cached memory can
+// take any of it (runs move only whole).
+func ownerFreeBlock(t *testing.T, a *Allocator, owner cudart.Stream) (x, y cudart.Ptr) {
+	t.Helper()
+	z := mustMalloc(t, a, 60*miB, owner)
+	mustFree(t, a, z)
+	if y = mustMalloc(t, a, 4*miB, owner); y != z {
+		t.Fatalf("owner's 4 MiB at %#x, want the start of its free 60 MiB %#x", uint64(y), uint64(z))
+	}
+	return y + cudart.Ptr(4*miB), y
+}
+
+// TestLendAcrossStreams follows one loan: the borrower's 30 MiB request,
+// which the cap refuses to map and releasing cached memory cannot help,
+// is lent the owner's free block (ownerFreeBlock) instead of failing:
+// no new memory, two streams ordered on the device (one wait), and the
+// invariants hold. A RecordStream on the borrower changes nothing; Free
+// orders the owner after the borrower (a second wait) and returns the
+// block to the owner, whose next request gets it on the hot path.
 func TestLendAcrossStreams(t *testing.T) {
 	a, sim := newExp(t, 4<<30, lendConf)
 	owner, borrower := newStream(t, sim), newStream(t, sim)
-	x := mustMalloc(t, a, 40*miB, owner)
-	y := mustMalloc(t, a, 4*miB, owner)
-	mustFree(t, a, x)
+	x, y := ownerFreeBlock(t, a, owner)
 	before, waits := a.Stats(), sim.Counters().StreamWaits
 	p := mustMalloc(t, a, 30*miB, borrower)
 	st := a.Stats()
@@ -55,8 +67,8 @@ func TestLendAcrossStreams(t *testing.T) {
 	if err := a.Check(); err != nil {
 		t.Fatal(err)
 	}
-	if q := mustMalloc(t, a, 40*miB, owner); q != x {
-		t.Errorf("owner's next 40 MiB at %#x, want the returned block %#x", uint64(q), uint64(x))
+	if q := mustMalloc(t, a, 56*miB, owner); q != x {
+		t.Errorf("owner's next 56 MiB at %#x, want the returned block %#x", uint64(q), uint64(x))
 	} else {
 		mustFree(t, a, q)
 	}
@@ -64,9 +76,8 @@ func TestLendAcrossStreams(t *testing.T) {
 }
 
 // TestLendNeedsStreamOrder: on a device that cannot order one stream
-// after another (no cudart.StreamWaiter), nothing is lent; the borrower's
-// request takes the out-of-memory path (the free block is released, then
-// the borrower's range maps).
+// after another (no cudart.StreamWaiter), nothing is lent, and the
+// borrower's request fails as it did before loans.
 func TestLendNeedsStreamOrder(t *testing.T) {
 	sim, err := simdev.New(simdev.Config{Capacity: 4 << 30, ManualEvents: true})
 	if err != nil {
@@ -74,14 +85,11 @@ func TestLendNeedsStreamOrder(t *testing.T) {
 	}
 	a := newExpOn(t, sim, noStreamWait{sim, sim}, lendConf)
 	owner, borrower := newStream(t, sim), newStream(t, sim)
-	x := mustMalloc(t, a, 40*miB, owner)
-	y := mustMalloc(t, a, 4*miB, owner)
-	mustFree(t, a, x)
-	p := mustMalloc(t, a, 30*miB, borrower)
-	if p == x || a.Stats().NumLends != 0 {
-		t.Errorf("borrower got %#x with %d lends on a device without StreamWaitEvent; want its own memory", uint64(p), a.Stats().NumLends)
+	x, y := ownerFreeBlock(t, a, owner)
+	if p, err := a.Malloc(30*miB, borrower); !errors.Is(err, ErrOutOfMemory) || a.Stats().NumLends != 0 {
+		t.Errorf("borrower's Malloc = %#x, %v with %d lends on a device without StreamWaitEvent; want out of memory", uint64(p), err, a.Stats().NumLends)
 	}
-	mustFree(t, a, p)
+	_ = x
 	mustFree(t, a, y)
 }
 
@@ -111,9 +119,7 @@ func TestLendFreedDuringCapture(t *testing.T) {
 	a, g := newGuardedAllocator(t, 4<<30, "expandable_segments:True,"+lendConf, simdev.Config{ManualEvents: true})
 	sim := g.Sim
 	owner, borrower, side := newStream(t, sim), newStream(t, sim), newStream(t, sim)
-	x := mustMalloc(t, a, 40*miB, owner)
-	y := mustMalloc(t, a, 4*miB, owner)
-	mustFree(t, a, x)
+	x, y := ownerFreeBlock(t, a, owner)
 	p := mustMalloc(t, a, 30*miB, borrower)
 	if p != x || a.Stats().NumLends != 1 {
 		t.Fatalf("borrower got %#x with %d lends; want %#x, lent", uint64(p), a.Stats().NumLends, uint64(x))
@@ -136,8 +142,8 @@ func TestLendFreedDuringCapture(t *testing.T) {
 		t.Fatal(err)
 	}
 	mustCheck(t, a)
-	if q := mustMalloc(t, a, 40*miB, owner); q != x {
-		t.Errorf("owner's 40 MiB after the capture at %#x, want the returned block %#x", uint64(q), uint64(x))
+	if q := mustMalloc(t, a, 56*miB, owner); q != x {
+		t.Errorf("owner's 56 MiB after the capture at %#x, want the returned block %#x", uint64(q), uint64(x))
 	} else {
 		mustFree(t, a, q)
 	}

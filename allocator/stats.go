@@ -150,8 +150,8 @@ type Stats struct {
 	NumReclaims int64
 	// NumLends counts free blocks of one stream's expandable segment
 	// handed out to a request on another stream that the device or the
-	// per-process cap refused to map for, before the out-of-memory path
-	// (allocd only; not a PyTorch key).
+	// per-process cap refused to map for, even after cached memory was
+	// released, instead of failing (allocd only; not a PyTorch key).
 	NumLends int64
 	// MaxSplitSize is the max_split_size in effect (bytes); -1 when unset,
 	// as PyTorch reports it.

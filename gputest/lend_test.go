@@ -10,14 +10,16 @@ import (
 
 // TestGPUExpandableLend checks, on a GPU, the order that lending a free
 // block across streams keeps (expandable segments with coarse reclaim,
-// which moves no stretch this short, under a 70 MiB cap). A stream (the
-// owner) queues long work on a block X, frees it and keeps a small block
-// after it; another stream (the borrower) then asks for less than X, more
-// than the cap leaves room for, and is lent X's memory instead of failing
-// or releasing cached memory. The borrower writes the block after the owner's queued work
-// (its stream waits for it on the device), then queues long work of its
-// own and frees it; the owner, asking again, gets the block back and
-// writes it after the borrower's work. Each block reads back whole.
+// under a 70 MiB cap). A stream (the owner) queues long work on a block,
+// frees it and takes a small block at its start, which keeps the rest of
+// the block's run mapped and free (X) out of reach of reclaim and of
+// releasing cached memory; another stream (the borrower) then asks for
+// less than X, more than the cap leaves room for, and is lent X's memory
+// instead of failing. The borrower writes the block after the owner's
+// queued work (its stream waits for it on the device), then queues long
+// work of its own and frees it; the owner, asking again, gets the block
+// back and writes it after the borrower's work. Each block reads back
+// whole.
 func TestGPUExpandableLend(t *testing.T) {
 	if corrupt := runLend(t, openGPU(t), 4000); corrupt > 0 {
 		t.Errorf("%d windows corrupted", corrupt)
@@ -77,19 +79,23 @@ func runLend(t *testing.T, dev cudart.Device, writes int) int {
 		t.Fatal(err)
 	}
 	defer dev.StreamDestroy(borrower)
-	const xSize, ySize, want = 40 * miB, 4 * miB, 30 * miB
-	x, err := a.Malloc(xSize, owner)
+	// One 60 MiB run, mapped whole, written at length on the owner and
+	// freed; a live 4 MiB block Y at its start keeps the run, so the free
+	// 56 MiB after it (X) can be neither reclaimed nor released.
+	const zSize, ySize, want = 60 * miB, 4 * miB, 30 * miB
+	z, err := a.Malloc(zSize, owner)
 	if err != nil {
+		t.Fatal(err)
+	}
+	queueWrites(t, dev, z, zSize, 0xa1, owner, writes)
+	if err := a.Free(z); err != nil {
 		t.Fatal(err)
 	}
 	y, err := a.Malloc(ySize, owner)
 	if err != nil {
 		t.Fatal(err)
 	}
-	queueWrites(t, dev, x, xSize, 0xa1, owner, writes)
-	if err := a.Free(x); err != nil {
-		t.Fatal(err)
-	}
+	x := y + cudart.Ptr(ySize)
 	before := a.Stats()
 	p, err := a.Malloc(want, borrower)
 	if err != nil {
@@ -101,6 +107,9 @@ func runLend(t *testing.T, dev cudart.Device, writes int) int {
 	if st := a.Stats(); st.ReservedBytes[allocator.PoolAll].Current != before.ReservedBytes[allocator.PoolAll].Current || st.NumSyncAllStreams != before.NumSyncAllStreams || st.NumOOMs != 0 {
 		t.Errorf("the loan changed reserved memory (%d → %d bytes), synchronised (%d times) or failed (%d)",
 			before.ReservedBytes[allocator.PoolAll].Current, st.ReservedBytes[allocator.PoolAll].Current, st.NumSyncAllStreams-before.NumSyncAllStreams, st.NumOOMs)
+	}
+	if st := a.Stats(); st.VMM.Waits != before.VMM.Waits {
+		t.Errorf("the out-of-memory path waited for a stream (%d waits) before the loan: the test no longer covers the order", st.VMM.Waits-before.VMM.Waits)
 	}
 	if err := dev.MemsetAsync(p, 0xb2, want, borrower); err != nil {
 		t.Fatal(err)
