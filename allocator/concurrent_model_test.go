@@ -34,7 +34,7 @@ func TestConcurrentModelEachStep(t *testing.T) {
 	if testing.Short() {
 		steps = 100
 	}
-	for _, conf := range []string{"", "expandable_segments:True", "release_lock_on_cudamalloc:True"} {
+	for _, conf := range []string{"", "expandable_segments:True", "expandable_segments:True,expandable_reclaim:coarse", "release_lock_on_cudamalloc:True"} {
 		t.Run("conf="+conf, func(t *testing.T) {
 			runConcurrentModel(t, conf, steps, uint64(time.Now().UnixNano()))
 		})
@@ -394,8 +394,8 @@ func runConcurrentModel(t *testing.T, conf string, steps int, seed uint64) {
 	if st.NumOOMs != totalOOMs {
 		t.Errorf("num_ooms %d, the workers saw %d", st.NumOOMs, totalOOMs)
 	}
-	t.Logf("%d worker steps, %d controller steps; %d OOMs, %d device mallocs, %d device frees, %d EmptyCache, %d reclaims, %d escalations, %d pairs took their block back",
-		workers*steps, ctlSteps, totalOOMs, st.NumDeviceAlloc, st.NumDeviceFree, st.NumEmptyCache, st.NumReclaims, st.NumEscalations, retaken.Load())
+	t.Logf("%d worker steps, %d controller steps; %d OOMs, %d device mallocs, %d device frees, %d EmptyCache, %d reclaims, %d lends, %d escalations, %d pairs took their block back",
+		workers*steps, ctlSteps, totalOOMs, st.NumDeviceAlloc, st.NumDeviceFree, st.NumEmptyCache, st.NumReclaims, st.NumLends, st.NumEscalations, retaken.Load())
 	if totalOOMs == 0 {
 		t.Error("no Malloc failed: the run did not exercise out-of-memory")
 	}
