@@ -31,6 +31,22 @@ package allocator
 // collector (garbage_collection_threshold) release only ordinary segments.
 // release_lock_on_cudamalloc does not apply to mapping, as in PyTorch.
 //
+// # Small requests at the limit
+//
+// The small pool maps one-page runs and the large pool longer ones, and
+// a run maps only whole, so memory changes pools only through a release
+// and a create: a small-pool growth that reclaim serves from the large
+// pool's free runs releases them (the small pool cannot map them), and
+// the large pool creates them again at its next growth. With the
+// default reclaim policy, a small request that would grow its pool past
+// what reclaim allows is therefore served from a free block of its own
+// stream's large pool, when one holds it, instead: the block splits
+// there as any large-pool block does, counts in the large pool's
+// statistics, and returns to the large pool's free index when freed. No
+// memory moves and no stream waits. Coarse reclaim, which moves no
+// stretch this short, leaves the pools apart as PyTorch does.
+// Stats.NumSmallFromLarge counts these requests.
+//
 // # Lending across streams
 //
 // With reclaim (not WithPyTorchExpandable), a growth that the device or
@@ -159,6 +175,16 @@ func (a *Allocator) allocExpandable(c *call, p *pool, stream cudart.Stream, roun
 	c.devErr = nil
 	if a.capped && a.segs.reserved+allocSize > a.allowed {
 		return nil, nil
+	}
+	if p.small && a.exp.Reclaims() && a.capturing == 0 && a.cfg.ExpandableReclaim == ReclaimFine {
+		// Small requests at the limit, before looking for room to grow.
+		sums, _ := a.hotSums()
+		if a.exp.SmallGrowthExcess(uint64(sums[hotAllocatedBytes][PoolAll])+rounded) > 0 {
+			if lb, q := a.smallFromLarge(p, rounded); lb != nil {
+				c.lender = q
+				return lb, nil
+			}
+		}
 	}
 	b, err := a.findExpandableBlock(p, uint64(stream), rounded)
 	if err != nil {
@@ -426,6 +452,22 @@ func otherPool(p Pool) Pool {
 		return PoolLarge
 	}
 	return PoolSmall
+}
+
+// smallFromLarge serves a small-pool request that would grow its pool
+// past what reclaim allows from a free block of the same stream's large
+// pool, the best fit, taken out of its free index; it returns the block
+// and the large pool, or nil. Only the default reclaim policy calls it
+// (see "Small requests at the limit" above).
+func (a *Allocator) smallFromLarge(p *pool, size uint64) (*blocks.Block, *pool) {
+	q := &p.sh.large
+	b := a.findFreeBlock(q, uint64(q.sh.stream), size)
+	if b == nil {
+		return nil, nil
+	}
+	q.free.Delete(b)
+	a.stats.NumSmallFromLarge++
+	return b, q
 }
 
 // lend serves a request that the device or the cap refused to map for,

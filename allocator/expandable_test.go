@@ -224,7 +224,9 @@ func TestExpandableFit(t *testing.T) {
 // TestExpandableSplit: expandable blocks split whenever 512 bytes remain,
 // in the large pool too and even past max_split_size, as in PyTorch.
 func TestExpandableSplit(t *testing.T) {
-	a, sim := newExp(t, giB, "max_split_size_mb:40", pageOf20MiB)
+	// PyTorch's policy, so that the small request maps its own range
+	// (allocd's would serve it from the large pool at the limit).
+	a, sim := newExp(t, giB, "max_split_size_mb:40", WithPyTorchExpandable())
 	p := mustMalloc(t, a, 50*miB, 0) // three pages; 10 MiB split off
 	q := mustMalloc(t, a, 9*miB+512, 0)
 	if q != p+cudart.Ptr(50*miB) {
@@ -567,13 +569,16 @@ func TestExpandableRecordStream(t *testing.T) {
 		t.Errorf("60 MiB at %#x, want the merged free space at %#x", z, x)
 	}
 	mustFree(t, a, z)
-	w := mustMalloc(t, a, 4*kiB, 0)
+	w := mustMalloc(t, a, 4*kiB, 0) // at the limit: from the large pool's free pages
+	if w != x {
+		t.Errorf("4 KiB at %#x, want the large pool's free block at %#x", w, x)
+	}
 	_ = a.RecordStream(w, side)
 	mustFree(t, a, w)
 	if err := a.EmptyCache(); err != nil { // waits for the event, then unmaps
 		t.Fatal(err)
 	}
-	expect(t, a, sim, 0, 3, 2)
+	expect(t, a, sim, 0, 2, 1)
 }
 
 // TestExpandableStreams: each stream gets its own range; blocks never
@@ -1010,5 +1015,54 @@ func TestExpandableMapsARangeAtOnce(t *testing.T) {
 		if err := a.EmptyCache(); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// TestExpandableSmallFromLarge: with the default reclaim policy, a small
+// request that would grow the small pool past what reclaim allows takes
+// a piece of its stream's free large-pool block instead, which returns
+// to the large pool when freed; no page moves. Coarse reclaim and
+// PyTorch's policy map the small pool's own page, and a request that no
+// large free block holds grows the small pool as before.
+func TestExpandableSmallFromLarge(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		conf      string
+		opts      []Option
+		fromLarge bool
+	}{
+		{"default", "", nil, true},
+		{"coarse", "expandable_reclaim:coarse", nil, false},
+		{"pytorch", "", []Option{WithPyTorchExpandable()}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, _ := newExp(t, giB, tc.conf, tc.opts...)
+			x := mustMalloc(t, a, 40*miB, 0)
+			mustFree(t, a, x) // reserved at its mark, all of it free in the large pool
+			before := a.Stats()
+			w := mustMalloc(t, a, 4*kiB, 0)
+			st := a.Stats()
+			if got := w == x; got != tc.fromLarge || (st.NumSmallFromLarge == 1) != tc.fromLarge {
+				t.Fatalf("4 KiB at %#x (the large pool's free block is at %#x), %d from the large pool; want from the large pool: %v",
+					uint64(w), uint64(x), st.NumSmallFromLarge, tc.fromLarge)
+			}
+			if tc.fromLarge {
+				if st.NumDeviceAlloc != before.NumDeviceAlloc || st.ReservedBytes[PoolAll].Current != before.ReservedBytes[PoolAll].Current {
+					t.Errorf("serving it from the large pool mapped (%d → %d) or reserved (%d → %d)",
+						before.NumDeviceAlloc, st.NumDeviceAlloc, before.ReservedBytes[PoolAll].Current, st.ReservedBytes[PoolAll].Current)
+				}
+				if st.AllocatedBytes[PoolLarge].Current != int64(4*kiB) || st.AllocatedBytes[PoolSmall].Current != 0 {
+					t.Errorf("allocated bytes large %d, small %d; want the 4 KiB in the large pool",
+						st.AllocatedBytes[PoolLarge].Current, st.AllocatedBytes[PoolSmall].Current)
+				}
+			}
+			mustCheck(t, a)
+			mustFree(t, a, w)
+			if q := mustMalloc(t, a, 40*miB, 0); q != x {
+				t.Errorf("40 MiB after the small block's free at %#x, want the merged block at %#x", uint64(q), uint64(x))
+			} else {
+				mustFree(t, a, q)
+			}
+		})
 	}
 }

@@ -148,6 +148,11 @@ type Stats struct {
 	// free pages first. Each waits once for the streams that own those
 	// pages (allocd only; not a PyTorch key).
 	NumReclaims int64
+	// NumSmallFromLarge counts small requests (up to 1 MiB) that
+	// expandable segments served from a free block of the stream's large
+	// pool rather than grow the small pool past what reclaim allows
+	// (allocd only; not a PyTorch key).
+	NumSmallFromLarge int64
 	// NumLends counts free blocks of one stream's expandable segment
 	// handed out to a request on another stream that the device or the
 	// per-process cap refused to map for, even after cached memory was
@@ -219,6 +224,7 @@ func (s *Stats) Flat() map[string]int64 {
 	m["num_pages_moved"] = s.NumPagesMoved
 	m["num_pages_moved_across_streams"] = s.NumPagesMovedAcrossStreams
 	m["num_lends"] = s.NumLends
+	m["num_small_from_large"] = s.NumSmallFromLarge
 	m["handle_cache_bytes"] = s.HandleCacheBytes
 	m["private_reserved_bytes"] = s.PrivateReservedBytes
 	m["private_allocated_bytes"] = s.PrivateAllocatedBytes

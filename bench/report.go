@@ -36,6 +36,10 @@ type ReplayRow struct {
 	// Lends counts free blocks of one stream's expandable segment handed
 	// out to another stream (allocator.Stats.NumLends); left out when 0.
 	Lends int64 `json:"lends,omitempty"`
+	// SmallFromLarge counts small requests that expandable segments
+	// served from the large pool (allocator.Stats.NumSmallFromLarge);
+	// left out when 0.
+	SmallFromLarge int64 `json:"small_from_large,omitempty"`
 	// VMM is the driver's virtual memory calls of expandable segments and
 	// their time; left out without them.
 	VMM *VMMRow `json:"vmm,omitempty"`
@@ -131,6 +135,7 @@ func RowOf(r workload.ReplayResult) ReplayRow {
 		PagesMoved:              r.PagesMoved,
 		PagesMovedAcrossStreams: r.PagesMovedAcrossStreams,
 		Lends:                   r.Lends,
+		SmallFromLarge:          r.SmallFromLarge,
 		VMM:                     VMMRowOf(r.VMM),
 	}
 	if r.Ops > 0 {

@@ -172,6 +172,8 @@ var metrics = []MetricInfo{
 		"", func(s *allocator.Stats) int64 { return s.NumPagesMoved }),
 	plainMetric("expandable_pages_moved_across_streams_total", "counter", "Pages moved by reclaim from one stream's range to another stream's.",
 		"", func(s *allocator.Stats) int64 { return s.NumPagesMovedAcrossStreams }),
+	plainMetric("expandable_small_from_large_total", "counter", "Small requests (up to 1 MiB) that expandable segments served from a free block of the stream's large pool instead of growing the small pool past what reclaim allows, which would move memory between the pools.",
+		"", func(s *allocator.Stats) int64 { return s.NumSmallFromLarge }),
 	plainMetric("expandable_lends_total", "counter", "Free blocks of one stream's expandable segment handed out, ordered after the owner's work on the device, to a request on another stream that the device or the per-process cap refused to map for even after cached memory was released, instead of failing with out of memory.",
 		"", func(s *allocator.Stats) int64 { return s.NumLends }),
 	plainMetric("expandable_handle_cache_bytes", "gauge", "Physical memory that reclaim took from free blocks and keeps for the next growths to map again (still mapped where it was, standby, when it came from the growing stream's own blocks); held from the device, so counted in reserved bytes.",

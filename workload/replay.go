@@ -37,8 +37,10 @@ type ReplayResult struct {
 	// segments.
 	Reclaims, PagesMoved, PagesMovedAcrossStreams int64
 	// Lends counts free blocks of one stream's expandable segment lent
-	// to another stream on the out-of-memory path (Stats.NumLends).
-	Lends int64
+	// to another stream on the out-of-memory path (Stats.NumLends), and
+	// SmallFromLarge the small requests served from the large pool
+	// (Stats.NumSmallFromLarge).
+	Lends, SmallFromLarge int64
 	// VMM is the driver's virtual memory calls of expandable segments
 	// and their time (allocator.Stats.VMM); zero without them.
 	VMM allocator.VMMCalls
@@ -133,6 +135,7 @@ func Replay(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (ReplayRe
 	res.OOMs = st.NumOOMs
 	res.Reclaims = st.NumReclaims
 	res.Lends = st.NumLends
+	res.SmallFromLarge = st.NumSmallFromLarge
 	res.PagesMoved = st.NumPagesMoved
 	res.PagesMovedAcrossStreams = st.NumPagesMovedAcrossStreams
 	res.VMM = st.VMM
@@ -421,6 +424,7 @@ func ReplayWarm(ops *trace.Ops, a *allocator.Allocator, opt ReplayOptions) (Repl
 	res.OOMs -= before.NumOOMs
 	res.Reclaims -= before.NumReclaims
 	res.Lends -= before.NumLends
+	res.SmallFromLarge -= before.NumSmallFromLarge
 	res.PagesMoved -= before.NumPagesMoved
 	res.PagesMovedAcrossStreams -= before.NumPagesMovedAcrossStreams
 	res.VMM = res.VMM.Sub(before.VMM)

@@ -48,6 +48,30 @@ func (s *Space) GrowthExcess(c *blocks.Block, size, allocated uint64) uint64 {
 	if need > 0 {
 		need -= min(need, s.cachedFor(c.Segment))
 	}
+	return s.excessAt(need, allocated)
+}
+
+// SmallGrowthExcess is GrowthExcess for a request of the small pool
+// that no free block holds, without looking for the block (Find walks a
+// range's blocks): the request is at most 1 MiB, so growing for it maps
+// one page, or none when the handle cache holds a one-page run. It is
+// for a caller that serves such a request elsewhere when it passes what
+// reclaim allows, and leaves what Choose excludes as it was.
+func (s *Space) SmallGrowthExcess(allocated uint64) uint64 {
+	s.allocMark = max(s.allocMark, allocated)
+	need := s.cfg.SmallPage
+	for _, r := range s.cache {
+		if r.page == s.cfg.SmallPage && r.pages == 1 {
+			need = 0 // a cached one-page run serves it (cachedFor of a small range)
+			break
+		}
+	}
+	return s.excessAt(need, allocated)
+}
+
+// excessAt is how far mapping need more bytes would take reserved memory
+// past what reclaim allows with allocated bytes in use.
+func (s *Space) excessAt(need, allocated uint64) uint64 {
 	limit := max(s.mark, allocated+s.reclaimSlack())
 	if s.reserved+need <= limit {
 		return 0
