@@ -313,7 +313,7 @@ type Allocator struct {
 type call struct {
 	stack  uint32 // interned stack of the caller (history.capture), or 0
 	devErr error  // the device's last out-of-memory error in this call
-	lender *pool  // the other stream's pool whose free block grow lent (expandable.go), or nil
+	lender *pool  // the pool of the block grow returned when not the request's own (expandable.go: lent, or small from large), or nil
 }
 
 // New returns an allocator for dev. It reads the device's total memory once
