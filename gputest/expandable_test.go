@@ -113,28 +113,10 @@ func runReclaimWaits(t *testing.T, dev cudart.Device, timed bool) {
 			if err := dev.MemsetAsync(p, 0xb2, want, grower); err != nil {
 				t.Fatal(err)
 			}
-			for _, s := range []cudart.Stream{owner, grower} {
-				if err := dev.StreamSynchronize(s); err != nil {
-					t.Fatal(err)
-				}
-			}
-			buf := make([]byte, 64*kiB)
-			var corrupt int
 			// A window in every 2 MiB page: the moved runs lie anywhere in p.
-			for off := uint64(0); off < want; off += 2 * miB {
-				win := [2]uint64{off, min(4*kiB, want-off)}
-				b := buf[:win[1]]
-				if err := dev.MemcpyDtoH(b, p+cudart.Ptr(win[0])); err != nil {
-					t.Fatal(err)
-				}
-				for i, v := range b {
-					if v != 0xb2 {
-						if corrupt++; corrupt <= 5 {
-							t.Errorf("new block %#x byte %d is %#x, want 0xb2", uint64(p), win[0]+uint64(i), v)
-						}
-						break
-					}
-				}
+			corrupt := readBack(t, dev, []cudart.Stream{owner, grower}, p, want, 0xb2)
+			if corrupt > 0 {
+				t.Errorf("%d windows of the new block corrupted", corrupt)
 			}
 			for _, q := range []cudart.Ptr{p, y} {
 				if err := a.Free(q); err != nil {

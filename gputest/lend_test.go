@@ -143,31 +143,3 @@ func runLend(t *testing.T, dev cudart.Device, writes int) int {
 	t.Logf("gpu-lend: lends %d, corrupted windows %d, reclaims %d", st.NumLends, corrupt, st.NumReclaims)
 	return corrupt
 }
-
-// readBack waits for streams, then reads a window of every 2 MiB of the
-// size bytes at p and reports how many hold anything but v.
-func readBack(t *testing.T, dev cudart.Device, streams []cudart.Stream, p cudart.Ptr, size uint64, v byte) int {
-	t.Helper()
-	for _, s := range streams {
-		if err := dev.StreamSynchronize(s); err != nil {
-			t.Fatal(err)
-		}
-	}
-	buf := make([]byte, 4*kiB)
-	corrupt := 0
-	for off := uint64(0); off < size; off += 2 * miB {
-		b := buf[:min(uint64(len(buf)), size-off)]
-		if err := dev.MemcpyDtoH(b, p+cudart.Ptr(off)); err != nil {
-			t.Fatal(err)
-		}
-		for i, got := range b {
-			if got != v {
-				if corrupt++; corrupt <= 5 {
-					t.Logf("block %#x byte %d is %#x, want %#x", uint64(p), off+uint64(i), got, v)
-				}
-				break
-			}
-		}
-	}
-	return corrupt
-}
