@@ -192,6 +192,7 @@ type options struct {
 	pytorchExpandable bool           // WithPyTorchExpandable
 	maxStreams        int            // WithMaxStreams
 	expLargePage      uint64         // pageOf20MiB (tests)
+	noLend            bool           // WithoutLending (tests, export_test.go)
 	broker            *broker.Client // WithBroker
 	brokerFallback    bool           // WithBroker
 	ownsBroker        bool           // Open dialled the broker: Close closes it
@@ -238,7 +239,9 @@ type Allocator struct {
 	capsDirty bool
 	// noPark (tests): every shard, those made later included, frees as
 	// PyTorch does, straight into the index (shard.noPark).
-	noPark  bool
+	noPark bool
+	// noLend (tests): the out-of-memory path lends nothing (expandable.go).
+	noLend  bool
 	favored *shard     // the shard whose change marked the caps dirty
 	res     *reservoir // slack no shard holds as cap (shard.go)
 	dev     cudart.Device
@@ -387,6 +390,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		a.src = expSource{space: a.exp, table: &a.segs, stats: &a.stats}
 	}
 	a.allowed = total
+	a.noLend = o.noLend
 	a.brokerMem = brokerMem
 	if o.ownsBroker {
 		a.broker = o.broker

@@ -154,7 +154,7 @@ func (a *Allocator) growExpandable(c *call, p *pool, stream cudart.Stream, size,
 	if err != nil {
 		return nil, err
 	}
-	if b == nil && a.capturing == 0 && a.exp.Reclaims() {
+	if b == nil && a.capturing == 0 && a.exp.Reclaims() && !a.noLend {
 		b = a.lend(c, p, stream, rounded)
 	}
 	if b == nil {

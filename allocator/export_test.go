@@ -1,0 +1,5 @@
+package allocator
+
+// WithoutLending makes the out-of-memory path of expandable segments lend
+// nothing, as before loans (expandable.go), for tests that compare the two.
+var WithoutLending Option = func(o *options) { o.noLend = true }
