@@ -193,6 +193,7 @@ type options struct {
 	maxStreams        int            // WithMaxStreams
 	expLargePage      uint64         // pageOf20MiB (tests)
 	noLend            bool           // WithoutLending (tests, export_test.go)
+	noPark            bool           // WithoutParking (tests, export_test.go)
 	broker            *broker.Client // WithBroker
 	brokerFallback    bool           // WithBroker
 	ownsBroker        bool           // Open dialled the broker: Close closes it
@@ -370,6 +371,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 
 		maxStreams: o.maxStreams,
 		sweepEvery: idleSweepMin,
+		noPark:     o.noPark,
 	}
 	a.res = new(reservoir)
 	a.dir.Store(&directory{})
@@ -858,8 +860,7 @@ func (a *Allocator) retryFree(p cudart.Ptr) error {
 }
 
 // fastFree is Free's hot path under the shard lock alone: a block no
-// other stream used, parked in the front cache (or merged and indexed in
-// an expandable segment). A change that would pass the shard's caps
+// other stream used, parked in the front cache. A change that would pass the shard's caps
 // escalates (shard.go). It reports false when the call needs world mode,
 // having changed nothing but, perhaps, flushed the front cache, and busy
 // when that is only because another escalation or world-mode call held
@@ -883,28 +884,23 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) (ok, busy bool) {
 	if b.Segment.Small {
 		pl = &sh.small
 	}
-	if !b.Segment.Expandable {
-		// Only the inactive-split statistics can grow; in an expandable
-		// segment they do not change.
-		var d delta
-		freeDelta(&d, b)
-		if !a.fitsOrBorrow(sh, pl.stat, &d) {
-			if !a.escalate(sh) {
-				return false, true
-			}
-			defer a.deescalate(sh)
+	// Only the inactive-split statistics can grow (in an expandable
+	// segment they do not change).
+	var d delta
+	freeDelta(&d, b)
+	if !a.fitsOrBorrow(sh, pl.stat, &d) {
+		if !a.escalate(sh) {
+			return false, true
 		}
-		if !sh.noPark {
-			sh.active.delAt(slot)
-			a.release(pl, b)
-			a.park(sh, pl, b, &d)
-			a.repay(sh, pl.stat)
-			return true, false
-		}
+		defer a.deescalate(sh)
 	}
 	sh.active.delAt(slot)
 	a.release(pl, b)
-	a.freeBlock(nil, pl, b)
+	if sh.noPark {
+		a.freeBlock(nil, pl, b)
+	} else {
+		a.park(sh, pl, b, &d)
+	}
 	a.repay(sh, pl.stat)
 	return true, false
 }

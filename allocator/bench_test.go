@@ -7,10 +7,16 @@ import (
 
 // BenchmarkCachedPair measures the hot path: a malloc served from the
 // cache and its free.
-func BenchmarkCachedPair(b *testing.B) {
+func BenchmarkCachedPair(b *testing.B) { benchmarkCachedPair(b, "") }
+
+// BenchmarkCachedPairExpandable is BenchmarkCachedPair with expandable
+// segments (the default reclaim policy).
+func BenchmarkCachedPairExpandable(b *testing.B) { benchmarkCachedPair(b, "expandable_segments:True") }
+
+func benchmarkCachedPair(b *testing.B, conf string) {
 	for _, size := range []uint64{512, 4096, miB, 8 * miB, 64 * miB} {
 		b.Run(fmt.Sprintf("size=%d", size), func(b *testing.B) {
-			a, _ := newTestAllocator(b, 141*giB, "")
+			a, _ := newTestAllocator(b, 141*giB, conf)
 			mustFree(b, a, mustMalloc(b, a, size, 0))
 			b.ReportAllocs()
 			for b.Loop() {

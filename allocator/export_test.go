@@ -3,3 +3,8 @@ package allocator
 // WithoutLending makes the out-of-memory path of expandable segments lend
 // nothing, as before loans (expandable.go), for tests that compare the two.
 var WithoutLending Option = func(o *options) { o.noLend = true }
+
+// WithoutParking makes every shard free as PyTorch does, straight into
+// the free index, with no front cache (front.go), for tests that compare
+// the two.
+var WithoutParking Option = func(o *options) { o.noPark = true }

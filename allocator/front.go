@@ -15,12 +15,20 @@ package allocator
 // PyTorch's policy: replays show the same peaks. World mode flushes every
 // shard before anything else (lockWorld), so device mallocs, EmptyCache,
 // the OOM path, snapshots and statistics reads never see a parked block;
-// Check inspects the parked blocks before flushing them. Blocks of
-// expandable segments are never parked.
+// Check inspects the parked blocks before flushing them.
+//
+// Blocks of expandable segments park too. PyTorch's policy differs there
+// in three ways, which takeParked follows: a free block merges only with
+// mapped free neighbours (unmapped pages are not indexed, so Merge leaves
+// them); best fit walks on from the smallest block that fits to the next
+// ones while they can grow to less (vmm.Fit: a block's own size plus the
+// unmapped pages right after it); and any remainder of at least one
+// minimum block splits off, with no inactive-split statistics.
 
 import (
 	"fmt"
 
+	"github.com/allocd/allocd/allocator/internal/vmm"
 	"github.com/allocd/allocd/blocks"
 	"github.com/allocd/allocd/cudart"
 )
@@ -89,7 +97,8 @@ func (a *Allocator) takeParked(sh *shard, size, rounded uint64) cudart.Ptr {
 	if rounded >= maxSplit && msize >= rounded+a.cfg.MaxNonSplitRounding {
 		return 0
 	}
-	if right != nil && !p.small && !(rounded < maxSplit && right.Size > smallSize) {
+	exp := b.Segment.Expandable
+	if right != nil && !p.small && !exp && !(rounded < maxSplit && right.Size > smallSize) {
 		return 0 // m would be handed out whole, not split at b's end
 	}
 	// Best fit: m must come first in (size, address) order among the free
@@ -101,11 +110,22 @@ func (a *Allocator) takeParked(sh *shard, size, rounded uint64) cudart.Ptr {
 	if x != nil && (x.Size < msize || x.Size == msize && x.Ptr < b.Ptr) {
 		return 0
 	}
+	if exp && x != nil {
+		// x follows m in that order: get_free_block's walk moves on to it
+		// when it can grow to less than m (vmm.Fit).
+		after := b.Next
+		if right != nil {
+			after = right.Next
+		}
+		if vmm.GrowableSize(x.Size, x.Next) < vmm.GrowableSize(msize, after) {
+			return 0
+		}
+	}
 	// allocFoundBlock's statistics on m, which hands out rounded bytes
 	// (the checks above leave it whole or split at b's end).
 	wasSplit := b.Prev != nil || (right == nil && b.Next != nil) || (right != nil && right.Next != nil)
 	var d delta
-	mallocDelta(&d, false, wasSplit, splits(p.small, false, msize, rounded, maxSplit), msize, rounded, size, maxSplit)
+	mallocDelta(&d, exp, wasSplit, splits(p.small, exp, msize, rounded, maxSplit), msize, rounded, size, maxSplit)
 	if !a.fitsOrBorrow(sh, p.stat, &d) {
 		return 0
 	}
@@ -119,8 +139,9 @@ func (a *Allocator) takeParked(sh *shard, size, rounded uint64) cudart.Ptr {
 
 // checkParked reports broken invariants of the parked blocks (world
 // locks held, before flushAll): a parked block is free, not indexed, not
-// waiting for events, not in an active map, mapped, of an ordinary
-// segment of its shard's stream, and one of that segment's blocks.
+// waiting for events, not lent, not in an active map, mapped, of a
+// segment of its shard's stream in the segment table, and one of that
+// segment's blocks.
 func (a *Allocator) checkParked() []error {
 	var errs []error
 	for _, sh := range a.shards {
@@ -128,15 +149,15 @@ func (a *Allocator) checkParked() []error {
 		if b == nil {
 			continue
 		}
-		if b.Allocated || b.Indexed() || b.EventCount > 0 || b.Unmapped || b.Requested != 0 {
-			errs = append(errs, fmt.Errorf("parked %v of stream %#x is allocated, indexed, pending, unmapped or keeps a requested size", b, uint64(sh.stream)))
+		if b.Allocated || b.Indexed() || b.EventCount > 0 || b.Unmapped || b.Lent || b.Requested != 0 {
+			errs = append(errs, fmt.Errorf("parked %v of stream %#x is allocated, indexed, pending, unmapped, lent or keeps a requested size", b, uint64(sh.stream)))
 		}
 		if sh.active.get(b.Ptr) != nil {
 			errs = append(errs, fmt.Errorf("parked %v is in the active map", b))
 		}
 		s := b.Segment
-		if s == nil || s.Expandable || s.Stream != uint64(sh.stream) || s.Index >= len(a.segs.list) || a.segs.list[s.Index] != s {
-			errs = append(errs, fmt.Errorf("parked %v is not in an ordinary segment of stream %#x", b, uint64(sh.stream)))
+		if s == nil || s.Stream != uint64(sh.stream) || s.Index >= len(a.segs.list) || a.segs.list[s.Index] != s {
+			errs = append(errs, fmt.Errorf("parked %v is not in a segment of stream %#x", b, uint64(sh.stream)))
 			continue
 		}
 		found := false

@@ -281,11 +281,18 @@ func (s *Space) blocker(es *expSegment, begin, limit uint64) uint64 {
 
 // expandableSize is the size a free block can grow to: its own and the
 // unmapped pages right after it.
-func expandableSize(b *blocks.Block) uint64 {
-	if b.Next != nil && b.Next.Unmapped {
-		return b.Size + b.Next.Size
+func expandableSize(b *blocks.Block) uint64 { return GrowableSize(b.Size, b.Next) }
+
+// GrowableSize is the size a free block of size bytes followed by next
+// can grow to, the size get_free_block's walk (Fit) compares: its own and
+// next's when next is unmapped. It lets a caller rank a block that is not
+// (yet) one, such as a free block and the free neighbour it would merge
+// with.
+func GrowableSize(size uint64, next *blocks.Block) uint64 {
+	if next != nil && next.Unmapped {
+		return size + next.Size
 	}
-	return b.Size
+	return size
 }
 
 // Fit is get_free_block's walk for expandable segments: from the best fit

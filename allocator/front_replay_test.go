@@ -1,0 +1,128 @@
+package allocator_test
+
+import (
+	"encoding/json"
+	"errors"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/allocd/allocd/allocator"
+	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
+	"github.com/allocd/allocd/trace"
+	"github.com/allocd/allocd/workload"
+)
+
+// TestFrontCacheReplays replays every recorded trace twice on one
+// allocator (a cold pass and a warm one, on the same streams), with and
+// without the front cache (allocator.WithoutParking), in lockstep, in the default
+// configuration and with expandable segments as allocd reclaims them
+// (fine and coarse) and as PyTorch grows them: the two allocators must
+// give the same address to every allocation, make the same device calls
+// and end with the same statistics and segments. The front cache changes
+// how fast a free reaches the free index, never where anything goes.
+func TestFrontCacheReplays(t *testing.T) {
+	paths, err := filepath.Glob("../testdata/traces/*.pickle.gz")
+	if err != nil || len(paths) == 0 {
+		t.Fatalf("no traces in testdata/traces: %v", err)
+	}
+	confs := []struct {
+		name, conf string
+		opts       []allocator.Option
+	}{
+		{"default", "", nil},
+		{"expandable", "expandable_segments:True", nil},
+		{"coarse", "expandable_segments:True,expandable_reclaim:coarse", nil},
+		{"pytorch-expandable", "expandable_segments:True", []allocator.Option{allocator.WithPyTorchExpandable()}},
+	}
+	for _, path := range paths {
+		tr, err := workload.LoadTrace(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range confs {
+			t.Run(strings.TrimSuffix(tr.Name, ".pickle.gz")+"/"+c.name, func(t *testing.T) {
+				var as [2]*allocator.Allocator
+				var streams [2]map[uint64]cudart.Stream
+				for i, opts := range [][]allocator.Option{c.opts, append(c.opts[:len(c.opts):len(c.opts)], allocator.WithoutParking)} {
+					sim, err := simdev.New(simdev.Config{Capacity: 141 << 30, Addresses: tr.Addresses})
+					if err != nil {
+						t.Fatal(err)
+					}
+					cfg, err := allocator.ParseConfig(c.conf)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if as[i], err = allocator.New(sim, cfg, opts...); err != nil {
+						t.Fatal(err)
+					}
+					a := as[i]
+					t.Cleanup(func() { a.Close() })
+					streams[i] = map[uint64]cudart.Stream{0: cudart.DefaultStream}
+					for _, s := range tr.Ops.Streams {
+						if _, ok := streams[i][s]; !ok {
+							if streams[i][s], err = sim.StreamCreate(); err != nil {
+								t.Fatal(err)
+							}
+						}
+					}
+				}
+				// Both allocators in lockstep, as Replay drives one on a GPU
+				// (deferred frees at their completion), twice: a cold pass
+				// and, after freeing what it left live, a warm one.
+				ptrs := make([][2]cudart.Ptr, tr.Ops.NumIDs)
+				for pass := range 2 {
+					for i, op := range tr.Ops.Ops {
+						switch {
+						case op.Kind == trace.OpAlloc:
+							for k, a := range as {
+								p, err := a.Malloc(op.Size, streams[k][op.Stream])
+								if err != nil && !errors.Is(err, allocator.ErrOutOfMemory) {
+									t.Fatalf("pass %d, operation %d: %v", pass, i, err)
+								}
+								ptrs[op.ID][k] = p
+							}
+							if ptrs[op.ID][0] != ptrs[op.ID][1] {
+								t.Fatalf("pass %d, operation %d: Malloc(%d) gave %#x with the front cache, %#x without",
+									pass, i, op.Size, uint64(ptrs[op.ID][0]), uint64(ptrs[op.ID][1]))
+							}
+						case op.Kind == trace.OpFree && !op.Deferred, op.Kind == trace.OpFreeCompleted:
+							for k, a := range as {
+								if err := a.Free(ptrs[op.ID][k]); err != nil {
+									t.Fatalf("pass %d, operation %d: %v", pass, i, err)
+								}
+								ptrs[op.ID][k] = 0
+							}
+						}
+					}
+					for k, a := range as {
+						if err := a.Check(); err != nil {
+							t.Fatalf("pass %d, allocator %d: %v", pass, k, err)
+						}
+						if err := workload.FreeLive(a); err != nil {
+							t.Fatal(err)
+						}
+					}
+					clear(ptrs)
+				}
+				sa, sb := as[0].Stats(), as[1].Stats()
+				sa.DeviceMallocLatency, sb.DeviceMallocLatency = allocator.Histogram{}, allocator.Histogram{}
+				sa.VMM, sb.VMM = sa.VMM.Counts(), sb.VMM.Counts()
+				if sa != sb {
+					fa, fb := sa.Flat(), sb.Flat()
+					for k, v := range fa {
+						if fb[k] != v {
+							t.Errorf("%s is %d with the front cache, %d without", k, v, fb[k])
+						}
+					}
+				}
+				ja, _ := json.Marshal(as[0].Snapshot().Segments)
+				jb, _ := json.Marshal(as[1].Snapshot().Segments)
+				if string(ja) != string(jb) {
+					t.Error("the segments differ")
+				}
+			})
+		}
+	}
+}
