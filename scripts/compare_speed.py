@@ -192,6 +192,7 @@ def workload_tables(args, runs, cpp):
     md += series_table(runs, names, "proc_cpu_ms", "median_proc_cpu_ms",
                        "CPU time a step of the whole process (time.process_time() over the same span: all threads, "
                        "the autograd thread that runs backward() and allocd's own included):", goal=CPU_GOAL)
+    md += per_step_table(runs, names)
     launch = [w for w in names if has(runs, w, "median_launch_ms")]
     if launch:
         md += ("\nLaunch time (step start until the Python code returns, before the synchronize), "
@@ -200,6 +201,40 @@ def workload_tables(args, runs, cpp):
             cols = [", ".join("%.2f" % r["workloads"][w]["median_launch_ms"] for r in runs[side]) for side in ("native", "allocd")]
             md += f"| {w} | {cols[0]} | {cols[1]} |\n"
     return md
+
+
+# The per-step counters (torch_workloads.py's per_step) the table shows, and their headings.
+PER_STEP = (("num_device_alloc", "device allocs"), ("num_device_free", "device frees"),
+            ("num_reclaims", "reclaims"), ("num_small_from_large", "small from large"),
+            ("num_lends", "loans"), ("num_reclaim_waits", "reclaim waits"),
+            ("vmm_total_ns", "VMM ms"), ("vmm_sync_ns", "sync ms"))
+
+
+def per_step_table(runs, names):
+    """What each allocator did a timed step (torch_workloads.py's per_step), the median of its runs;
+    empty when no run recorded it. ns counters are shown in ms."""
+    rows = []
+    for w in names:
+        for side in ("native", "allocd"):
+            steps = [r["workloads"][w].get("per_step") for r in runs[side]]
+            steps = [x for x in steps if x is not None]
+            if not steps:
+                continue
+            cells = []
+            for key, _ in PER_STEP:
+                vals = [x[key] for x in steps if key in x]
+                if not vals:
+                    cells.append("-")
+                    continue
+                v = statistics.median(vals)
+                cells.append(f"{v / 1e6:.3f}" if key.endswith("_ns") else f"{v:.1f}")
+            rows.append(f"| {w} | {side} | " + " | ".join(cells) + " |")
+    if not rows:
+        return ""
+    return ("\nWhat the allocator did a timed step, the median of each side's runs (allocd's reclaim and virtual "
+            "memory counters; - where the allocator has none):\n\n| workload | allocator | "
+            + " | ".join(h for _, h in PER_STEP) + " |\n|---|---|" + "---|" * len(PER_STEP) + "\n"
+            + "\n".join(rows) + "\n")
 
 
 def cpp_share(runs, cpp):

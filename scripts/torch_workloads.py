@@ -187,11 +187,12 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
     values, tokens, ms, launch, cpu, launch_cpu, proc_cpu = [], [], [], [], [], [], []
     metrics = None
     mid = warmup + steps // 2
-    allocs0 = 0
+    allocs0, st_w = 0, {}
     for i in range(warmup + steps):
         torch.cuda.synchronize()
         if i == warmup:
-            allocs0 = api["memory_stats"]().get("allocation.all.allocated", 0)
+            st_w = api["memory_stats"]()
+            allocs0 = st_w.get("allocation.all.allocated", 0)
         # CPU time beside the wall time, read at the same points. thread_time() is this (the
         # launching) thread's CPU time: the Python code, torch's dispatch, the allocator calls
         # made on this thread, and the final synchronize, which sleeps under --sync blocking
@@ -242,11 +243,22 @@ def run_one(torch, anchor, name, warmup, steps, api, metrics_addr):
                                          "num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms",
                                          "segment.all.peak", "num_bad_frees") if k in st},
         "metrics_mid_run": metrics,
+        # What the allocator did a timed step, on average: the counters that grew over the
+        # timed steps (device calls, retries, and allocd's reclaim and virtual memory calls).
+        "per_step": {k: (st[k] - st_w.get(k, 0)) / steps for k in STEP_COUNTERS if k in st},
     }
     if tokens:
         res["tokens"] = tokens
     del step
     return res
+
+
+# Counters whose growth over the timed steps run_one reports per step. torch has the first
+# five; the rest are allocd's (expandable segments' reclaim and virtual memory calls).
+STEP_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                 "num_reclaims", "num_pages_moved", "num_pages_moved_across_streams", "num_small_from_large",
+                 "num_lends", "num_handles_created", "num_handles_released", "num_runs_revived",
+                 "num_reclaim_waits", "vmm_total_ns", "vmm_sync_ns")
 
 
 SCHED_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}  # CU_CTX_SCHED_*
