@@ -16,7 +16,9 @@
 #    (default 8), on $WORKLOADS (default gpt2_train,multistream_prefetch) with $STEPS timed
 #    steps (default 60) -> $OUT/<alloc>_<i>.json and .log.
 # 4. scripts/compare_speed.py over the C++ benches and the complete pairs -> $OUT/speed.md,
-#    written after stage 1 and again after every pair, so a run cut short keeps what finished.
+#    written after stage 1 and again after every pair, so a run cut short keeps what finished;
+#    it tables the step times and what each allocator did a timed step (device calls, and
+#    allocd's reclaims, loans and virtual memory time: torch_workloads.py's per_step).
 #
 # EXPANDABLE (default empty): fine or coarse runs stage 3 with expandable segments on both
 # sides: native with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, allocd with
