@@ -298,9 +298,13 @@ func GrowableSize(size uint64, next *blocks.Block) uint64 {
 // Fit is get_free_block's walk for expandable segments: from the best fit
 // b in free, move to the next block of the stream in size order while its
 // expandable size (its own and the unmapped pages right after it) is
-// smaller than the current one's. It changes nothing.
+// smaller than the current one's. It changes nothing. A block with no
+// unmapped pages right after it ends the walk without a look at the next:
+// its expandable size is its size, which no block after it in size order
+// undercuts; so the index is searched only at the edge of the mapped
+// pages.
 func Fit(free *blocks.FreeIndex, b *blocks.Block) *blocks.Block {
-	for b.Segment.Expandable {
+	for b.Segment.Expandable && b.Next != nil && b.Next.Unmapped {
 		next := free.After(b)
 		if next == nil || expandableSize(next) >= expandableSize(b) {
 			break

@@ -3,6 +3,7 @@ package vmm
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"testing"
@@ -390,6 +391,64 @@ func TestFit(t *testing.T) {
 				t.Fatalf("Fit = %v (%s), want the %s block", got, name, tc.want)
 			}
 		})
+	}
+}
+
+// TestFitMatchesWalk: over random ranges of free, allocated and unmapped
+// blocks, Fit returns what get_free_block's walk returns when it looks at
+// the next block every time, as PyTorch's does: the shortcut that skips
+// the look for a block with no unmapped pages after it changes nothing.
+func TestFitMatchesWalk(t *testing.T) {
+	walk := func(free *blocks.FreeIndex, b *blocks.Block) *blocks.Block {
+		for b.Segment.Expandable {
+			next := free.After(b)
+			if next == nil || expandableSize(next) >= expandableSize(b) {
+				break
+			}
+			b = next
+		}
+		return b
+	}
+	rng := rand.New(rand.NewPCG(7, 11))
+	for trial := range 300 {
+		free := blocks.NewStreamFreeIndex(0)
+		for seg := range 1 + rng.IntN(6) {
+			sg := &blocks.Segment{Ptr: uint64(seg+1) << 36, Expandable: true, PageSize: 2 * miB}
+			var prev *blocks.Block
+			at := sg.Ptr
+			for range 1 + rng.IntN(8) {
+				b := &blocks.Block{Ptr: at, Size: uint64(1+rng.IntN(40)) * miB, Segment: sg, Prev: prev}
+				switch k := rng.IntN(3); {
+				case k == 0 && (prev == nil || !prev.Unmapped):
+					b.Unmapped = true
+				case k == 1:
+					b.Allocated = true
+				}
+				if prev == nil {
+					sg.Head = b
+				} else {
+					prev.Next = b
+				}
+				if !b.Unmapped && !b.Allocated && (prev == nil || prev.Allocated || prev.Unmapped) {
+					free.Insert(b) // free blocks are merged: never two in a row
+				} else if !b.Unmapped && !b.Allocated {
+					b.Allocated = true
+				}
+				at += b.Size
+				sg.Size += b.Size
+				prev = b
+			}
+		}
+		for range 20 {
+			size := uint64(1+rng.IntN(48)) * miB
+			b := free.LowerBound(0, size)
+			if b == nil {
+				continue
+			}
+			if got, want := Fit(free, b), walk(free, b); got != want {
+				t.Fatalf("trial %d, %d MiB: Fit = %v, the walk %v", trial, size/miB, got, want)
+			}
+		}
 	}
 }
 
