@@ -860,11 +860,11 @@ func (a *Allocator) retryFree(p cudart.Ptr) error {
 }
 
 // fastFree is Free's hot path under the shard lock alone: a block no
-// other stream used, parked in the front cache. A change that would pass the shard's caps
-// escalates (shard.go). It reports false when the call needs world mode,
-// having changed nothing but, perhaps, flushed the front cache, and busy
-// when that is only because another escalation or world-mode call held
-// the allocator (fastMalloc).
+// other stream used, parked in the front cache. A change that would pass
+// the shard's caps escalates (shard.go). It reports false when the call
+// needs world mode, having changed nothing but, perhaps, flushed the
+// front cache, and busy when that is only because another escalation or
+// world-mode call held the allocator (fastMalloc).
 func (a *Allocator) fastFree(sh *shard, ptr uint64) (ok, busy bool) {
 	if sh.freeOff {
 		return false, false
