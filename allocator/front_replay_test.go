@@ -46,22 +46,12 @@ func TestFrontCacheReplays(t *testing.T) {
 				var as [2]*allocator.Allocator
 				var streams [2]map[uint64]cudart.Stream
 				for i, opts := range [][]allocator.Option{c.opts, append(c.opts[:len(c.opts):len(c.opts)], allocator.WithoutParking)} {
-					sim, err := simdev.New(simdev.Config{Capacity: 141 << 30, Addresses: tr.Addresses})
-					if err != nil {
-						t.Fatal(err)
-					}
-					cfg, err := allocator.ParseConfig(c.conf)
-					if err != nil {
-						t.Fatal(err)
-					}
-					if as[i], err = allocator.New(sim, cfg, opts...); err != nil {
-						t.Fatal(err)
-					}
-					a := as[i]
-					t.Cleanup(func() { a.Close() })
+					var sim *simdev.Sim
+					as[i], sim = newReplayAllocator(t, c.conf, tr.Addresses, opts...)
 					streams[i] = map[uint64]cudart.Stream{0: cudart.DefaultStream}
 					for _, s := range tr.Ops.Streams {
 						if _, ok := streams[i][s]; !ok {
+							var err error
 							if streams[i][s], err = sim.StreamCreate(); err != nil {
 								t.Fatal(err)
 							}
@@ -125,4 +115,29 @@ func TestFrontCacheReplays(t *testing.T) {
 			})
 		}
 	}
+}
+
+// replayCapacity is the memory of newReplayAllocator's simulated device.
+const replayCapacity = 141 << 30
+
+// newReplayAllocator returns an allocator with configuration conf (ALLOCD_CONF
+// grammar) and opts on a simulated device of replayCapacity bytes that hands out the
+// segment addresses addrs (a trace's recorded ones, or none), and the
+// device; the test's cleanup closes it.
+func newReplayAllocator(t *testing.T, conf string, addrs []simdev.Address, opts ...allocator.Option) (*allocator.Allocator, *simdev.Sim) {
+	t.Helper()
+	sim, err := simdev.New(simdev.Config{Capacity: replayCapacity, Addresses: addrs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := allocator.ParseConfig(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := allocator.New(sim, cfg, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	return a, sim
 }

@@ -5,7 +5,6 @@ import (
 	"testing"
 
 	"github.com/allocd/allocd/allocator"
-	"github.com/allocd/allocd/simdev"
 	"github.com/allocd/allocd/workload"
 )
 
@@ -20,22 +19,9 @@ func TestLendingAddsNoFailures(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const capacity = 141 << 30
 	replay := func(conf string, opts ...allocator.Option) workload.ReplayResult {
 		t.Helper()
-		sim, err := simdev.New(simdev.Config{Capacity: capacity})
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg, err := allocator.ParseConfig(conf)
-		if err != nil {
-			t.Fatal(err)
-		}
-		a, err := allocator.New(sim, cfg, opts...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer a.Close()
+		a, _ := newReplayAllocator(t, conf, nil, opts...)
 		r, err := workload.Replay(&tr.Ops, a, workload.ReplayOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -49,7 +35,7 @@ func TestLendingAddsNoFailures(t *testing.T) {
 	for _, policy := range []string{"", ",expandable_reclaim:coarse"} {
 		peak := replay("expandable_segments:True" + policy).PeakReserved
 		for _, share := range []float64{0.95, 1} {
-			conf := fmt.Sprintf("expandable_segments:True%s,per_process_memory_fraction:%.9f", policy, share*float64(peak)/capacity)
+			conf := fmt.Sprintf("expandable_segments:True%s,per_process_memory_fraction:%.9f", policy, share*float64(peak)/replayCapacity)
 			with, without := replay(conf), replay(conf, allocator.WithoutLending)
 			t.Logf("%s: failed requests %d without loans, %d with (%d loans)", conf, without.OOMs, with.OOMs, with.Lends)
 			if with.OOMs > without.OOMs || with.AllocRetries != without.AllocRetries || with.PeakReserved != without.PeakReserved {
