@@ -193,38 +193,21 @@ func (r *replayer) destroy(streams []cudart.Stream) {
 // be timed apart from the allocator's.
 //
 // The loop does per operation what the anchor's C++ loop does (index the
-// operation, branch on its kind, store or load ptr[id]) plus one
-// predictable branch each for the stream of an allocation (the last one
-// seen is kept), a failed allocation and the hooks (Observe, Progress);
-// Ctx is checked between chunks of operations.
+// operation, branch on its kind, store or load ptr[id], skip the free of
+// an allocation that has no address: one that failed, or of size 0) plus
+// one predictable branch each for the stream of an allocation (the last
+// one seen is kept) and the hooks (Observe, Progress); Ctx is checked
+// between chunks of operations.
 func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) {
 	var res ReplayResult
-	ptr := make([]cudart.Ptr, ops.NumIDs)
-	failed := make([]bool, ops.NumIDs)
+	ptr := make([]cudart.Ptr, ops.NumIDs) // 0: not allocated, failed, or of size 0
 	var side map[int32]cudart.Stream
 	useEvents := r.sim != nil && r.sim.ManualEvents()
 	if useEvents {
 		side = make(map[int32]cudart.Stream)
 	}
 	dry := r.a == nil
-	// The stream of the last allocation; a trace's other streams are found
-	// by a linear search over the few seen, faster than the map, which
-	// serves traces of many streams.
-	lastKey, lastStream := uint64(0), r.streams[0]
-	streamOf := make([]cudart.Stream, 0, 8)
-	keyOf := make([]uint64, 0, 8)
-	lookup := func(s uint64) cudart.Stream {
-		for i, k := range keyOf {
-			if k == s {
-				return streamOf[i]
-			}
-		}
-		ds := r.streams[s]
-		if len(keyOf) < 8 {
-			keyOf, streamOf = append(keyOf, s), append(streamOf, ds)
-		}
-		return ds
-	}
+	sc := newStreamCache(r.streams)
 	n := len(ops.Ops)
 	if opt.Stop > 0 && opt.Stop < n {
 		n = opt.Stop
@@ -247,16 +230,20 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 			}
 		}
 		end := min(start+replayChunk, n)
+		if !useEvents && !hooks {
+			if i, err := r.plainChunk(ops.Ops[:end], start, ptr, &sc, &res, &completed); err != nil {
+				res.Elapsed = time.Since(t0)
+				res.Ops = i + 1 - completed
+				return res, fmt.Errorf("replay: operation %d: %w", i, err)
+			}
+			continue
+		}
 		for i := start; i < end; i++ {
 			op := &ops.Ops[i]
 			var err error
 			switch op.Kind {
 			case trace.OpAlloc:
-				s := lastStream
-				if op.Stream != lastKey {
-					s = lookup(op.Stream)
-					lastKey, lastStream = op.Stream, s
-				}
+				s := sc.get(op.Stream)
 				var p cudart.Ptr
 				if dry {
 					p = cudart.Ptr(uint64(i+1)<<9 | uint64(s)&0x1ff)
@@ -265,14 +252,13 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 						break
 					}
 					err = nil
-					failed[op.ID] = true
 					res.FailedAllocs++
-					break
+					break // ptr[op.ID] stays 0
 				}
 				ptr[op.ID] = p
 			case trace.OpFree:
-				if failed[op.ID] || (op.Deferred && !useEvents) {
-					break // failed, or freed at its OpFreeCompleted
+				if ptr[op.ID] == 0 || (op.Deferred && !useEvents) {
+					break // failed or of size 0, or freed at its OpFreeCompleted
 				}
 				if op.Deferred {
 					var s cudart.Stream
@@ -289,7 +275,7 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 				err = r.free(ptr[op.ID], dry)
 			case trace.OpFreeCompleted:
 				completed++
-				if failed[op.ID] {
+				if ptr[op.ID] == 0 {
 					break
 				}
 				if !useEvents {
@@ -322,20 +308,99 @@ func (r *replayer) run(ops *trace.Ops, opt ReplayOptions) (ReplayResult, error) 
 	return res, nil
 }
 
+// plainChunk runs ops[start:] for a replay whose deferred frees wait for
+// their completion and which has no hooks (every replay that Bench and
+// ReplayWarm time): run's loop with nothing else in it, so that the loop's
+// own cost stays near the anchor's. It returns the position of the
+// operation that failed, with its error.
+func (r *replayer) plainChunk(ops []trace.Op, start int, ptr []cudart.Ptr, sc *streamCache, res *ReplayResult, completed *int) (int, error) {
+	a := r.a
+	for i := start; i < len(ops); i++ {
+		op := &ops[i]
+		switch op.Kind {
+		case trace.OpAlloc:
+			s := sc.get(op.Stream)
+			if a == nil {
+				ptr[op.ID] = cudart.Ptr(uint64(i+1)<<9 | uint64(s)&0x1ff)
+				break
+			}
+			p, err := a.Malloc(op.Size, s)
+			if err != nil {
+				if !errors.Is(err, allocator.ErrOutOfMemory) {
+					return i, err
+				}
+				res.FailedAllocs++ // ptr[op.ID] stays 0
+			}
+			ptr[op.ID] = p
+		case trace.OpFree:
+			if op.Deferred {
+				break // freed at its OpFreeCompleted
+			}
+			if p := ptr[op.ID]; p != 0 && a != nil {
+				if err := a.Free(p); err != nil {
+					return i, err
+				}
+			}
+		case trace.OpFreeCompleted:
+			*completed++
+			if p := ptr[op.ID]; p != 0 && a != nil {
+				if err := a.Free(p); err != nil {
+					return i, err
+				}
+			}
+		}
+	}
+	return len(ops), nil
+}
+
+// streamCache maps a trace's streams to the replay's: the stream of the
+// last allocation is kept, and the first few others seen are found by a
+// linear search, faster than the map, which serves traces of many
+// streams.
+type streamCache struct {
+	lastKey uint64
+	last    cudart.Stream
+	n       int
+	keys    [8]uint64
+	streams [8]cudart.Stream
+	all     map[uint64]cudart.Stream
+}
+
+func newStreamCache(all map[uint64]cudart.Stream) streamCache {
+	return streamCache{last: all[0], all: all}
+}
+
+// get returns the replay's stream for trace stream s.
+func (c *streamCache) get(s uint64) cudart.Stream {
+	if s == c.lastKey {
+		return c.last
+	}
+	var ds cudart.Stream
+	found := false
+	for i := range c.n {
+		if c.keys[i] == s {
+			ds, found = c.streams[i], true
+			break
+		}
+	}
+	if !found {
+		ds = c.all[s]
+		if c.n < len(c.keys) {
+			c.keys[c.n], c.streams[c.n] = s, ds
+			c.n++
+		}
+	}
+	c.lastKey, c.last = s, ds
+	return ds
+}
+
 // replayChunk is how many operations run between two checks of
 // ReplayOptions.Ctx.
 const replayChunk = 4096
 
-// errDriverFree is DriverCost's failure: a free of an allocation the loop
-// never gave an address, which the real replay would pass to Free as 0.
-var errDriverFree = errors.New("free of an allocation without an address")
-
-// free frees p on the allocator, or, in a dry run, only checks it.
+// free frees p, not 0, on the allocator, or nothing in a dry run.
 func (r *replayer) free(p cudart.Ptr, dry bool) error {
 	if dry {
-		if p == 0 {
-			return errDriverFree
-		}
 		return nil
 	}
 	return r.a.Free(p)
@@ -343,7 +408,7 @@ func (r *replayer) free(p cudart.Ptr, dry bool) error {
 
 // DriverCost times Replay's loop over ops with the allocator left out:
 // each allocation takes a made-up address and each free only checks that
-// its address is set; deferred frees wait for their completion, as they
+// its address is set (the loop's own test); deferred frees wait for their completion, as they
 // do on a GPU. It runs the loop once untimed, then again until about a
 // million operations have run (at most 100 times), and returns the
 // fastest pass: Ops and Elapsed (the other fields zero). That is the driver's own share of a
