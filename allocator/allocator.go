@@ -909,9 +909,9 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) (ok, busy bool) {
 // to the pool).
 func (a *Allocator) release(pl *pool, b *blocks.Block) {
 	b.Allocated = false
-	st := &pl.sh.stats
-	st.Allocation.sub(pl.stat, 1)
-	st.AllocatedBytes.sub(pl.stat, int64(b.Size))
+	st := &pl.sh.stats // the pool's entries alone (hotStats)
+	st.Allocation[pl.stat].sub(1)
+	st.AllocatedBytes[pl.stat].sub(int64(b.Size))
 	if b.Size >= a.cfg.MaxSplitSize {
 		st.OversizeAllocations.sub(1)
 	}
@@ -1230,7 +1230,7 @@ func (a *Allocator) Close() error {
 	st.OversizeAllocations.sub(st.OversizeAllocations.Current)
 	st.OversizeSegments.sub(st.OversizeSegments.Current)
 	for _, sh := range a.shards {
-		for _, arr := range sh.stats.arrays() {
+		for _, arr := range sh.stats.summed() {
 			for p := range arr {
 				arr[p].sub(arr[p].Current)
 			}
@@ -1329,8 +1329,8 @@ func (a *Allocator) Usage() (allocated, reserved, requested int64) {
 	defer a.unlockWorld()
 	allocated, requested = a.stats.AllocatedBytes[PoolAll].Current, a.stats.RequestedBytes[PoolAll].Current
 	for _, sh := range a.shards {
-		allocated += sh.stats.AllocatedBytes[PoolAll].Current
-		requested += sh.stats.RequestedBytes[PoolAll].Current
+		allocated += sh.stats.AllocatedBytes.current()
+		requested += sh.stats.RequestedBytes.current()
 	}
 	return allocated, a.stats.ReservedBytes[PoolAll].Current, requested
 }

@@ -63,6 +63,12 @@ import (
 
 // hotStats are the statistics a cached Malloc or Free changes, with the
 // field names of Stats.
+//
+// The hot path changes only the entries of the pool it touches (apply,
+// release): an array's PoolAll entry is the sum of its PoolSmall and
+// PoolLarge entries, and summed writes it before anything reads the
+// arrays whole. Keeping it on every change doubled the hot path's stores,
+// which cost a real mix more than its lock does.
 type hotStats struct {
 	Allocation, Active, InactiveSplit                               StatArray
 	AllocatedBytes, ActiveBytes, InactiveSplitBytes, RequestedBytes StatArray
@@ -71,7 +77,7 @@ type hotStats struct {
 
 const numHot = 7 // StatArrays in hotStats
 
-// hotNames are PyTorch's names of hotStats' arrays, in arrays() order.
+// hotNames are PyTorch's names of hotStats' arrays, in summed() order.
 var hotNames = [numHot]string{"allocation", "active", "inactive_split",
 	"allocated_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"}
 
@@ -79,11 +85,21 @@ var hotNames = [numHot]string{"allocation", "active", "inactive_split",
 // hotSums gives for memory allocated now.
 const hotAllocatedBytes = 3
 
-// arrays lists hotStats' arrays in a fixed order.
-func (h *hotStats) arrays() [numHot]*StatArray {
-	return [numHot]*StatArray{&h.Allocation, &h.Active, &h.InactiveSplit,
+// summed lists hotStats' arrays in a fixed order, their PoolAll entries
+// (Current, Allocated, Freed) first set to the two pools' sum.
+func (h *hotStats) summed() [numHot]*StatArray {
+	arrays := [numHot]*StatArray{&h.Allocation, &h.Active, &h.InactiveSplit,
 		&h.AllocatedBytes, &h.ActiveBytes, &h.InactiveSplitBytes, &h.RequestedBytes}
+	for _, a := range arrays {
+		a[PoolAll].Current = a[PoolSmall].Current + a[PoolLarge].Current
+		a[PoolAll].Allocated = a[PoolSmall].Allocated + a[PoolLarge].Allocated
+		a[PoolAll].Freed = a[PoolSmall].Freed + a[PoolLarge].Freed
+	}
+	return arrays
 }
+
+// current returns a shard's Current of a in all pools, without summed.
+func (a *StatArray) current() int64 { return a[PoolSmall].Current + a[PoolLarge].Current }
 
 // hotArrays lists the same arrays of a Stats, in the same order.
 func (s *Stats) hotArrays() [numHot]*StatArray {
@@ -108,7 +124,7 @@ type shard struct {
 	parked    *blocks.Block // the front cache (front.go)
 	noPark    bool          // tests: free as PyTorch does, straight into the index
 	stats     hotStats
-	// caps bound each hot statistic's Current (per hotStats.arrays order,
+	// caps bound each hot statistic's Current (per hotStats.summed order,
 	// then OversizeAllocations) while the hot path runs.
 	caps    [numHot][numPools]int64
 	capOver int64
@@ -174,7 +190,7 @@ func take(r *atomic.Int64, need int64) int64 {
 func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
 	st, c, res := &sh.stats, &sh.caps, a.res
 	deltas := [numHot]int64{d.allocs, d.active, d.split, d.allocBytes, d.activeBytes, d.splitBytes, d.requested}
-	arrays := st.arrays()
+	arrays := st.summed()
 	type loan struct {
 		k, q int
 		n    int64
@@ -242,7 +258,7 @@ func (a *Allocator) steal(sh *shard, k int, q Pool, need int64) bool {
 		if o == sh || !o.mu.TryLock() {
 			continue
 		}
-		if x := o.caps[k][q] - o.stats.arrays()[k][q].Current; x > 0 && !o.capsZero {
+		if x := o.caps[k][q] - o.stats.summed()[k][q].Current; x > 0 && !o.capsZero {
 			o.caps[k][q] -= x
 			r.Add(x)
 		}
@@ -286,7 +302,7 @@ func (a *Allocator) repay(sh *shard, p Pool) {
 		return
 	}
 	a.res.short.Store(false)
-	h := sh.stats.arrays()
+	h := sh.stats.summed()
 	for k := range numHot {
 		for _, q := range [2]Pool{PoolAll, p} {
 			keep := sh.share[k][q]
@@ -401,21 +417,21 @@ func freeDelta(d *delta, b *blocks.Block) {
 	}
 }
 
-// apply makes the change d to the statistics of pool p. It skips the
-// statistics that a malloc or a free leaves alone (a free's allocation
-// count, changed on release; most changes' inactive split and oversize
-// counts).
+// apply makes the change d to the statistics of pool p (and so of all
+// pools: see hotStats). It skips the statistics that a malloc or a free
+// leaves alone (a free's allocation count, changed on release; most
+// changes' inactive split and oversize counts).
 func (h *hotStats) apply(p Pool, d *delta) {
 	if d.allocs != 0 || d.allocBytes != 0 {
-		h.Allocation.adjust(p, d.allocs)
-		h.AllocatedBytes.adjust(p, d.allocBytes)
+		h.Allocation[p].adjust(d.allocs)
+		h.AllocatedBytes[p].adjust(d.allocBytes)
 	}
-	h.Active.adjust(p, d.active)
-	h.ActiveBytes.adjust(p, d.activeBytes)
-	h.RequestedBytes.adjust(p, d.requested)
+	h.Active[p].adjust(d.active)
+	h.ActiveBytes[p].adjust(d.activeBytes)
+	h.RequestedBytes[p].adjust(d.requested)
 	if d.split != 0 || d.splitBytes != 0 {
-		h.InactiveSplit.adjust(p, d.split)
-		h.InactiveSplitBytes.adjust(p, d.splitBytes)
+		h.InactiveSplit[p].adjust(d.split)
+		h.InactiveSplitBytes[p].adjust(d.splitBytes)
 	}
 	if d.over != 0 {
 		h.OversizeAllocations.adjust(d.over)
@@ -449,7 +465,7 @@ func (a *StatArray) raisePeak(p Pool) {
 // under reports whether adding d to a's Current, in all pools and in p,
 // stays within cap.
 func under(a *StatArray, cap *[numPools]int64, p Pool, d int64) bool {
-	return d <= 0 || (a[PoolAll].Current+d <= cap[PoolAll] && a[p].Current+d <= cap[p])
+	return d <= 0 || (a.current()+d <= cap[PoolAll] && a[p].Current+d <= cap[p])
 }
 
 // fits reports whether the hot path may make the change d to the shard's
@@ -596,7 +612,7 @@ func (a *Allocator) hotSums() (sums [numHot][numPools]int64, over int64) {
 		if sh.zeroHot() {
 			continue
 		}
-		h := sh.stats.arrays()
+		h := sh.stats.summed()
 		for k := range numHot {
 			for p := range numPools {
 				sums[k][p] += h[k][p].Current
@@ -614,7 +630,7 @@ func (a *Allocator) hotSums() (sums [numHot][numPools]int64, over int64) {
 // its bytes are 0 together). hotSums and shareCaps skip such shards, so
 // that streams with nothing live cost them little.
 func (sh *shard) zeroHot() bool {
-	return sh.stats.Active[PoolAll].Current == 0 && sh.stats.InactiveSplit[PoolAll].Current == 0
+	return sh.stats.Active.current() == 0 && sh.stats.InactiveSplit.current() == 0
 }
 
 // settleShard is settle after a change of sh's hot statistics: while
@@ -630,7 +646,7 @@ func (a *Allocator) settleShard(sh *shard) {
 
 // withinCaps reports whether every hot Current of sh is within its cap.
 func (sh *shard) withinCaps() bool {
-	h := sh.stats.arrays()
+	h := sh.stats.summed()
 	for k := range numHot {
 		for p := range numPools {
 			if h[k][p].Current > sh.caps[k][p] {
@@ -720,7 +736,7 @@ func (a *Allocator) shareCaps(sums [numHot][numPools]int64, over int64) {
 	}
 	var n int64
 	for _, sh := range a.shards {
-		if sh == favored || sh.stats.Active[PoolAll].Current > 0 {
+		if sh == favored || sh.stats.Active.current() > 0 {
 			n++
 		}
 	}
@@ -740,7 +756,7 @@ func (a *Allocator) shareCaps(sums [numHot][numPools]int64, over int64) {
 			part = 1
 		case sh == favored:
 			part, whole = n+1, 4*n
-		case sh.stats.Active[PoolAll].Current > 0:
+		case sh.stats.Active.current() > 0:
 			part, whole = 1, 4*n
 		}
 		if part == 0 && sh.capsZero && sh.zeroHot() {
@@ -748,7 +764,7 @@ func (a *Allocator) shareCaps(sums [numHot][numPools]int64, over int64) {
 		}
 		sh.lend = n > 1
 		sh.capsZero = part == 0 && sh.zeroHot()
-		h := sh.stats.arrays()
+		h := sh.stats.summed()
 		for k := range numHot {
 			for p := range numPools {
 				x := slack[k][p] // part/whole of it; no division for a whole share
@@ -784,7 +800,7 @@ func (a *Allocator) folded() Stats {
 	s := a.stats
 	g := s.hotArrays()
 	for _, sh := range a.shards {
-		h := sh.stats.arrays()
+		h := sh.stats.summed()
 		for k := range numHot {
 			for p := range numPools {
 				g[k][p].Current += h[k][p].Current
@@ -886,7 +902,7 @@ func (a *Allocator) checkShards() []error {
 		for p := range numPools {
 			var caps int64
 			for _, sh := range a.shards {
-				cur := sh.stats.arrays()[k][p].Current
+				cur := sh.stats.summed()[k][p].Current
 				caps += sh.caps[k][p]
 				if cur > sh.caps[k][p] {
 					errs = append(errs, fmt.Errorf("%s.%v of stream %#x: current %d above its cap %d", hotNames[k], Pool(p), uint64(sh.stream), cur, sh.caps[k][p]))

@@ -222,7 +222,7 @@ func (a *Allocator) releaseExpandableStream(sh *shard) error {
 // held since lockWorld, is released with the doomed flag set, so that a
 // hot path that found it in an old table redoes its call in world mode.
 func (a *Allocator) dropShard(sh *shard) {
-	g, h := a.stats.hotArrays(), sh.stats.arrays()
+	g, h := a.stats.hotArrays(), sh.stats.summed()
 	for k := range numHot {
 		for p := range numPools {
 			g[k][p].Current += h[k][p].Current
@@ -290,7 +290,7 @@ func (a *Allocator) sweep(all bool) {
 	}
 	for i := 0; i < len(a.shards); {
 		sh := a.shards[i]
-		n := sh.stats.Allocation[PoolAll].Allocated
+		n := sh.stats.Allocation[PoolSmall].Allocated + sh.stats.Allocation[PoolLarge].Allocated
 		if a.idle(sh) && (all || n == sh.stamp) {
 			s := sh.stream
 			if err := a.releaseShard(sh); err == nil {
