@@ -15,7 +15,8 @@
 #   3. $ROUNDS rounds (default 5) of the replays and the pair, both sides one right
 #      after the other on one CPU core, each side's timed replays of a trace after an
 #      untimed one (scripts/paired_replays.py: it picks the fastest core of the host
-#      and says why)                                       -> paired.json, paired.txt
+#      and says why), and each side's replay loop alone (the anchor's from
+#      scripts/anchor_driver.cpp)                            -> paired.json, paired.txt
 #   4. each ratio beside the speed goal it is held to   -> compare.txt
 #      (a replay's or a pair's ratio is the median over the paired rounds of the
 #      round's ratio, with the ratio of the two sides' best rounds beside it: on a
@@ -172,8 +173,10 @@ for r in a.get("replay") or []:
           f" as (cold - warm) x {tr.get('ops', 'n/a')} / {q.get('num_device_alloc', 'n/a')}")
     tnew = q.get("warm_num_device_alloc", 0) - q.get("num_device_alloc", 0) if "warm_num_device_alloc" in q else "n/a"
     ad = r.get("driver_ns_per_op")
+    td = (paired.get("torch_driver_ns_per_op") or {}).get(name)
     print(f"  device mallocs in the warm pass: allocd {r.get('warm_device_mallocs', 'n/a')}, PyTorch {tnew};"
-          f" allocd's driver alone {ad if ad is not None else float('nan'):.1f} ns/op;"
+          f" the replay loop alone: allocd's {ad if ad is not None else float('nan'):.1f} ns/op,"
+          f" the anchor's {td if td is not None else float('nan'):.1f} ns/op;"
           f" allocd's cold in cudaMalloc {r.get('device_malloc_ns_per_op', 0):.0f} ns/op")
 PY
 

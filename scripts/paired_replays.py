@@ -33,6 +33,11 @@ What it does:
    within 25%, in both directions, on both sides).
    Then the pair benchmark on each side, the same way: `ALLOCD bench
    --no-mixed` (no trace) and the anchor's pair_torch, best of 3 each.
+   Each side's replay loop alone is timed too, once per trace: allocd's
+   driver_ns_per_op (from the same `allocd bench`), and the anchor's loop
+   with the allocator left out (scripts/anchor_driver.cpp, the fastest of
+   enough passes for about a million operations). Nothing is subtracted:
+   the two are printed beside the replays.
 3. Writes OUTJSON: the core, the calibration, and every round's figures.
    Prints, per trace and kind, both statistics:
    - the median over rounds of the round's ratio (PyTorch / allocd), from
@@ -135,6 +140,15 @@ def main():
     ext = load(name="anchor_ext", sources=[os.path.join(args.anchordir, "anchor_ext.cpp")], extra_ldflags=["-lcudart"],
                build_directory=build, verbose=False, with_cuda=True)
 
+    driver = None  # the anchor's loop alone (scripts/anchor_driver.cpp); the replays do not need it
+    try:
+        dbuild = build + "_driver"
+        os.makedirs(dbuild, exist_ok=True)
+        driver = load(name="anchor_driver", sources=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "anchor_driver.cpp")],
+                      build_directory=dbuild, verbose=False)
+    except Exception as e:
+        print(f"no driver loop for PyTorch's side: {e}", flush=True)
+
     def reset():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -153,7 +167,8 @@ def main():
 
     def allocd_replay(path):
         first, r = allocd_bench(args.allocd, ["--device", args.device, "--no-pair", "--no-mixed", path, path])["replay"]
-        return {"ns_per_op": r["ns_per_op"], "warm_ns_per_op": r["warm_ns_per_op"], "first_ns_per_op": first["ns_per_op"]}
+        return {"ns_per_op": r["ns_per_op"], "warm_ns_per_op": r["warm_ns_per_op"], "first_ns_per_op": first["ns_per_op"],
+                "driver_ns_per_op": r.get("driver_ns_per_op")}
 
     sizes = [512, 4096, 1 << 20, 8 << 20, 64 << 20]
 
@@ -165,7 +180,10 @@ def main():
 
     ops = {trace_name(p): trace_ops(p, torch) for p in traces}
     result = {"core": core, "calibration": {str(c): v for c, v in speed.items()}, "device": args.device,
-              "torch": torch.__version__, "rounds": []}
+              "torch": torch.__version__, "rounds": [], "torch_driver_ns_per_op": {}}
+    if driver is not None:
+        for name, o in ops.items():
+            result["torch_driver_ns_per_op"][name] = driver.replay_driver(o, 1 + min(100, max(1, 1_000_000 // max(len(o), 1))))
     for k in range(1, args.rounds + 1):
         if args.budget and time.time() - start > args.budget:
             print(f"no time left for round {k}", flush=True)
@@ -201,6 +219,12 @@ def main():
             ratios = [x / y for x, y in zip(t, a)]
             print(f"{name:<22} {kind}: PyTorch {' '.join(f'{x:.0f}' for x in t)}; allocd {' '.join(f'{x:.0f}' for x in a)};"
                   f" median ratio {statistics.median(ratios):.2f}x, best/best {min(t) / min(a):.2f}x")
+    td = result["torch_driver_ns_per_op"]
+    for name in [trace_name(p) for p in traces]:
+        ad = [r["replay"][name]["allocd"].get("driver_ns_per_op") for r in rounds]
+        ad = [x for x in ad if x is not None]
+        print(f"{name:<22} driver alone, ns/op: PyTorch's loop {td.get(name, float('nan')):.2f};"
+              f" allocd's {' '.join(f'{x:.2f}' for x in ad)}")
     for s in sizes:
         a = [r["pair"]["allocd"][str(s)] for r in rounds]
         t = [r["pair"]["torch"][str(s)] for r in rounds]

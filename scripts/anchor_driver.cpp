@@ -1,0 +1,43 @@
+// The anchor's replay loop (anchor_ext.cpp, replay_passes) with the allocator
+// left out, as allocd's DriverCost leaves its own out: each allocation stores a
+// made-up address in ptr[id], each free of a set address loads and clears it.
+// An empty asm statement that clobbers memory stands where the loop calls
+// raw_alloc and raw_delete, so that the compiler keeps the stores and reloads
+// what an opaque call would make it reload, and the loop is not vectorised
+// away. scripts/paired_replays.py builds it beside the anchor and subtracts
+// nothing with it: it prints each side's driver beside the replays.
+#include <torch/extension.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <vector>
+using clk = std::chrono::steady_clock;
+
+// replay_driver returns the fastest of passes passes over ops (int64 [N,3] of
+// (op 0=alloc 1=free, id, size)), in ns per operation.
+double replay_driver(torch::Tensor ops, int64_t passes) {
+  auto a = ops.accessor<int64_t, 2>();
+  int64_t n = a.size(0), maxid = 0;
+  for (int64_t i = 0; i < n; i++) maxid = std::max(maxid, a[i][1]);
+  std::vector<void*> ptr(maxid + 1, nullptr);
+  double best = 1e300;
+  for (int64_t pass = 0; pass < passes; pass++) {
+    std::fill(ptr.begin(), ptr.end(), nullptr);
+    auto t0 = clk::now();
+    for (int64_t i = 0; i < n; i++) {
+      int64_t id = a[i][1];
+      if (a[i][0] == 0) {
+        ptr[id] = reinterpret_cast<void*>(static_cast<uintptr_t>(i + 1) << 9);
+        asm volatile("" ::: "memory");
+      } else if (ptr[id]) {
+        void* p = ptr[id];
+        asm volatile("" : : "r"(p) : "memory");
+        ptr[id] = nullptr;
+      }
+    }
+    best = std::min(best, std::chrono::duration<double, std::nano>(clk::now() - t0).count());
+  }
+  return n ? best / n : 0;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("replay_driver", &replay_driver); }
