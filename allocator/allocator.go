@@ -888,7 +888,7 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) (ok, busy bool) {
 	// segment they do not change).
 	var d delta
 	freeDelta(&d, b)
-	if !a.fitsOrBorrow(sh, pl.stat, &d) {
+	if !a.freeFitsOrBorrow(sh, pl.stat, &d) {
 		if !a.escalate(sh) {
 			return false, true
 		}

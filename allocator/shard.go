@@ -270,6 +270,18 @@ func (a *Allocator) steal(sh *shard, k int, q Pool, need int64) bool {
 	return false
 }
 
+// freeFitsOrBorrow is fitsOrBorrow for a free's change d: of the hot
+// statistics a free changes, only the inactive-split ones can grow (the
+// others fall, and a fall always fits: see fits), so only their rooms are
+// tested.
+func (a *Allocator) freeFitsOrBorrow(sh *shard, p Pool, d *delta) bool {
+	st, c := &sh.stats, &sh.caps
+	if room(&st.InactiveSplit, &c[2], p, d.split)|room(&st.InactiveSplitBytes, &c[5], p, d.splitBytes) >= 0 {
+		return true
+	}
+	return a.borrow(sh, p, d)
+}
+
 // fitsOrBorrow is fits, borrowing from the reservoir when the caps are
 // short.
 func (a *Allocator) fitsOrBorrow(sh *shard, p Pool, d *delta) bool {
