@@ -77,7 +77,7 @@ type hotStats struct {
 
 const numHot = 7 // StatArrays in hotStats
 
-// hotNames are PyTorch's names of hotStats' arrays, in summed() order.
+// hotNames are PyTorch's names of hotStats' arrays, in arrays() order.
 var hotNames = [numHot]string{"allocation", "active", "inactive_split",
 	"allocated_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"}
 
@@ -85,11 +85,17 @@ var hotNames = [numHot]string{"allocation", "active", "inactive_split",
 // hotSums gives for memory allocated now.
 const hotAllocatedBytes = 3
 
-// summed lists hotStats' arrays in a fixed order, their PoolAll entries
-// (Current, Allocated, Freed) first set to the two pools' sum.
-func (h *hotStats) summed() [numHot]*StatArray {
-	arrays := [numHot]*StatArray{&h.Allocation, &h.Active, &h.InactiveSplit,
+// arrays lists hotStats' arrays in a fixed order, their PoolAll entries
+// as they are (see summed).
+func (h *hotStats) arrays() [numHot]*StatArray {
+	return [numHot]*StatArray{&h.Allocation, &h.Active, &h.InactiveSplit,
 		&h.AllocatedBytes, &h.ActiveBytes, &h.InactiveSplitBytes, &h.RequestedBytes}
+}
+
+// summed is arrays with the PoolAll entries (Current, Allocated, Freed)
+// first set to the two pools' sum.
+func (h *hotStats) summed() [numHot]*StatArray {
+	arrays := h.arrays()
 	for _, a := range arrays {
 		a[PoolAll].Current = a[PoolSmall].Current + a[PoolLarge].Current
 		a[PoolAll].Allocated = a[PoolSmall].Allocated + a[PoolLarge].Allocated
@@ -100,6 +106,15 @@ func (h *hotStats) summed() [numHot]*StatArray {
 
 // current returns a shard's Current of a in all pools, without summed.
 func (a *StatArray) current() int64 { return a[PoolSmall].Current + a[PoolLarge].Current }
+
+// currentIn returns a shard's Current of a in pool q (PoolAll included),
+// without summed.
+func (a *StatArray) currentIn(q Pool) int64 {
+	if q == PoolAll {
+		return a.current()
+	}
+	return a[q].Current
+}
 
 // hotArrays lists the same arrays of a Stats, in the same order.
 func (s *Stats) hotArrays() [numHot]*StatArray {
@@ -124,7 +139,7 @@ type shard struct {
 	parked    *blocks.Block // the front cache (front.go)
 	noPark    bool          // tests: free as PyTorch does, straight into the index
 	stats     hotStats
-	// caps bound each hot statistic's Current (per hotStats.summed order,
+	// caps bound each hot statistic's Current (per hotStats.arrays order,
 	// then OversizeAllocations) while the hot path runs.
 	caps    [numHot][numPools]int64
 	capOver int64
@@ -258,7 +273,7 @@ func (a *Allocator) steal(sh *shard, k int, q Pool, need int64) bool {
 		if o == sh || !o.mu.TryLock() {
 			continue
 		}
-		if x := o.caps[k][q] - o.stats.summed()[k][q].Current; x > 0 && !o.capsZero {
+		if x := o.caps[k][q] - o.stats.arrays()[k].currentIn(q); x > 0 && !o.capsZero { // one figure: no summed
 			o.caps[k][q] -= x
 			r.Add(x)
 		}
