@@ -4,29 +4,34 @@
 // An empty asm statement that clobbers memory stands where the loop calls
 // raw_alloc and raw_delete, so that the compiler keeps the stores and reloads
 // what an opaque call would make it reload, and the loop is not vectorised
-// away. scripts/paired_replays.py builds it beside the anchor and subtracts
-// nothing with it: it prints each side's driver beside the replays.
-#include <torch/extension.h>
+// away. The operations are read through their two strides, as the anchor's
+// tensor accessor reads them.
+//
+// It is a plain C library, without torch's headers, so that it compiles in a
+// second: scripts/paired_replays.py builds it with `c++ -O2 -shared -fPIC`
+// after its paired rounds, loads it with ctypes and subtracts nothing with
+// it: it prints each side's driver beside the replays.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <vector>
 using clk = std::chrono::steady_clock;
 
-// replay_driver returns the fastest of passes passes over ops (int64 [N,3] of
-// (op 0=alloc 1=free, id, size)), in ns per operation.
-double replay_driver(torch::Tensor ops, int64_t passes) {
-  auto a = ops.accessor<int64_t, 2>();
-  int64_t n = a.size(0), maxid = 0;
-  for (int64_t i = 0; i < n; i++) maxid = std::max(maxid, a[i][1]);
+// replay_driver returns the fastest of passes passes over the n operations
+// at ops (int64 rows of (op 0=alloc 1=free, id, size), row i's column j at
+// ops[i*s0 + j*s1]), in ns per operation.
+extern "C" double replay_driver(const int64_t* ops, int64_t n, int64_t s0, int64_t s1, int64_t passes) {
+  auto at = [&](int64_t i, int64_t j) { return ops[i * s0 + j * s1]; };
+  int64_t maxid = 0;
+  for (int64_t i = 0; i < n; i++) maxid = std::max(maxid, at(i, 1));
   std::vector<void*> ptr(maxid + 1, nullptr);
   double best = 1e300;
   for (int64_t pass = 0; pass < passes; pass++) {
     std::fill(ptr.begin(), ptr.end(), nullptr);
     auto t0 = clk::now();
     for (int64_t i = 0; i < n; i++) {
-      int64_t id = a[i][1];
-      if (a[i][0] == 0) {
+      int64_t id = at(i, 1);
+      if (at(i, 0) == 0) {
         ptr[id] = reinterpret_cast<void*>(static_cast<uintptr_t>(i + 1) << 9);
         asm volatile("" ::: "memory");
       } else if (ptr[id]) {
@@ -39,5 +44,3 @@ double replay_driver(torch::Tensor ops, int64_t passes) {
   }
   return n ? best / n : 0;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("replay_driver", &replay_driver); }
