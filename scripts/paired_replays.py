@@ -49,6 +49,7 @@ Needs torch with CUDA (the anchor's extension is compiled on first use into
 $EXT_BUILD, default /tmp/anchor_build).
 """
 import argparse
+import ctypes
 import glob
 import gzip
 import json
@@ -98,7 +99,6 @@ def allocd_bench(allocd, args, timeout=120):
 
 def anchor_driver(build):
     """scripts/anchor_driver.cpp compiled into build and loaded, or None (said why)."""
-    import ctypes
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "anchor_driver.cpp")
     lib = os.path.join(build, "anchor_driver.so")
     try:
