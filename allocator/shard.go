@@ -154,6 +154,9 @@ type shard struct {
 	capsZero bool
 	repays   uint8 // frees since repay last looked, up to repayEvery
 	released bool  // dropped from the allocator (streams.go)
+	// borrows and steals count this shard's borrows and the other shards'
+	// locks its steals took (Stats.NumCapBorrows, NumCapSteals).
+	borrows, steals int64
 	// World-mode state of the stream's life (streams.go): its segments,
 	// the events its blocks wait for, the world-mode calls under way on
 	// it, and its allocation count at the last idle sweep.
@@ -203,6 +206,7 @@ func take(r *atomic.Int64, need int64) int64 {
 // hot statistics in pool p stays within them, and reports whether it
 // could; when it cannot, it changes nothing. sh's lock is held.
 func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
+	sh.borrows++
 	st, c, res := &sh.stats, &sh.caps, a.res
 	deltas := [numHot]int64{d.allocs, d.active, d.split, d.allocBytes, d.activeBytes, d.splitBytes, d.requested}
 	arrays := st.summed()
@@ -273,6 +277,7 @@ func (a *Allocator) steal(sh *shard, k int, q Pool, need int64) bool {
 		if o == sh || !o.mu.TryLock() {
 			continue
 		}
+		sh.steals++
 		if x := o.caps[k][q] - o.stats.arrays()[k].currentIn(q); x > 0 && !o.capsZero { // one figure: no summed
 			o.caps[k][q] -= x
 			r.Add(x)
@@ -844,6 +849,8 @@ func (a *Allocator) folded() Stats {
 				g[k][p].Freed += h[k][p].Freed
 			}
 		}
+		s.NumCapBorrows += sh.borrows
+		s.NumCapSteals += sh.steals
 		o := &sh.stats.OversizeAllocations
 		s.OversizeAllocations.Current += o.Current
 		s.OversizeAllocations.Allocated += o.Allocated

@@ -168,6 +168,15 @@ type Stats struct {
 	// stream's lock to settle a peak (allocd only; not a PyTorch key): a
 	// measure of the contention between streams that the hot path pays.
 	NumEscalations int64
+	// NumCapBorrows counts cached mallocs and frees whose change passed
+	// their stream's share of the slack under a peak, so that they took
+	// more from the slack that all streams share (allocd only; not a
+	// PyTorch key). NumCapSteals counts the other streams' locks those
+	// borrows took to move the slack the other streams held but did not
+	// use back into the shared part. Both touch memory that other streams'
+	// hot paths touch too: with NumEscalations they measure what keeping
+	// the peaks exact costs concurrent streams.
+	NumCapBorrows, NumCapSteals int64
 	// HandleCacheBytes is the physical memory of expandable segments that
 	// reclaim unmapped and kept, mapped nowhere, for the next growths to
 	// map again instead of creating new memory (allocd only; not a

@@ -230,6 +230,8 @@ func (a *Allocator) dropShard(sh *shard) {
 			g[k][p].Freed += h[k][p].Freed
 		}
 	}
+	a.stats.NumCapBorrows += sh.borrows
+	a.stats.NumCapSteals += sh.steals
 	o, so := &a.stats.OversizeAllocations, &sh.stats.OversizeAllocations
 	o.Current += so.Current
 	o.Allocated += so.Allocated

@@ -79,6 +79,13 @@ func BenchmarkMixed(b *testing.B) { benchmarkMixed(b, Mixed) }
 // the second, cached pass only.
 func BenchmarkMixedWarm(b *testing.B) { benchmarkMixed(b, MixedWarm) }
 
+// BenchmarkMixedWarmInterleaved runs MixedWarm's pattern with every
+// goroutine's steps taken in turn on one goroutine (MixedWarmInterleaved)
+// and reports the warm pass's escalations, borrows and steals per step:
+// the traffic between streams of a run whose goroutines overlap, which a
+// machine with fewer cores than goroutines does not show.
+func BenchmarkMixedWarmInterleaved(b *testing.B) { benchmarkMixed(b, MixedWarmInterleaved) }
+
 // mixedBenchSteps is the mixed benchmarks' steps per goroutine: MixedSteps,
 // or 20,000 under -short.
 func mixedBenchSteps() int {
@@ -156,6 +163,9 @@ func benchmarkMixed(b *testing.B, run func(*allocator.Allocator, int, int) (Mixe
 			b.ReportMetric(last.MopsPerSec(), "Mops/s")
 			b.ReportMetric(float64(last.PeakReserved)/(1<<20), "peak-reserved-MiB")
 			b.ReportMetric(float64(last.PeakAllocated)/(1<<20), "peak-allocated-MiB")
+			b.ReportMetric(float64(last.TimedEscalations)/float64(last.Ops), "escalations/step")
+			b.ReportMetric(float64(last.TimedBorrows)/float64(last.Ops), "borrows/step")
+			b.ReportMetric(float64(last.TimedSteals)/float64(last.Ops), "steals/step")
 		})
 	}
 }

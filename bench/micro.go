@@ -56,6 +56,10 @@ type MixedResult struct {
 	// Escalations is the allocator's NumEscalations over every pass: hot
 	// calls that took every stream's lock to settle a peak.
 	Escalations int64
+	// TimedEscalations, TimedBorrows and TimedSteals are the timed pass's
+	// NumEscalations, NumCapBorrows and NumCapSteals: what keeping the
+	// peaks exact cost the goroutines in shared memory (allocator.Stats).
+	TimedEscalations, TimedBorrows, TimedSteals int64
 	// FirstDone and LastDone are when the timed pass's first and last
 	// goroutines finished their steps, from its start. Elapsed ends with
 	// the last (LastDone, and the final frees); on a host whose cores run
@@ -106,8 +110,10 @@ func mixedPasses(a *allocator.Allocator, threads, steps, passes int) (MixedResul
 	}()
 	window := workload.MixedWindow / threads
 	var elapsed, first, last time.Duration
+	var before allocator.Stats
 	for range passes {
 		runtime.GC() // no collection of earlier garbage inside the timed pass
+		before = a.Stats()
 		errs := make([]error, threads)
 		done := make([]time.Time, threads)
 		var wg sync.WaitGroup
@@ -136,10 +142,13 @@ func mixedPasses(a *allocator.Allocator, threads, steps, passes int) (MixedResul
 	st := a.Stats()
 	return MixedResult{
 		Threads: threads, Ops: threads * steps, Elapsed: elapsed,
-		PeakAllocated: st.AllocatedBytes[allocator.PoolAll].Peak,
-		PeakReserved:  st.ReservedBytes[allocator.PoolAll].Peak,
-		Escalations:   st.NumEscalations,
-		FirstDone:     first, LastDone: last,
+		PeakAllocated:    st.AllocatedBytes[allocator.PoolAll].Peak,
+		PeakReserved:     st.ReservedBytes[allocator.PoolAll].Peak,
+		Escalations:      st.NumEscalations,
+		TimedEscalations: st.NumEscalations - before.NumEscalations,
+		TimedBorrows:     st.NumCapBorrows - before.NumCapBorrows,
+		TimedSteals:      st.NumCapSteals - before.NumCapSteals,
+		FirstDone:        first, LastDone: last,
 	}, nil
 }
 
@@ -172,4 +181,65 @@ func mixedRun(a *allocator.Allocator, s cudart.Stream, seed uint64, steps, windo
 		}
 	}
 	return nil
+}
+
+// MixedWarmInterleaved runs MixedWarm's pattern for threads streams on
+// one goroutine, one step of each stream in turn: the order in which the
+// steps would reach the allocator if every goroutine ran at the same
+// pace, at once. It measures no time (Elapsed is the wall time of the
+// second pass, on one goroutine); what it gives is the timed pass's
+// escalations, borrows and steals of a run whose streams really
+// overlap, the same on every machine. On a machine with fewer cores than
+// goroutines MixedWarm's goroutines take turns by time slices, and most
+// of the overlap, with the contention it causes, is gone.
+func MixedWarmInterleaved(a *allocator.Allocator, threads, steps int) (MixedResult, error) {
+	dev := a.Device()
+	streams := make([]cudart.Stream, threads)
+	for t := range streams {
+		s, err := dev.StreamCreate()
+		if err != nil {
+			return MixedResult{}, fmt.Errorf("mixed: creating stream %d: %w", t, err)
+		}
+		streams[t] = s
+	}
+	defer func() {
+		for _, s := range streams {
+			_ = dev.StreamDestroy(s)
+		}
+	}()
+	window := workload.MixedWindow / threads
+	var elapsed time.Duration
+	var before allocator.Stats
+	for range 2 {
+		before = a.Stats()
+		steppers := make([]*workload.MixedStepper, threads)
+		for t := range steppers {
+			steppers[t] = workload.NewMixedStepper(uint64(42+t), window)
+		}
+		t0 := time.Now()
+		for range steps {
+			for t, m := range steppers {
+				if err := m.Step(a, streams[t]); err != nil {
+					return MixedResult{}, err
+				}
+			}
+		}
+		elapsed = time.Since(t0)
+		for _, m := range steppers {
+			if err := m.FreeAll(a); err != nil {
+				return MixedResult{}, err
+			}
+		}
+	}
+	st := a.Stats()
+	return MixedResult{
+		Threads: threads, Ops: threads * steps, Elapsed: elapsed,
+		PeakAllocated:    st.AllocatedBytes[allocator.PoolAll].Peak,
+		PeakReserved:     st.ReservedBytes[allocator.PoolAll].Peak,
+		Escalations:      st.NumEscalations,
+		TimedEscalations: st.NumEscalations - before.NumEscalations,
+		TimedBorrows:     st.NumCapBorrows - before.NumCapBorrows,
+		TimedSteals:      st.NumCapSteals - before.NumCapSteals,
+		FirstDone:        elapsed, LastDone: elapsed,
+	}, nil
 }

@@ -37,3 +37,28 @@ func TestMixedStepperIsTheBenchmarkLoop(t *testing.T) {
 			sa.Allocation[allocator.PoolAll], sa.AllocatedBytes[allocator.PoolAll])
 	}
 }
+
+// TestMixedWarmInterleaved: eight streams whose steps overlap one by one
+// (MixedWarmInterleaved) keep every invariant, and the allocator counts
+// the borrows and steals that move the peaks' slack between them, logged
+// per step with the warm pass's escalations. Steps, window and seeds are
+// those of the benchmark, fewer steps under -short.
+func TestMixedWarmInterleaved(t *testing.T) {
+	steps := mixedBenchSteps()
+	a := newSimAllocator(t, "", false)
+	r, err := MixedWarmInterleaved(a, 8, steps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("8 streams, %d steps each, warm pass: %d escalations, %d borrows (%.3f a step), %d steals (%.3f a step)",
+		steps, r.TimedEscalations, r.TimedBorrows, float64(r.TimedBorrows)/float64(r.Ops), r.TimedSteals, float64(r.TimedSteals)/float64(r.Ops))
+	if r.TimedBorrows == 0 || r.TimedSteals == 0 {
+		t.Errorf("no borrows (%d) or steals (%d) counted: eight streams near their peaks borrow", r.TimedBorrows, r.TimedSteals)
+	}
+	if st := a.Stats(); st.NumCapBorrows < r.TimedBorrows || st.NumCapSteals < r.TimedSteals || st.NumEscalations < r.TimedEscalations {
+		t.Errorf("Stats counts %d borrows, %d steals and %d escalations, fewer than the warm pass alone", st.NumCapBorrows, st.NumCapSteals, st.NumEscalations)
+	}
+}

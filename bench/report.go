@@ -153,6 +153,11 @@ type MixedRow struct {
 	PeakAllocatedBytes int64   `json:"peak_allocated_bytes"`
 	PeakReservedBytes  int64   `json:"peak_reserved_bytes"`
 	Escalations        int64   `json:"escalations"`
+	// The timed pass's escalations, borrows and steals
+	// (MixedResult.TimedEscalations, TimedBorrows, TimedSteals).
+	TimedEscalations int64 `json:"timed_escalations"`
+	TimedBorrows     int64 `json:"timed_cap_borrows"`
+	TimedSteals      int64 `json:"timed_cap_steals"`
 	// FirstDoneMs and LastDoneMs: when the first and the last goroutine
 	// finished their steps (MixedResult.FirstDone, LastDone).
 	FirstDoneMs float64 `json:"first_done_ms"`
@@ -163,7 +168,7 @@ type MixedRow struct {
 func MixedRowOf(m MixedResult) MixedRow {
 	ms := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e6 }
 	return MixedRow{m.Threads, m.Ops, m.NsPerOp(), m.MopsPerSec(), m.PeakAllocated, m.PeakReserved, m.Escalations,
-		ms(m.FirstDone), ms(m.LastDone)}
+		m.TimedEscalations, m.TimedBorrows, m.TimedSteals, ms(m.FirstDone), ms(m.LastDone)}
 }
 
 // Report is every result of one `allocd bench` run, in the JSON shape of
