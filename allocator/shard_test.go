@@ -321,6 +321,14 @@ func TestStealSparesEscalations(t *testing.T) {
 	if n := after.NumEscalations - before.NumEscalations; n != 0 {
 		t.Errorf("%d escalations for growth within the slack s1 holds", n)
 	}
+	// Counted: s2 borrowed, and took s1's lock (the only other shard) to
+	// move s1's slack, every statistic's at once, in one or two sweeps.
+	if n := after.NumCapBorrows - before.NumCapBorrows; n == 0 {
+		t.Error("no borrow counted for growth past s2's caps")
+	}
+	if n := after.NumCapSteals - before.NumCapSteals; n < 1 || n > 2*(after.NumCapBorrows-before.NumCapBorrows) {
+		t.Errorf("%d steals counted for %d borrows from one other shard", n, after.NumCapBorrows-before.NumCapBorrows)
+	}
 	for i, arr := range after.namedArrays() {
 		b := before.namedArrays()[i]
 		for p := range numPools {
