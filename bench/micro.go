@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"errors"
 	"fmt"
 	"runtime"
 	"sync"
@@ -94,26 +95,7 @@ func MixedWarm(a *allocator.Allocator, threads, steps int) (MixedResult, error) 
 // mixedPasses runs the mixed pattern passes times on the same streams and
 // times the last pass.
 func mixedPasses(a *allocator.Allocator, threads, steps, passes int) (MixedResult, error) {
-	dev := a.Device()
-	streams := make([]cudart.Stream, threads)
-	for t := range streams {
-		s, err := dev.StreamCreate()
-		if err != nil {
-			return MixedResult{}, fmt.Errorf("mixed: creating stream %d: %w", t, err)
-		}
-		streams[t] = s
-	}
-	defer func() {
-		for _, s := range streams {
-			_ = dev.StreamDestroy(s)
-		}
-	}()
-	window := workload.MixedWindow / threads
-	var elapsed, first, last time.Duration
-	var before allocator.Stats
-	for range passes {
-		runtime.GC() // no collection of earlier garbage inside the timed pass
-		before = a.Stats()
+	return mixedPassesWith(a, threads, steps, passes, func(streams []cudart.Stream, window int) (elapsed, first, last time.Duration, err error) {
 		errs := make([]error, threads)
 		done := make([]time.Time, threads)
 		var wg sync.WaitGroup
@@ -133,10 +115,38 @@ func mixedPasses(a *allocator.Allocator, threads, steps, passes int) (MixedResul
 		for _, d := range done[1:] {
 			first, last = min(first, d.Sub(t0)), max(last, d.Sub(t0))
 		}
-		for _, err := range errs {
-			if err != nil {
-				return MixedResult{}, err
-			}
+		return elapsed, first, last, errors.Join(errs...)
+	})
+}
+
+// mixedPassesWith makes threads streams, runs pass on them passes times
+// (each with a fresh window of workload.MixedWindow/threads slots a
+// stream, after a collection of earlier garbage) and returns the last
+// pass's figures, its escalations, borrows and steals among them.
+func mixedPassesWith(a *allocator.Allocator, threads, steps, passes int,
+	pass func(streams []cudart.Stream, window int) (elapsed, first, last time.Duration, err error)) (MixedResult, error) {
+	dev := a.Device()
+	streams := make([]cudart.Stream, threads)
+	for t := range streams {
+		s, err := dev.StreamCreate()
+		if err != nil {
+			return MixedResult{}, fmt.Errorf("mixed: creating stream %d: %w", t, err)
+		}
+		streams[t] = s
+	}
+	defer func() {
+		for _, s := range streams {
+			_ = dev.StreamDestroy(s)
+		}
+	}()
+	var elapsed, first, last time.Duration
+	var before allocator.Stats
+	for range passes {
+		runtime.GC() // no collection of earlier garbage inside the timed pass
+		before = a.Stats()
+		var err error
+		if elapsed, first, last, err = pass(streams, workload.MixedWindow/threads); err != nil {
+			return MixedResult{}, err
 		}
 	}
 	st := a.Stats()
@@ -193,25 +203,7 @@ func mixedRun(a *allocator.Allocator, s cudart.Stream, seed uint64, steps, windo
 // goroutines MixedWarm's goroutines take turns by time slices, and most
 // of the overlap, with the contention it causes, is gone.
 func MixedWarmInterleaved(a *allocator.Allocator, threads, steps int) (MixedResult, error) {
-	dev := a.Device()
-	streams := make([]cudart.Stream, threads)
-	for t := range streams {
-		s, err := dev.StreamCreate()
-		if err != nil {
-			return MixedResult{}, fmt.Errorf("mixed: creating stream %d: %w", t, err)
-		}
-		streams[t] = s
-	}
-	defer func() {
-		for _, s := range streams {
-			_ = dev.StreamDestroy(s)
-		}
-	}()
-	window := workload.MixedWindow / threads
-	var elapsed time.Duration
-	var before allocator.Stats
-	for range 2 {
-		before = a.Stats()
+	return mixedPassesWith(a, threads, steps, 2, func(streams []cudart.Stream, window int) (elapsed, first, last time.Duration, err error) {
 		steppers := make([]*workload.MixedStepper, threads)
 		for t := range steppers {
 			steppers[t] = workload.NewMixedStepper(uint64(42+t), window)
@@ -220,26 +212,15 @@ func MixedWarmInterleaved(a *allocator.Allocator, threads, steps int) (MixedResu
 		for range steps {
 			for t, m := range steppers {
 				if err := m.Step(a, streams[t]); err != nil {
-					return MixedResult{}, err
+					return 0, 0, 0, err
 				}
 			}
 		}
 		elapsed = time.Since(t0)
+		var errs []error
 		for _, m := range steppers {
-			if err := m.FreeAll(a); err != nil {
-				return MixedResult{}, err
-			}
+			errs = append(errs, m.FreeAll(a))
 		}
-	}
-	st := a.Stats()
-	return MixedResult{
-		Threads: threads, Ops: threads * steps, Elapsed: elapsed,
-		PeakAllocated:    st.AllocatedBytes[allocator.PoolAll].Peak,
-		PeakReserved:     st.ReservedBytes[allocator.PoolAll].Peak,
-		Escalations:      st.NumEscalations,
-		TimedEscalations: st.NumEscalations - before.NumEscalations,
-		TimedBorrows:     st.NumCapBorrows - before.NumCapBorrows,
-		TimedSteals:      st.NumCapSteals - before.NumCapSteals,
-		FirstDone:        elapsed, LastDone: elapsed,
-	}, nil
+		return elapsed, elapsed, elapsed, errors.Join(errs...)
+	})
 }
