@@ -137,6 +137,11 @@ if w1 and w8:
               f" (t1's one goroutine, taking as many steps, in {w1['last_done_ms']:.0f} ms);"
               f" t8 / t1 at the first goroutine's pace {8 * w1['last_done_ms'] / w8['first_done_ms']:.2f}x, at the last's"
               f" {8 * w1['last_done_ms'] / w8['last_done_ms']:.2f}x")
+    if "timed_cap_borrows" in w8:
+        # What keeping the peaks exact cost the eight goroutines in memory they share.
+        n = w8["ops"]
+        print(f"  t8's timed pass: {w8['timed_cap_borrows'] / n:.4f} borrows, {w8['timed_cap_steals'] / n:.4f} steals"
+              f" and {w8['timed_escalations'] / n:.5f} escalations a step")
 tw8 = micro.get("mixed_warm_torch_t8", {}).get("mops_per_s")
 if w8 and tw8:
     line(f"mixed warm t8: allocd {w8['mops_per_s']:.2f} / PyTorch {tw8:.2f} Mops/s", w8["mops_per_s"] / tw8, 20)
