@@ -22,7 +22,12 @@
 #      round's ratio, with the ratio of the two sides' best rounds beside it: on a
 #      shared host one core runs a replay up to 1.6x slower than another, and a core's
 #      speed moves from minute to minute; mixed ratios come from stages 1 and 2)
-#   5. CPU profiles of allocd's replays of the traces $PROF_TRACES names (default
+#   5. what cudaMalloc costs a plain C program (scripts/cuda_malloc_probe.c, built
+#      with nvcc where it is present) for the device-malloc sizes of the traces
+#      $PROBE_TRACES names (default resnet50_train), in a fresh process and after
+#      a pass freed them: the driver's own cost beside each side's per-call
+#      figures in compare.txt                          -> probe.txt
+#   6. CPU profiles of allocd's replays of the traces $PROF_TRACES names (default
 #      gpt2m_generate, gpt2_train and resnet50_train, the remaining time shared
 #      equally), each trace given $PROF_REPS times (default 100; 30 for
 #      gpt2m_generate, twenty times longer) to one allocd bench --cpuprofile:
@@ -31,7 +36,7 @@
 #      warm replay's timed pass)                        -> profiles.tar.gz
 #      (the profiles, their runs' JSON, a summary of the runs' spread, top lists
 #      where Go is present, and the allocd binary for go tool pprof)
-# plus gpu.txt: nine files in all. Both sides run in the same command, so that the
+# plus gpu.txt: ten files in all. Both sides run in the same command, so that the
 # ratios do not mix machines. Stages stop starting past $BUDGET_S seconds (default
 # 420 here); each stage's timeout leaves time for the ones after it. No network is
 # used. To check the script without a GPU: DEVICE=sim (allocd's stages on the
@@ -43,6 +48,7 @@ set -uo pipefail
 BUDGET_S=${BUDGET_S:-420}
 PROF_REPS=${PROF_REPS:-100}
 PROF_TRACES=${PROF_TRACES:-gpt2m_generate gpt2_train resnet50_train}
+PROBE_TRACES=${PROBE_TRACES:-resnet50_train}
 ROUNDS=${ROUNDS:-5}
 DEVICE=${DEVICE:-cuda}
 read -ra bench_args <<<"${BENCH_ARGS:-}"
@@ -184,6 +190,28 @@ for r in a.get("replay") or []:
           f" the anchor's {td if td is not None else float('nan'):.1f} ns/op;"
           f" allocd's cold in cudaMalloc {r.get('device_malloc_ns_per_op', 0):.0f} ns/op")
 PY
+
+say "cudaMalloc in a plain C program -> $OUT/probe.txt"
+if command -v nvcc >/dev/null && [ "$(left)" -gt 40 ] &&
+	timeout 60 nvcc -O2 -o "$BIN/cuda_malloc_probe" "$(dirname "$0")/cuda_malloc_probe.c" >"$OUT/probe.txt" 2>&1; then
+	read -r -a probe_traces <<<"$PROBE_TRACES"
+	for name in "${probe_traces[@]}"; do
+		f=$(ls "$TRACES/$name".pickle.gz "$TRACES/$name".pickle 2>/dev/null | head -1)
+		[ -n "$f" ] || continue
+		python3 - "$f" "$BIN/$name.sizes" <<'PY'
+import gzip, pickle, sys
+path = sys.argv[1]
+snap = pickle.load(gzip.open(path) if path.endswith(".gz") else open(path, "rb"))
+sizes = [e["size"] for e in snap["device_traces"][0] if e["action"] == "segment_alloc"]
+open(sys.argv[2], "w").write("".join(f"{s}\n" for s in sizes))
+PY
+		echo "$name: $(wc -l <"$BIN/$name.sizes") sizes" >>"$OUT/probe.txt"
+		timeout 30 "$BIN/cuda_malloc_probe" "$BIN/$name.sizes" 3 >>"$OUT/probe.txt" 2>&1
+	done
+else
+	echo "no probe: no nvcc, no time left, or the build failed" >>"$OUT/probe.txt"
+fi
+cat "$OUT/probe.txt"
 
 say "CPU profiles of allocd's replays -> $OUT/profiles.tar.gz"
 prof=$(mktemp -d)
