@@ -141,9 +141,11 @@ func mixedPassesWith(a *allocator.Allocator, threads, steps, passes int,
 	}()
 	var elapsed, first, last time.Duration
 	var before allocator.Stats
-	for range passes {
+	for p := range passes {
 		runtime.GC() // no collection of earlier garbage inside the timed pass
-		before = a.Stats()
+		if p == passes-1 {
+			before = a.Stats() // the timed pass's counts start here
+		}
 		var err error
 		if elapsed, first, last, err = pass(streams, workload.MixedWindow/threads); err != nil {
 			return MixedResult{}, err
