@@ -244,6 +244,9 @@ type Allocator struct {
 	// noLend (tests): the out-of-memory path lends nothing (expandable.go).
 	noLend  bool
 	favored *shard     // the shard whose change marked the caps dirty
+	// owner is the shard that keeps the peaks itself, or nil (shard.go,
+	// "The sole shard"). Written with every shard lock held.
+	owner *shard
 	res     *reservoir // slack no shard holds as cap (shard.go)
 	dev     cudart.Device
 	info    cudart.Info

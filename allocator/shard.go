@@ -49,6 +49,24 @@ package allocator
 // the peaks raised after every change of a hot statistic. Hot paths spin
 // briefly for their shard's lock before they sleep, since escalations
 // hold it for a moment only.
+//
+// # The sole shard
+//
+// While one shard alone is in use, every change that makes a new peak is
+// its own: a program's first pass over its working set raises the peaks
+// at every few calls (resnet50_train's first replay: 1,037 times in
+// 13,237 calls), and each rise would escalate, settle and share out the
+// caps again. So when shareCaps finds one shard in use, it makes that
+// shard the owner of the peaks: the owner's hot path raises its own caps
+// to its new values instead of borrowing (borrow), so that its caps stand
+// at its running maxima, and nothing else may change meanwhile. The other
+// shards hold no active block, so no Free reaches them, and their caps
+// equal their values, so any change of theirs that grows a statistic
+// needs to borrow; the reservoir is empty and steal passes the owner by,
+// so it escalates. Owner mode ends when every shard lock is taken
+// (lockAll, escalate): settleOwner raises each peak to the allocator's
+// sum with the owner's caps in place of its values, which is the largest
+// sum reached since owner mode began, exactly.
 
 import (
 	"fmt"
@@ -152,6 +170,10 @@ type shard struct {
 	// capsZero: shareCaps left every cap 0 and borrow has not raised one
 	// since.
 	capsZero bool
+	// owner: the shard keeps the peaks itself (see "The sole shard"): its
+	// caps are its running maxima. Written with every shard lock held;
+	// read under the shard's own.
+	owner bool
 	repays   uint8 // frees since repay last looked, up to repayEvery
 	released bool  // dropped from the allocator (streams.go)
 	// borrows and steals count this shard's borrows and the other shards'
@@ -206,6 +228,10 @@ func take(r *atomic.Int64, need int64) int64 {
 // hot statistics in pool p stays within them, and reports whether it
 // could; when it cannot, it changes nothing. sh's lock is held.
 func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
+	if sh.owner {
+		sh.raiseCaps(p, d)
+		return true
+	}
 	sh.borrows++
 	st, c, res := &sh.stats, &sh.caps, a.res
 	deltas := [numHot]int64{d.allocs, d.active, d.split, d.allocBytes, d.activeBytes, d.splitBytes, d.requested}
@@ -261,6 +287,51 @@ func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
 	return true
 }
 
+// raiseCaps raises the owner's caps in pool p (and all pools) to its
+// values after the change d, where d would pass them: caps that stand at
+// the shard's running maxima (see "The sole shard"). sh's lock is held.
+func (sh *shard) raiseCaps(p Pool, d *delta) {
+	st, c := &sh.stats, &sh.caps
+	deltas := [numHot]int64{d.allocs, d.active, d.split, d.allocBytes, d.activeBytes, d.splitBytes, d.requested}
+	arrays := st.arrays() // unsummed: currentIn adds the pools for PoolAll
+	for k, d := range deltas {
+		if d <= 0 {
+			continue
+		}
+		for _, q := range [2]Pool{PoolAll, p} {
+			c[k][q] = max(c[k][q], arrays[k].currentIn(q)+d)
+		}
+	}
+	if d.over > 0 {
+		sh.capOver = max(sh.capOver, st.OversizeAllocations.Current+d.over)
+	}
+	sh.capsZero = false
+}
+
+// settleOwner ends owner mode, if on (every shard lock held): it raises
+// each peak to the sum of the allocator's and the shards' values with the
+// owner's caps, its running maxima, in place of the owner's values. The
+// other shards have not changed since owner mode began (see "The sole
+// shard"), so that sum is the largest one reached meanwhile. The caps
+// then add up to no more than the peaks, as everywhere else; the next
+// shareCaps shares them out again.
+func (a *Allocator) settleOwner() {
+	o := a.owner
+	if o == nil {
+		return
+	}
+	a.owner, o.owner = nil, false
+	sums, over := a.hotSums()
+	h := o.stats.summed()
+	for k := range numHot {
+		for p := range numPools {
+			sums[k][p] += o.caps[k][p] - h[k][p].Current
+		}
+	}
+	over += o.capOver - o.stats.OversizeAllocations.Current
+	a.settleSums(sums, over)
+}
+
 // steal moves into the reservoir what other shards hold as cap above
 // their values, from each shard whose lock it takes without waiting,
 // until the reservoir holds need of hot statistic k in pool q, and
@@ -288,6 +359,10 @@ func (a *Allocator) steal(sh *shard, k int, q Pool, need int64) bool {
 	for _, keep := range [2]bool{true, false} {
 		for _, o := range a.shards {
 			if o == sh || !o.mu.TryLock() {
+				continue
+			}
+			if o.owner { // its caps hold peaks not yet settled: escalate instead
+				o.mu.Unlock()
 				continue
 			}
 			sh.steals++
@@ -626,6 +701,7 @@ func (a *Allocator) lockAll() {
 	for _, sh := range a.shards {
 		sh.lock()
 	}
+	a.settleOwner()
 	a.world = true
 }
 
@@ -755,6 +831,7 @@ func (a *Allocator) escalate(sh *shard) bool {
 			o.lock()
 		}
 	}
+	a.settleOwner()
 	a.stats.NumEscalations++
 	return true
 }
@@ -864,6 +941,9 @@ func (a *Allocator) shareCaps(sums [numHot][numPools]int64, over int64) {
 	}
 	if a.res.over.Load() != overSlack-overGiven {
 		a.res.over.Store(overSlack - overGiven)
+	}
+	if n == 1 { // favored holds all the slack, the reservoir none
+		a.owner, favored.owner = favored, true
 	}
 }
 

@@ -285,6 +285,67 @@ func TestReservoirSparesEscalations(t *testing.T) {
 	}
 }
 
+// TestSoleShardOwnsPeaks: while one stream alone is in use, its growth to
+// new peaks stays on the hot path (no borrow, no escalation), and the
+// peaks come out exact when another stream starts: its first Malloc
+// escalates, which settles what the owner reached.
+func TestSoleShardOwnsPeaks(t *testing.T) {
+	a, sim := newTestAllocator(t, 4*giB, "")
+	s := cudart.DefaultStream
+	const size = 1<<20 + 512 // large pool: 15 of them fit in the first 20 MiB segment
+	ps := []cudart.Ptr{mustMalloc(t, a, size, s)} // world mode: the segment
+	before := a.Stats()
+	for range 14 { // a new peak at every call
+		ps = append(ps, mustMalloc(t, a, size, s))
+	}
+	mustFree(t, a, ps[14]) // a fall, then a rise to the same peak
+	ps[14] = mustMalloc(t, a, size, s)
+	after := a.Stats()
+	if n := after.NumDeviceAlloc - before.NumDeviceAlloc; n != 0 {
+		t.Fatalf("%d device mallocs: the test needs one segment", n)
+	}
+	if n, b := after.NumEscalations-before.NumEscalations, after.NumCapBorrows-before.NumCapBorrows; n != 0 || b != 0 {
+		t.Errorf("%d escalations and %d borrows for one stream's growth", n, b)
+	}
+	const peak = 15 * size
+	if got := after.AllocatedBytes[PoolAll].Peak; got != peak {
+		t.Errorf("peak allocated %d, want %d", got, peak)
+	}
+	if got := after.Allocation[PoolLarge].Peak; got != 15 {
+		t.Errorf("peak large allocations %d, want 15", got)
+	}
+	// Stats took every lock and settled; the owner keeps raising its caps.
+	mustFree(t, a, ps[14])
+	mustFree(t, a, ps[13])
+	ps[13] = mustMalloc(t, a, size, s)
+	// A second stream: its first Malloc cannot take the owner's caps; the
+	// peak it makes counts what the owner holds.
+	s2, _ := sim.StreamCreate()
+	before = a.Stats()
+	q := mustMalloc(t, a, 512, s2)
+	after = a.Stats()
+	if got, want := after.AllocatedBytes[PoolAll].Peak, int64(peak); got != want {
+		t.Errorf("peak allocated %d after the second stream's first block, want %d", got, want)
+	}
+	ps[14] = mustMalloc(t, a, size, s) // now past the old peak by 512 B
+	after = a.Stats()
+	if got, want := after.AllocatedBytes[PoolAll].Peak, int64(peak+512); got != want {
+		t.Errorf("peak allocated %d with both streams, want %d", got, want)
+	}
+	if after.NumEscalations == before.NumEscalations {
+		t.Error("no escalation for growth past the peaks with two streams in use")
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range append(ps, q) {
+		mustFree(t, a, p)
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestStealSparesEscalations: slack that stays in one stream's caps (too
 // few frees to repay it) is taken by another stream that grows within the
 // peaks: it locks the holder's shard alone, and takes no other lock.
@@ -349,9 +410,14 @@ func TestStealSparesEscalations(t *testing.T) {
 // another escalation or world-mode call holds the allocator waits for it
 // and escalates itself, instead of taking the slow path's world mode.
 func TestBusyAllocatorRetries(t *testing.T) {
-	a, _ := newTestAllocator(t, 4*giB, "")
+	a, sim := newTestAllocator(t, 4*giB, "")
 	s := cudart.DefaultStream
-	mustFree(t, a, mustMalloc(t, a, 8*miB, s)) // a 20 MiB segment, cached; peak 8 MiB
+	// A block live on a second stream: two shards in use, so that no
+	// shard owns the peaks and the growth below must escalate.
+	s2, _ := sim.StreamCreate()
+	other := mustMalloc(t, a, 512, s2)
+	defer mustFree(t, a, other)
+	mustFree(t, a, mustMalloc(t, a, 8*miB, s)) // a 20 MiB segment, cached; peak 8 MiB (+512 B)
 	before := a.Stats()
 	a.mu.Lock() // as an escalation in another goroutine would
 	done := make(chan cudart.Ptr)
@@ -376,8 +442,8 @@ func TestBusyAllocatorRetries(t *testing.T) {
 	if after.NumDeviceAlloc != before.NumDeviceAlloc {
 		t.Errorf("%d device mallocs for a cached block", after.NumDeviceAlloc-before.NumDeviceAlloc)
 	}
-	if got := after.AllocatedBytes[PoolAll].Peak; got != int64(16*miB) {
-		t.Errorf("peak allocated %d, want %d", got, 16*miB)
+	if got := after.AllocatedBytes[PoolAll].Peak; got != int64(16*miB+512) {
+		t.Errorf("peak allocated %d, want %d", got, 16*miB+512)
 	}
 	if err := a.Check(); err != nil {
 		t.Fatal(err)
