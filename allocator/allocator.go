@@ -243,16 +243,16 @@ type Allocator struct {
 	noPark bool
 	// noLend (tests): the out-of-memory path lends nothing (expandable.go).
 	noLend  bool
-	favored *shard     // the shard whose change marked the caps dirty
+	favored *shard // the shard whose change marked the caps dirty
 	// owner is the shard that keeps the peaks itself, or nil (shard.go,
 	// "The sole shard"). Written with every shard lock held.
-	owner *shard
-	res     *reservoir // slack no shard holds as cap (shard.go)
-	dev     cudart.Device
-	info    cudart.Info
-	cfg     Config
-	log     *zap.Logger
-	closed  bool
+	owner  *shard
+	res    *reservoir // slack no shard holds as cap (shard.go)
+	dev    cudart.Device
+	info   cudart.Info
+	cfg    Config
+	log    *zap.Logger
+	closed bool
 
 	shards   []*shard // one per live stream, in stream order (streams.go)
 	byStream map[cudart.Stream]*shard

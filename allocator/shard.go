@@ -173,7 +173,7 @@ type shard struct {
 	// owner: the shard keeps the peaks itself (see "The sole shard"): its
 	// caps are its running maxima. Written with every shard lock held;
 	// read under the shard's own.
-	owner bool
+	owner    bool
 	repays   uint8 // frees since repay last looked, up to repayEvery
 	released bool  // dropped from the allocator (streams.go)
 	// borrows and steals count this shard's borrows and the other shards'

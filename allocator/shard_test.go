@@ -293,7 +293,8 @@ func TestSoleShardOwnsPeaks(t *testing.T) {
 	a, sim := newTestAllocator(t, 4*giB, "")
 	s := cudart.DefaultStream
 	const size = 1<<20 + 512 // large pool: 15 of them fit in the first 20 MiB segment
-	ps := []cudart.Ptr{mustMalloc(t, a, size, s)} // world mode: the segment
+	// The first comes in world mode, with the segment.
+	ps := []cudart.Ptr{mustMalloc(t, a, size, s)}
 	before := a.Stats()
 	for range 14 { // a new peak at every call
 		ps = append(ps, mustMalloc(t, a, size, s))
