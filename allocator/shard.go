@@ -70,6 +70,7 @@ package allocator
 
 import (
 	"fmt"
+	"math/bits"
 	"runtime"
 	"slices"
 	"sync"
@@ -356,26 +357,60 @@ func (a *Allocator) settleOwner() {
 // fell from 0.135 to 0.069 a step, with no escalation either way.
 func (a *Allocator) steal(sh *shard, k int, q Pool, need int64) bool {
 	r := &a.res.r[k][q]
+	var busy uint64 // shards (by index, the first 64) whose lock the second sweep did not get
 	for _, keep := range [2]bool{true, false} {
-		for _, o := range a.shards {
-			if o == sh || !o.mu.TryLock() {
+		for i, o := range a.shards {
+			if o == sh {
 				continue
 			}
-			if o.owner { // its caps hold peaks not yet settled: escalate instead
-				o.mu.Unlock()
+			if !o.mu.TryLock() {
+				if !keep && i < 64 {
+					busy |= 1 << i
+				}
 				continue
 			}
-			sh.steals++
-			if !o.capsZero {
-				a.stealFrom(o, keep)
-			}
-			o.mu.Unlock()
-			if r.Load() >= need {
+			if a.stealLocked(sh, o, keep) && r.Load() >= need {
 				return true
 			}
 		}
 	}
+	// A third sweep waits a moment for the shards that were busy: their
+	// holders are hot paths, which end within a poll or two, where an
+	// escalation would wait for every shard, and stop all of them.
+	for ; busy != 0; busy &= busy - 1 {
+		o := a.shards[bits.TrailingZeros64(busy)]
+		got := false
+		for range stealPolls {
+			if got = o.mu.TryLock(); got {
+				break
+			}
+		}
+		if got && a.stealLocked(sh, o, false) && r.Load() >= need {
+			return true
+		}
+	}
 	return false
+}
+
+// stealPolls is how many times steal's third sweep polls a busy shard's
+// lock before it passes it by: a few hot calls' time.
+const stealPolls = 64
+
+// stealLocked is steal's work on o, whose lock the caller took and which
+// it releases: it moves o's excess caps into the reservoir (stealFrom),
+// unless o owns the peaks (its caps hold peaks not yet settled: the
+// caller escalates instead), and reports whether it looked at o.
+func (a *Allocator) stealLocked(sh, o *shard, keep bool) bool {
+	if o.owner {
+		o.mu.Unlock()
+		return false
+	}
+	sh.steals++
+	if !o.capsZero {
+		a.stealFrom(o, keep)
+	}
+	o.mu.Unlock()
+	return true
 }
 
 // stealFrom moves o's caps above its values into the reservoir, in
