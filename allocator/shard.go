@@ -290,7 +290,10 @@ func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
 
 // raiseCaps raises the owner's caps in pool p (and all pools) to its
 // values after the change d, where d would pass them: caps that stand at
-// the shard's running maxima (see "The sole shard"). sh's lock is held.
+// the shard's running maxima (see "The sole shard"). The caller makes
+// the change d right after, as every caller of borrow that gets true
+// does: a cap raised for a change not made would overstate the peak that
+// settleOwner settles. sh's lock is held.
 func (sh *shard) raiseCaps(p Pool, d *delta) {
 	st, c := &sh.stats, &sh.caps
 	deltas := [numHot]int64{d.allocs, d.active, d.split, d.allocBytes, d.activeBytes, d.splitBytes, d.requested}
