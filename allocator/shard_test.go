@@ -347,6 +347,114 @@ func TestSoleShardOwnsPeaks(t *testing.T) {
 	}
 }
 
+// TestPeaksExactAcrossOwners: the peaks come out exact when nothing reads
+// the statistics between calls, so that a shard that owns the peaks keeps
+// them through its growth, across phases in which one stream alone is in
+// use (one shard owns the peaks) and phases in which three are. The
+// model knows the allocation count and the requested bytes exactly.
+func TestPeaksExactAcrossOwners(t *testing.T) {
+	a, sim := newTestAllocator(t, 8*giB, "")
+	streams := []cudart.Stream{cudart.DefaultStream}
+	for range 2 {
+		s, _ := sim.StreamCreate()
+		streams = append(streams, s)
+	}
+	type alloc struct {
+		p    cudart.Ptr
+		size uint64
+	}
+	live := make([][]alloc, len(streams))
+	// Cached small segments on every stream, so that the phases make no
+	// device call (world mode would settle the peaks) and the owner's
+	// peaks are settled by the escalations alone.
+	for _, s := range streams {
+		var ps []cudart.Ptr
+		for range 64 {
+			ps = append(ps, mustMalloc(t, a, miB, s))
+		}
+		for _, p := range ps {
+			mustFree(t, a, p)
+		}
+	}
+	a.ResetPeakStats() // nothing live: the peaks start at 0, as the model's
+	before := a.Stats()
+	var n, requested, peakN, peakRequested int64
+	free := func(k, j int) {
+		if err := a.Free(live[k][j].p); err != nil {
+			t.Fatal(err)
+		}
+		n--
+		requested -= int64(live[k][j].size)
+		live[k][j] = live[k][len(live[k])-1]
+		live[k] = live[k][:len(live[k])-1]
+	}
+	x := uint64(88172645463325252)
+	next := func() uint64 {
+		x ^= x << 13
+		x ^= x >> 7
+		x ^= x << 17
+		return x
+	}
+	step := func(k int, frees uint64) { // frees in 6: how often a step frees
+		v := next()
+		if len(live[k]) > 0 && v%6 < frees {
+			free(k, int(v>>8)%len(live[k]))
+			return
+		}
+		size := 1 + (v>>8)%(64*kiB)
+		live[k] = append(live[k], alloc{mustMalloc(t, a, size, streams[k]), size})
+		n++
+		requested += int64(size)
+		peakN, peakRequested = max(peakN, n), max(peakRequested, requested)
+	}
+	for phase := range 6 {
+		// Every stream in use, little live: borrows, steals, escalations.
+		for range 300 {
+			step(int(next()>>40)%len(streams), 3)
+		}
+		// One stream alone, growing to a new peak and then shrinking, so
+		// that its maxima stand above its values when the next phase's
+		// first escalation settles them.
+		for k := 1; k < len(streams); k++ {
+			for len(live[k]) > 0 {
+				free(k, len(live[k])-1)
+			}
+		}
+		for range 150 + 60*phase {
+			step(0, 1)
+		}
+		for range 100 {
+			step(0, 5)
+		}
+		if phase == 3 { // a read in between: settles, and the owner starts again
+			if err := a.Check(); err != nil {
+				t.Fatalf("phase %d: %v", phase, err)
+			}
+		}
+	}
+	st := a.Stats()
+	if d := st.NumDeviceAlloc - before.NumDeviceAlloc; d != 0 {
+		t.Fatalf("%d device mallocs in the phases: the cache was meant to serve them all", d)
+	}
+	if st.NumEscalations == before.NumEscalations {
+		t.Error("no escalation in the phases: nothing settled an owner's peaks")
+	}
+	if got := st.Allocation[PoolAll].Peak; got != peakN {
+		t.Errorf("peak allocation count %d, want %d", got, peakN)
+	}
+	if got := st.RequestedBytes[PoolAll].Peak; got != peakRequested {
+		t.Errorf("peak requested bytes %d, want %d", got, peakRequested)
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	for k := range live {
+		for len(live[k]) > 0 {
+			free(k, len(live[k])-1)
+		}
+	}
+}
+
 // TestStealSparesEscalations: slack that stays in one stream's caps (too
 // few frees to repay it) is taken by another stream that grows within the
 // peaks: it locks the holder's shard alone, and takes no other lock.
