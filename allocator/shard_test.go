@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/allocd/allocd/cudart"
+	"github.com/allocd/allocd/simdev"
 )
 
 // TestConcurrentModel runs goroutines on several streams (two share one)
@@ -186,11 +187,7 @@ func testConcurrentModel(t *testing.T, conf string) {
 // peak equal to the largest current value observed after each call.
 func TestPeaksExactAcrossShards(t *testing.T) {
 	a, sim := newTestAllocator(t, 4*giB, "")
-	streams := []cudart.Stream{cudart.DefaultStream}
-	for range 2 {
-		s, _ := sim.StreamCreate()
-		streams = append(streams, s)
-	}
+	streams := defaultAndNewStreams(sim, 2)
 	var live []cudart.Ptr
 	var want Stats
 	observe := func() {
@@ -347,6 +344,17 @@ func TestSoleShardOwnsPeaks(t *testing.T) {
 	}
 }
 
+// defaultAndNewStreams returns the default stream and n streams made on
+// sim.
+func defaultAndNewStreams(sim *simdev.Sim, n int) []cudart.Stream {
+	streams := []cudart.Stream{cudart.DefaultStream}
+	for range n {
+		s, _ := sim.StreamCreate()
+		streams = append(streams, s)
+	}
+	return streams
+}
+
 // TestPeaksExactAcrossOwners: the peaks come out exact when nothing reads
 // the statistics between calls, so that a shard that owns the peaks keeps
 // them through its growth, across phases in which one stream alone is in
@@ -354,11 +362,7 @@ func TestSoleShardOwnsPeaks(t *testing.T) {
 // model knows the allocation count and the requested bytes exactly.
 func TestPeaksExactAcrossOwners(t *testing.T) {
 	a, sim := newTestAllocator(t, 8*giB, "")
-	streams := []cudart.Stream{cudart.DefaultStream}
-	for range 2 {
-		s, _ := sim.StreamCreate()
-		streams = append(streams, s)
-	}
+	streams := defaultAndNewStreams(sim, 2)
 	type alloc struct {
 		p    cudart.Ptr
 		size uint64
