@@ -202,6 +202,7 @@ type reservoir struct {
 	_    [64]byte // its own cache lines, away from the allocator's fields
 	r    [numHot][numPools]atomic.Int64
 	over atomic.Int64
+	_    [64]byte // short on a line of its own: borrows write the ones above
 	// short is set when a borrow found the reservoir short: only then do
 	// shards repay (repay), so that while it has plenty, caps are not
 	// moved back and forth through these shared lines at every few frees.
@@ -807,10 +808,13 @@ func (a *Allocator) hotSums() (sums [numHot][numPools]int64, over int64) {
 		if sh.zeroHot() {
 			continue
 		}
-		h := sh.stats.summed()
+		// Read, not summed: writing the PoolAll entries would take
+		// every shard's statistics lines from the goroutines that use
+		// them, at every escalation.
+		h := sh.stats.arrays()
 		for k := range numHot {
 			for p := range numPools {
-				sums[k][p] += h[k][p].Current
+				sums[k][p] += h[k].currentIn(Pool(p))
 			}
 		}
 		over += sh.stats.OversizeAllocations.Current
@@ -960,14 +964,14 @@ func (a *Allocator) shareCaps(sums [numHot][numPools]int64, over int64) {
 		}
 		sh.lend = n > 1
 		sh.capsZero = part == 0 && sh.zeroHot()
-		h := sh.stats.summed()
+		h := sh.stats.arrays() // read, not summed (hotSums)
 		for k := range numHot {
 			for p := range numPools {
 				x := slack[k][p] // part/whole of it; no division for a whole share
 				if part != whole {
 					x = x / whole * part
 				}
-				sh.caps[k][p] = h[k][p].Current + x
+				sh.caps[k][p] = h[k].currentIn(Pool(p)) + x
 				sh.share[k][p] = x
 				given[k][p] += x
 			}
