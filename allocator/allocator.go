@@ -537,7 +537,7 @@ func (a *Allocator) Malloc(size uint64, stream cudart.Stream) (cudart.Ptr, error
 		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
 			spinLockSlow(&sh.mu)
 		}
-		p, busy := a.fastMalloc(sh, size)
+		p, busy := a.fastMalloc(sh, size, false)
 		sh.mu.Unlock()
 		if p != 0 {
 			return p, nil
@@ -557,7 +557,7 @@ func (a *Allocator) mallocStream(size uint64, stream cudart.Stream) (cudart.Ptr,
 		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
 			spinLockSlow(&sh.mu)
 		}
-		p, busy := a.fastMalloc(sh, size)
+		p, busy := a.fastMalloc(sh, size, false)
 		sh.mu.Unlock()
 		if p != 0 {
 			return p, nil
@@ -569,18 +569,25 @@ func (a *Allocator) mallocStream(size uint64, stream cudart.Stream) (cudart.Ptr,
 	return a.slowMalloc(size, stream)
 }
 
-// retryMalloc is Malloc after its hot path found the allocator busy: it
-// waits for the holder (awaitWorld) and runs the hot path again, up to
-// busyRetries times, before it takes the slow path.
+// retryMalloc is Malloc after its hot path found its caps short, which it
+// may not pass on its first try (fastMalloc): it gathers the other shards'
+// slack (gatherSlack) and runs the hot path again, now free to escalate;
+// when that found the allocator busy, it waits for the holder
+// (awaitWorld) and runs it again, up to busyRetries times, before it takes
+// the slow path.
 func (a *Allocator) retryMalloc(size uint64, stream cudart.Stream) (cudart.Ptr, error) {
-	for range busyRetries {
-		a.awaitWorld()
+	for i := range busyRetries + 1 {
+		if i == 0 {
+			a.gatherSlack(stream)
+		} else {
+			a.awaitWorld()
+		}
 		sh := a.lookupShard(stream)
 		if sh == nil {
 			break
 		}
 		sh.lock()
-		p, busy := a.fastMalloc(sh, size)
+		p, busy := a.fastMalloc(sh, size, true)
 		sh.mu.Unlock()
 		if p != 0 {
 			return p, nil
@@ -611,11 +618,13 @@ func (a *Allocator) awaitWorld() {
 
 // fastMalloc is Malloc's hot path under the stream's shard lock alone: a
 // hit in the front cache or the free index. A hit that would pass the
-// shard's caps escalates (shard.go). It returns 0 when the call needs world
-// mode, having changed nothing but, perhaps, flushed the front cache; busy
-// when that is only because another escalation or world-mode call held
-// the allocator, so that the call may wait for it and try again.
-func (a *Allocator) fastMalloc(sh *shard, size uint64) (ptr cudart.Ptr, busy bool) {
+// shard's caps, and cannot borrow, escalates (shard.go) when escalate is
+// set. It returns 0 when the call needs world mode, having changed nothing
+// but, perhaps, flushed the front cache; busy when that is only because
+// the caps were short and escalate was not set, or another escalation or
+// world-mode call held the allocator, so that the call may gather slack
+// or wait, and try again (retryMalloc).
+func (a *Allocator) fastMalloc(sh *shard, size uint64, escalate bool) (ptr cudart.Ptr, busy bool) {
 	if size > sh.mallocMax {
 		return 0, false
 	}
@@ -634,7 +643,7 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64) (ptr cudart.Ptr, busy boo
 	var d delta
 	a.mallocDeltaOf(&d, p, b, rounded, size)
 	if !a.fitsOrBorrow(sh, p.stat, &d) {
-		if !a.escalate(sh) {
+		if !escalate || !a.escalate(sh) {
 			return 0, true
 		}
 		defer a.deescalate(sh)
@@ -828,7 +837,7 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 		if !sh.mu.TryLock() { // sh.lock(), with TryLock inlined here
 			spinLockSlow(&sh.mu)
 		}
-		ok, busy := a.fastFree(sh, uint64(p))
+		ok, busy := a.fastFree(sh, uint64(p), false)
 		sh.mu.Unlock()
 		if ok {
 			return nil
@@ -840,17 +849,22 @@ func (a *Allocator) Free(p cudart.Ptr) error {
 	return a.slowFree(p)
 }
 
-// retryFree is Free after its hot path found the allocator busy, as
-// retryMalloc is Malloc.
+// retryFree is Free after its hot path found its caps short or the
+// allocator busy, as retryMalloc is Malloc.
 func (a *Allocator) retryFree(p cudart.Ptr) error {
-	for range busyRetries {
-		a.awaitWorld()
+	for i := range busyRetries + 1 {
+		if i > 0 {
+			a.awaitWorld()
+		}
 		sh := a.dirLookup(uint64(p))
 		if sh == nil {
 			break
 		}
+		if i == 0 {
+			a.gatherSlack(sh.stream)
+		}
 		sh.lock()
-		ok, busy := a.fastFree(sh, uint64(p))
+		ok, busy := a.fastFree(sh, uint64(p), true)
 		sh.mu.Unlock()
 		if ok {
 			return nil
@@ -864,11 +878,12 @@ func (a *Allocator) retryFree(p cudart.Ptr) error {
 
 // fastFree is Free's hot path under the shard lock alone: a block no
 // other stream used, parked in the front cache. A change that would pass
-// the shard's caps escalates (shard.go). It reports false when the call
-// needs world mode, having changed nothing but, perhaps, flushed the
-// front cache, and busy when that is only because another escalation or
-// world-mode call held the allocator (fastMalloc).
-func (a *Allocator) fastFree(sh *shard, ptr uint64) (ok, busy bool) {
+// the shard's caps, and cannot borrow, escalates (shard.go) when escalate
+// is set. It reports false when the call needs world mode, having changed
+// nothing but, perhaps, flushed the front cache, and busy when that is
+// only because the caps were short and escalate was not set, or another
+// escalation or world-mode call held the allocator (fastMalloc).
+func (a *Allocator) fastFree(sh *shard, ptr uint64, escalate bool) (ok, busy bool) {
 	if sh.freeOff {
 		return false, false
 	}
@@ -892,7 +907,7 @@ func (a *Allocator) fastFree(sh *shard, ptr uint64) (ok, busy bool) {
 	var d delta
 	freeDelta(&d, b)
 	if !a.freeFitsOrBorrow(sh, pl.stat, &d) {
-		if !a.escalate(sh) {
+		if !escalate || !a.escalate(sh) {
 			return false, true
 		}
 		defer a.deescalate(sh)

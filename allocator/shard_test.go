@@ -459,38 +459,68 @@ func TestPeaksExactAcrossOwners(t *testing.T) {
 	}
 }
 
-// TestStealSparesEscalations: slack that stays in one stream's caps (too
-// few frees to repay it) is taken by another stream that grows within the
-// peaks: it locks the holder's shard alone, and takes no other lock.
-func TestStealSparesEscalations(t *testing.T) {
+// slackInOtherCaps sets up two streams of a where the first, s1, keeps
+// the slack under the peaks as its caps (too few frees to repay it) and
+// the second, s2, can grow back to the peaks, not past them, by two
+// large-pool blocks: grow makes them. done frees everything the setup and
+// grow left live.
+func slackInOtherCaps(t *testing.T) (a *Allocator, s1 cudart.Stream, grow func() []cudart.Ptr, done func(extra []cudart.Ptr)) {
+	t.Helper()
 	a, sim := newTestAllocator(t, 4*giB, "")
-	s1, _ := sim.StreamCreate()
+	s1, _ = sim.StreamCreate()
 	s2, _ := sim.StreamCreate()
 	const size = 1<<20 + 512 // large pool
 	// s2 in use, with a cached 20 MiB segment for what follows.
 	mustFree(t, a, mustMalloc(t, a, 9<<20, s2))
 	keep := mustMalloc(t, a, 512, s2)
 	// The peaks: 20 blocks on s1 and 2 on s2 at once.
-	grow := func(s cudart.Stream, n int) []cudart.Ptr {
+	growOn := func(s cudart.Stream, n int) []cudart.Ptr {
 		var ps []cudart.Ptr
 		for range n {
 			ps = append(ps, mustMalloc(t, a, size, s))
 		}
 		return ps
 	}
-	for _, p := range append(grow(s1, 20), grow(s2, 2)...) {
+	for _, p := range append(growOn(s1, 20), growOn(s2, 2)...) {
 		mustFree(t, a, p)
 	}
 	// The same 20 on s1, then its last two freed (merged into the free
 	// tail of their segment): s1 keeps their slack as caps.
-	ps := grow(s1, 20)
+	ps := growOn(s1, 20)
 	mustFree(t, a, ps[19])
 	mustFree(t, a, ps[18])
 	if err := a.Check(); err != nil {
 		t.Fatal(err)
 	}
+	grow = func() []cudart.Ptr { return growOn(s2, 2) }
+	done = func(extra []cudart.Ptr) {
+		for _, q := range append(append(extra, keep), ps[:18]...) {
+			mustFree(t, a, q)
+		}
+	}
+	return a, s1, grow, done
+}
+
+// peaksUnmoved reports every peak that differs between before and after.
+func peaksUnmoved(t *testing.T, before, after Stats) {
+	t.Helper()
+	for i, arr := range after.namedArrays() {
+		b := before.namedArrays()[i]
+		for p := range numPools {
+			if arr.a[p].Peak != b.a[p].Peak {
+				t.Errorf("%s.%v peak moved from %d to %d", arr.name, Pool(p), b.a[p].Peak, arr.a[p].Peak)
+			}
+		}
+	}
+}
+
+// TestStealSparesEscalations: slack that stays in one stream's caps is
+// taken by another stream that grows within the peaks: it locks the
+// holder's shard alone, and takes no other lock.
+func TestStealSparesEscalations(t *testing.T) {
+	a, _, grow, done := slackInOtherCaps(t)
 	before := a.Stats()
-	qs := grow(s2, 2) // back to the peaks, not past them
+	qs := grow() // back to the peaks, not past them
 	after := a.Stats()
 	if n := after.NumEscalations - before.NumEscalations; n != 0 {
 		t.Errorf("%d escalations for growth within the slack s1 holds", n)
@@ -503,20 +533,44 @@ func TestStealSparesEscalations(t *testing.T) {
 	if n := after.NumCapSteals - before.NumCapSteals; n < 1 || n > 2*(after.NumCapBorrows-before.NumCapBorrows) {
 		t.Errorf("%d steals counted for %d borrows from one other shard", n, after.NumCapBorrows-before.NumCapBorrows)
 	}
-	for i, arr := range after.namedArrays() {
-		b := before.namedArrays()[i]
-		for p := range numPools {
-			if arr.a[p].Peak != b.a[p].Peak {
-				t.Errorf("%s.%v peak moved from %d to %d", arr.name, Pool(p), b.a[p].Peak, arr.a[p].Peak)
-			}
-		}
-	}
+	peaksUnmoved(t, before, after)
 	if err := a.Check(); err != nil {
 		t.Fatal(err)
 	}
-	for _, q := range append(append(qs, keep), ps[:18]...) {
-		mustFree(t, a, q)
+	done(qs)
+}
+
+// TestGatherWaitsForBusyShard: when the stream holding the slack keeps
+// its shard's lock (its goroutine in a hot path, call after call), steal,
+// which may only try that lock, falls short; the growing stream then
+// waits for the lock holding no lock of its own (gatherSlack) and takes
+// the slack, instead of escalating.
+func TestGatherWaitsForBusyShard(t *testing.T) {
+	a, s1, grow, done := slackInOtherCaps(t)
+	sh1 := a.lookupShard(s1)
+	before := a.Stats()
+	sh1.mu.Lock() // as s1's goroutine in its hot path would
+	got := make(chan []cudart.Ptr)
+	go func() { got <- grow() }()
+	select {
+	case <-got:
+		t.Fatal("the growth finished while s1's shard was held")
+	case <-time.After(20 * time.Millisecond):
 	}
+	sh1.mu.Unlock()
+	qs := <-got
+	after := a.Stats()
+	if n := after.NumEscalations - before.NumEscalations; n != 0 {
+		t.Errorf("%d escalations for growth within the slack s1 holds", n)
+	}
+	if n := after.NumCapSteals - before.NumCapSteals; n < 1 {
+		t.Errorf("%d steals counted: the slack was not gathered", n)
+	}
+	peaksUnmoved(t, before, after)
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	done(qs)
 }
 
 // TestBusyAllocatorRetries: a hot-path Malloc that must escalate while
