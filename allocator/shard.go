@@ -211,6 +211,15 @@ type reservoir struct {
 	_     [64]byte
 }
 
+// markShort sets short unless it is set already: an atomic store is a
+// locked write of a line that every shard's repay reads, and borrows find
+// the reservoir short many times over before a repay clears it.
+func (res *reservoir) markShort() {
+	if !res.short.Load() {
+		res.short.Store(true)
+	}
+}
+
 // take moves need from r to the caller, and a quarter of what r would
 // hold after that, so that the caller's next change need not come back at
 // once; or nothing when r holds less than need. It returns what it moved.
@@ -265,7 +274,7 @@ func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
 				t = take(&res.r[k][q], need)
 			}
 			if t == 0 {
-				res.short.Store(true)
+				res.markShort()
 				giveBack()
 				return false
 			}
@@ -279,7 +288,7 @@ func (a *Allocator) borrow(sh *shard, p Pool, d *delta) bool {
 		if need := st.OversizeAllocations.Current + d.over - sh.capOver; need > 0 {
 			t := take(&res.over, need)
 			if t == 0 {
-				res.short.Store(true)
+				res.markShort()
 				giveBack()
 				return false
 			}
