@@ -547,18 +547,9 @@ func TestStealSparesEscalations(t *testing.T) {
 // the slack, instead of escalating.
 func TestGatherWaitsForBusyShard(t *testing.T) {
 	a, s1, grow, done := slackInOtherCaps(t)
-	sh1 := a.lookupShard(s1)
 	before := a.Stats()
-	sh1.mu.Lock() // as s1's goroutine in its hot path would
-	got := make(chan []cudart.Ptr)
-	go func() { got <- grow() }()
-	select {
-	case <-got:
-		t.Fatal("the growth finished while s1's shard was held")
-	case <-time.After(20 * time.Millisecond):
-	}
-	sh1.mu.Unlock()
-	qs := <-got
+	// s1's shard held, as s1's goroutine in its hot path would hold it.
+	qs := whileHeld(t, &a.lookupShard(s1).mu, "the growth", grow)
 	after := a.Stats()
 	if n := after.NumEscalations - before.NumEscalations; n != 0 {
 		t.Errorf("%d escalations for growth within the slack s1 holds", n)
@@ -571,6 +562,24 @@ func TestGatherWaitsForBusyShard(t *testing.T) {
 		t.Fatal(err)
 	}
 	done(qs)
+}
+
+// whileHeld locks mu, runs call in another goroutine, checks that call
+// has not returned 20 ms later, then unlocks mu and returns call's result.
+func whileHeld[T any](t *testing.T, mu *sync.Mutex, what string, call func() T) T {
+	t.Helper()
+	mu.Lock()
+	got := make(chan T, 1)
+	go func() { got <- call() }()
+	select {
+	case r := <-got:
+		mu.Unlock()
+		t.Fatalf("%s finished while the lock was held", what)
+		return r
+	case <-time.After(20 * time.Millisecond):
+	}
+	mu.Unlock()
+	return <-got
 }
 
 // TestBusyAllocatorRetries: a hot-path Malloc that must escalate while
@@ -586,22 +595,14 @@ func TestBusyAllocatorRetries(t *testing.T) {
 	defer mustFree(t, a, other)
 	mustFree(t, a, mustMalloc(t, a, 8*miB, s)) // a 20 MiB segment, cached; peak 8 MiB (+512 B)
 	before := a.Stats()
-	a.mu.Lock() // as an escalation in another goroutine would
-	done := make(chan cudart.Ptr)
-	go func() {
+	// The allocator held, as an escalation in another goroutine would.
+	p := whileHeld(t, &a.mu, "Malloc", func() cudart.Ptr {
 		p, err := a.Malloc(16*miB, s) // cached, but above the peak: it must escalate
 		if err != nil {
 			t.Error(err)
 		}
-		done <- p
-	}()
-	select {
-	case <-done:
-		t.Fatal("Malloc finished while the allocator was held")
-	case <-time.After(20 * time.Millisecond):
-	}
-	a.mu.Unlock()
-	p := <-done
+		return p
+	})
 	after := a.Stats()
 	if n := after.NumEscalations - before.NumEscalations; n != 1 {
 		t.Errorf("%d escalations, want 1: the Malloc took the slow path", n)
