@@ -565,12 +565,18 @@ func TestGatherWaitsForBusyShard(t *testing.T) {
 }
 
 // whileHeld locks mu, runs call in another goroutine, checks that call
-// has not returned 20 ms later, then unlocks mu and returns call's result.
+// has not returned 20 ms later, then unlocks mu and returns call's result
+// (its zero value when call ended the goroutine, as a t.Fatal in it does:
+// the test is then failed, and does not hang).
 func whileHeld[T any](t *testing.T, mu *sync.Mutex, what string, call func() T) T {
 	t.Helper()
 	mu.Lock()
 	got := make(chan T, 1)
-	go func() { got <- call() }()
+	go func() {
+		var r T
+		defer func() { got <- r }()
+		r = call()
+	}()
 	select {
 	case r := <-got:
 		mu.Unlock()
