@@ -177,9 +177,9 @@ type shard struct {
 	owner    bool
 	repays   uint8 // frees since repay last looked, up to repayEvery
 	released bool  // dropped from the allocator (streams.go)
-	// borrows counts this shard's borrows, steals the other shards' locks
-	// its steals took and the times gatherSlack took this shard's lock
-	// (Stats.NumCapBorrows, NumCapSteals).
+	// borrows counts this shard's borrows, steals the times another
+	// shard's steal or gatherSlack took this shard's lock
+	// (Stats.NumCapBorrows, NumCapSteals: the allocator adds them up).
 	borrows, steals int64
 	// World-mode state of the stream's life (streams.go): its segments,
 	// the events its blocks wait for, the world-mode calls under way on
@@ -385,7 +385,7 @@ func (a *Allocator) steal(sh *shard, k int, q Pool, need int64) bool {
 				}
 				continue
 			}
-			if a.stealLocked(sh, o, keep) && r.Load() >= need {
+			if a.stealLocked(o, keep) && r.Load() >= need {
 				return true
 			}
 		}
@@ -401,7 +401,7 @@ func (a *Allocator) steal(sh *shard, k int, q Pool, need int64) bool {
 				break
 			}
 		}
-		if got && a.stealLocked(sh, o, false) && r.Load() >= need {
+		if got && a.stealLocked(o, false) && r.Load() >= need {
 			return true
 		}
 	}
@@ -439,11 +439,11 @@ func (a *Allocator) gatherSlack(stream cudart.Stream) {
 			continue
 		}
 		o.lock()
-		if !o.released && !o.owner && !o.capsZero {
-			o.steals++ // counted on the shard stolen from: the allocator adds them up
-			a.stealFrom(o, false)
+		if o.released {
+			o.mu.Unlock()
+			continue
 		}
-		o.mu.Unlock()
+		a.stealLocked(o, false)
 	}
 }
 
@@ -451,16 +451,18 @@ func (a *Allocator) gatherSlack(stream cudart.Stream) {
 // lock before it passes it by: a few hot calls' time.
 const stealPolls = 64
 
-// stealLocked is steal's work on o, whose lock the caller took and which
-// it releases: it moves o's excess caps into the reservoir (stealFrom),
-// unless o owns the peaks (its caps hold peaks not yet settled: the
-// caller escalates instead), and reports whether it looked at o.
-func (a *Allocator) stealLocked(sh, o *shard, keep bool) bool {
+// stealLocked is the work of steal and gatherSlack on o, whose lock the
+// caller took and which it releases: it moves o's excess caps into the
+// reservoir (stealFrom), unless o owns the peaks (its caps hold peaks not
+// yet settled: the caller escalates instead), and reports whether it
+// looked at o. The lock taken is counted on o (shard.steals): the
+// caller may hold no lock of its own to count it on.
+func (a *Allocator) stealLocked(o *shard, keep bool) bool {
 	if o.owner {
 		o.mu.Unlock()
 		return false
 	}
-	sh.steals++
+	o.steals++
 	if !o.capsZero {
 		a.stealFrom(o, keep)
 	}
