@@ -194,6 +194,7 @@ type options struct {
 	expLargePage      uint64         // pageOf20MiB (tests)
 	noLend            bool           // WithoutLending (tests, export_test.go)
 	noPark            bool           // WithoutParking (tests, export_test.go)
+	exactGrowth       bool           // WithoutGrowthRounding (tests, export_test.go)
 	broker            *broker.Client // WithBroker
 	brokerFallback    bool           // WithBroker
 	ownsBroker        bool           // Open dialled the broker: Close closes it
@@ -391,6 +392,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 			Reclaim:     !o.pytorchExpandable,
 			Coarse:      cfg.ExpandableReclaim == ReclaimCoarse,
 			Standby:     !o.pytorchExpandable,
+			Exact:       o.exactGrowth,
 		}, o.log)
 		a.src = expSource{space: a.exp, table: &a.segs, stats: &a.stats}
 	}
@@ -410,6 +412,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 		a.capped = true
 		a.allowed = uint64(cfg.PerProcessMemoryFraction * float64(total))
 	}
+	a.setExpandableCeiling()
 	a.stats.MaxSplitSize = a.maxSplitStat()
 	if o.history.MaxEntries > 0 {
 		a.history = newHistory(o.history)

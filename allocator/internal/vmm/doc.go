@@ -35,8 +35,9 @@
 // free or unmapped blocks after it, has room for the request; normally
 // that is the segment's unmapped tail and the free block at the end of the
 // mapped part. It maps just enough whole pages at the start of the
-// unmapped block, merges the new pages with the free neighbours and hands
-// out the result; the segment grows at its end instead of a new segment
+// unmapped block (with reclaim, up to the next 20 MiB boundary: see
+// "Growth to the page boundary"), merges the new pages with the free
+// neighbours and hands out the result; the segment grows at its end instead of a new segment
 // being allocated. Only when no segment of the stream and pool has room is
 // a new range reserved. Blocks of an expandable segment split whenever the
 // remainder is at least 512 bytes, in both pools.
@@ -78,6 +79,28 @@
 //     all of itself but the partial pages at either end (and the runs,
 //     below, that reach past it).
 //
+// # Growth to the page boundary
+//
+// A range that grows by what each request needs, in 2 MiB pages, maps
+// often where PyTorch's 20 MiB page would have served the next requests
+// too: a model's weights loaded tensor by tensor, a decoder's cache grown
+// a step at a time. So with reclaim a large-pool mapping continues to the
+// next LargePage boundary of its range (roundEnd), when the unmapped
+// block reaches that far, as long as reserved memory, counting every page
+// it maps as new, stays within what reclaim allows (excessAt's limit, for
+// the allocated figure GrowthExcess was last told) plus reclaim's
+// headroom; else as far as that allows, which may be nothing. The
+// headroom is the room a reclaim clears beyond its excess for the next
+// growths; rounding into it serves the same purpose without moving
+// memory. Up to the high-water mark rounding raises no peak; past it, it
+// stays within the slack and the headroom above allocated memory, so the
+// bound on peak reserved memory grows by the headroom (1/128 of the mark)
+// and no more, besides what no reclaim can give back. Rounding never
+// passes the ceiling (SetCeiling: the allocator's per-process cap) and
+// never happens during a capture; when the device refuses the rounded
+// mapping for lack of memory, MapBlock maps what the request needs
+// instead. Config.Exact turns it off, for tests of reclaim alone.
+//
 // Without Config.Reclaim (the allocator's WithPyTorchExpandable) a Space
 // grows exactly as PyTorch's segments do, and replays reproduce PyTorch's
 // expandable_segments:True peaks.
@@ -113,7 +136,8 @@
 // and moves only what pays for itself:
 //
 //   - a mapping ends on the next LargePage (20 MiB) boundary of its
-//     range, when the unmapped block reaches that far (MapBlock);
+//     range, when the unmapped block reaches that far, whatever reserved
+//     memory that takes (roundEnd; the ceiling still applies);
 //   - a growth is one run, of at most maxRunBytes (runPages);
 //   - Choose takes only free blocks whose whole runs come to at least
 //     coarseMinMove (64 MiB), and UnmapBlock, told the bytes still

@@ -72,6 +72,7 @@ func (s *Space) SmallGrowthExcess(allocated uint64) uint64 {
 // excessAt is how far mapping need more bytes would take reserved memory
 // past what reclaim allows with allocated bytes in use.
 func (s *Space) excessAt(need, allocated uint64) uint64 {
+	s.allocNow = allocated
 	limit := max(s.mark, allocated+s.reclaimSlack())
 	if s.reserved+need <= limit {
 		return 0

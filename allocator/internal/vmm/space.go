@@ -3,6 +3,7 @@ package vmm
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sort"
 	"time"
@@ -52,6 +53,10 @@ type Config struct {
 	// they were, for a later mapping there to take back without a call
 	// (see "Standby mappings" in the package doc).
 	Standby bool
+	// Exact, with Reclaim and without Coarse, maps what each growth
+	// needs, without rounding it to the LargePage boundary (roundEnd):
+	// for tests of the reclaim policy alone.
+	Exact bool
 }
 
 // Space is the expandable segments of one device: their ranges, pages,
@@ -95,6 +100,11 @@ type Space struct {
 	// allocated figure seen at a mapping, the request included.
 	mark      uint64
 	allocMark uint64
+	// allocNow is the allocated figure, the request included, that the
+	// last GrowthExcess or SmallGrowthExcess was told; ceiling is what
+	// SetCeiling set. MapBlock's rounding reads both (roundEnd).
+	allocNow uint64
+	ceiling  uint64
 }
 
 // New returns an empty Space over dev and its virtual memory vm, which
@@ -119,6 +129,12 @@ func (s *Space) SetCapturing(on bool) {
 	}
 	s.capturing = on
 }
+
+// SetCeiling sets the reserved bytes that MapBlock's rounding of a
+// growth to the next LargePage boundary never passes (0: no ceiling):
+// the allocator's per-process cap. The request itself is the caller's
+// to check against it.
+func (s *Space) SetCeiling(bytes uint64) { s.ceiling = bytes }
 
 // Reclaims says whether reclaim before growth is on.
 func (s *Space) Reclaims() bool { return s.cfg.Reclaim }
@@ -378,8 +394,9 @@ func (s *Space) Reserve(p Pool, stream uint64) (*blocks.Block, error) {
 }
 
 // MapBlock is map_block: it maps the whole pages covering the first size
-// bytes of the unmapped block b of pool p (more when a cached run that
-// fits in b is longer than what is missing: see takeCached), splits off
+// bytes of the unmapped block b of pool p (more when its growth rounds to
+// the page boundary, roundEnd, or when a cached run that fits in b is
+// longer than what is missing: see takeCached), splits off
 // the rest (still unmapped), merges b with free neighbours, indexes it and
 // returns what it mapped. When the device is out of memory it returns the
 // device's error as it is (errors.Is cudart.ErrOutOfMemory); on any error
@@ -394,15 +411,19 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 	if s.capturing {
 		limit = s.blocker(es, begin, limit)
 	}
-	if s.coarse(seg) { // to the next LargePage boundary, as PyTorch's pages end
-		step := max(1, s.cfg.LargePage/page)
-		end = min((end+step-1)/step*step, limit)
-	}
 	t0 := time.Now()
-	end, moved, across, created, crossed, err := s.mapPages(es, begin, end, limit)
+	wanted := end
+	end = s.roundEnd(seg, begin, end, limit)
+	mapped, moved, across, created, crossed, err := s.mapPages(es, begin, end, limit)
+	if end > wanted && errors.Is(err, cudart.ErrOutOfMemory) {
+		// The rounding asked for more than the device or the broker
+		// gives: map what the request needs.
+		mapped, moved, across, created, crossed, err = s.mapPages(es, begin, wanted, limit)
+	}
 	if err != nil {
 		return Mapping{}, err
 	}
+	end = mapped
 	elapsed := time.Since(t0)
 	n := (end - begin) * page
 	b.Unmapped = false
@@ -416,6 +437,41 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 	s.reserved += created
 	s.mark = max(s.mark, s.reserved)
 	return Mapping{Bytes: n, New: created, Crossed: crossed, Took: elapsed, Moved: moved, Across: across}, nil
+}
+
+// roundEnd is where a mapping of pages [begin, end) of seg ends, at most
+// at page limit: a large-pool mapping with reclaim grows to the next
+// LargePage boundary of its range, as PyTorch's 20 MiB pages end, so
+// that the next requests fit in what it maps (see "Growth to the page
+// boundary" in the package doc). Coarsely it always does; with the
+// default policy only as far as reserved memory, counting every page
+// mapped as new, stays within what reclaim allows (excessAt's limit for
+// the allocated figure GrowthExcess was last told) plus reclaim's
+// headroom. No rounding passes the ceiling (SetCeiling) or happens
+// during a capture.
+func (s *Space) roundEnd(seg *blocks.Segment, begin, end, limit uint64) uint64 {
+	if !s.cfg.Reclaim || seg.Small || s.capturing || (s.cfg.Exact && !s.coarse(seg)) {
+		return end
+	}
+	page := seg.PageSize
+	step := max(1, s.cfg.LargePage/page)
+	rounded := min((end+step-1)/step*step, limit)
+	if rounded <= end {
+		return end
+	}
+	allowed := uint64(math.MaxUint64)
+	if !s.coarse(seg) {
+		allowed = max(s.mark, s.allocNow+s.reclaimSlack()+s.reclaimHeadroom())
+	}
+	if s.ceiling > 0 {
+		allowed = min(allowed, s.ceiling)
+	}
+	after := s.reserved + (rounded-begin)*page // as if every page were new
+	if after > allowed {
+		over := (after - allowed + page - 1) / page
+		rounded -= min(over, rounded-end)
+	}
+	return rounded
 }
 
 // piece is one run of a mapping that mapPages is making: its first page

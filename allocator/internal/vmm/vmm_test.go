@@ -157,6 +157,7 @@ func TestMapBlockRuns(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := newSpace(t, 1<<30, tc.reclaim)
+			s.cfg.Exact = true // the runs of what the request needs (TestRoundEnd has the rounding)
 			s.allocMark = tc.allocMark
 			p := newPool(tc.small)
 			b := s.find(t, p, tc.size)
@@ -201,6 +202,82 @@ func TestMapBlockRuns(t *testing.T) {
 			p.Recycler.Put(u)
 		})
 	}
+}
+
+// TestRoundEnd: a large-pool growth with reclaim ends on the next 20 MiB
+// boundary of its range: coarsely always, by default only while reserved
+// memory stays within reclaim's limit (the high-water mark, or allocated
+// memory plus the slack) plus the headroom; never past the block, the
+// ceiling, or during a capture, and not at all in the small pool,
+// without reclaim or with Config.Exact. Pages are 2 MiB: a mapping of
+// pages [0, 3) ends at page 10 when it rounds whole.
+func TestRoundEnd(t *testing.T) {
+	for _, tc := range []struct {
+		name                string
+		cfg                 func(*Config)
+		small, capturing    bool
+		reserved, mark      uint64 // MiB
+		allocNow, allocMark uint64 // MiB
+		ceiling, limit      uint64 // MiB, pages
+		want                uint64 // pages
+	}{
+		// allocMark 640 MiB: slack 20 MiB; mark 640: headroom 4 MiB.
+		{name: "within the limit: to the boundary", reserved: 0, mark: 640, allocNow: 6, allocMark: 640, limit: 100, want: 10},
+		{name: "to the mark", reserved: 600, mark: 640, allocNow: 100, allocMark: 640, limit: 100, want: 10},
+		{name: "slack and headroom: partly", reserved: 640, mark: 640, allocNow: 630, allocMark: 640, limit: 100, want: 7},
+		{name: "at the limit: what the request needs", reserved: 700, mark: 700, allocNow: 600, allocMark: 640, limit: 100, want: 3},
+		{name: "the block ends first", reserved: 0, mark: 640, allocNow: 6, allocMark: 640, limit: 5, want: 5},
+		{name: "the ceiling", reserved: 0, mark: 640, allocNow: 6, allocMark: 640, ceiling: 12, limit: 100, want: 6},
+		{name: "during a capture", capturing: true, reserved: 0, mark: 640, allocNow: 6, allocMark: 640, limit: 100, want: 3},
+		{name: "small pool", small: true, reserved: 0, mark: 640, allocNow: 6, allocMark: 640, limit: 100, want: 3},
+		{name: "without reclaim", cfg: func(c *Config) { c.Reclaim = false }, reserved: 0, mark: 640, allocNow: 6, allocMark: 640, limit: 100, want: 3},
+		{name: "exact", cfg: func(c *Config) { c.Exact = true }, reserved: 0, mark: 640, allocNow: 6, allocMark: 640, limit: 100, want: 3},
+		{name: "coarse: past the limit", cfg: func(c *Config) { c.Coarse = true }, reserved: 700, mark: 700, allocNow: 600, allocMark: 640, limit: 100, want: 10},
+		{name: "coarse: the ceiling", cfg: func(c *Config) { c.Coarse = true }, reserved: 700, mark: 700, allocNow: 600, allocMark: 640, ceiling: 712, limit: 100, want: 6},
+		{name: "coarse exact: still coarse", cfg: func(c *Config) { c.Coarse, c.Exact = true, true }, reserved: 700, mark: 700, allocNow: 600, allocMark: 640, limit: 100, want: 10},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true}
+			if tc.cfg != nil {
+				tc.cfg(&cfg)
+			}
+			s := New(nil, nil, cfg, zap.NewNop())
+			s.reserved, s.mark, s.allocNow, s.allocMark = tc.reserved*miB, tc.mark*miB, tc.allocNow*miB, tc.allocMark*miB
+			s.ceiling, s.capturing = tc.ceiling*miB, tc.capturing
+			seg := &blocks.Segment{PageSize: 2 * miB, Small: tc.small}
+			if got := s.roundEnd(seg, 0, 3, tc.limit); got != tc.want {
+				t.Errorf("roundEnd = page %d, want %d", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestMapBlockRoundingRefused: a growth whose rounding the device cannot
+// back maps what the request needs instead of failing.
+func TestMapBlockRoundingRefused(t *testing.T) {
+	s := newSpace(t, 16*miB, true) // a range of 18 MiB, 16 of them on the device
+	s.allocMark, s.mark = 1<<30, 1<<30
+	p := newPool(false)
+	b := s.find(t, p, 6*miB)
+	if got := s.roundEnd(b.Segment, 0, 3, b.Size/(2*miB)); got != 9 {
+		t.Fatalf("roundEnd = page %d, want 9 (the end of the range)", got)
+	}
+	m, err := s.MapBlock(p, b, 6*miB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Bytes != 6*miB || s.Reserved() != 6*miB || s.sim.Used() != 6*miB {
+		t.Fatalf("mapped %d bytes, reserved %d, device %d; want 6 MiB each", m.Bytes, s.Reserved(), s.sim.Used())
+	}
+	u, _, _, _, err := s.UnmapBlock(p, b, false, 0)
+	if err != nil || u == nil {
+		t.Fatalf("UnmapBlock = %v, %v", u, err)
+	}
+	if err := s.ReleaseRange(u.Segment); err != nil {
+		t.Fatal(err)
+	}
+	s.table = nil
+	p.Recycler.Put(u)
 }
 
 // TestCoarse: with Config.Coarse a large-pool mapping ends on a 20 MiB
