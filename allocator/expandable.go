@@ -248,6 +248,11 @@ func (a *Allocator) findExpandableBlock(p *pool, stream, size uint64) (*blocks.B
 func (a *Allocator) mapBlock(c *call, p *pool, b *blocks.Block, size uint64) (bool, error) {
 	seg, start := b.Segment, b.Ptr
 	m, err := a.exp.MapBlock(p.vmPool(), b, size)
+	if shed := m.Shed + m.ShedSmall; shed > 0 { // released before New was created, even on an error
+		a.segs.reserved -= shed
+		a.stats.ReservedBytes.sub(PoolLarge, int64(m.Shed))
+		a.stats.ReservedBytes.sub(PoolSmall, int64(m.ShedSmall))
+	}
 	if err != nil {
 		if errors.Is(err, cudart.ErrOutOfMemory) {
 			c.devErr = err

@@ -157,8 +157,13 @@
 // request costs no reserved memory, the run being held already). Moving
 // memory then costs an unmap and a map, not also a release and a create
 // (with standby mappings, below, a map).
-// The cache is held from the device, so Reserved counts it, and
-// GrowthExcess counts only the pages it cannot serve; reclaim therefore
+// A mapping that must create a run while the cache holds runs too long
+// for the gap it fills (between the standby mappings it takes back)
+// first releases those, the longest first, as many bytes as it creates
+// (shedUnfit), so that memory held in the wrong shape does not stay
+// reserved beside the new. The cache is held from the device, so
+// Reserved counts it, and GrowthExcess counts only the pages it cannot
+// serve; reclaim therefore
 // never lets reserved memory pass what it did when it released. The cache
 // is released by ReleaseCache (the allocator's EmptyCache, its
 // out-of-memory path and a cap) and by Close.

@@ -33,6 +33,11 @@ type Mapping struct {
 	Crossed       uint64
 	Took          time.Duration
 	Moved, Across int64
+	// Shed is the bytes of cached runs that the mapping released, in
+	// the large pool and the small (ShedSmall), because they fitted
+	// nowhere it had to create memory (see shedUnfit): Reserved fell by
+	// them before it rose by New.
+	Shed, ShedSmall uint64
 }
 
 // Config is a Space's sizes and policy.
@@ -105,6 +110,9 @@ type Space struct {
 	// SetCeiling set. MapBlock's rounding reads both (roundEnd).
 	allocNow uint64
 	ceiling  uint64
+	// shed is what shedUnfit released during the MapBlock under way, in
+	// the large pool and the small.
+	shed [2]uint64
 }
 
 // New returns an empty Space over dev and its virtual memory vm, which
@@ -400,7 +408,8 @@ func (s *Space) Reserve(p Pool, stream uint64) (*blocks.Block, error) {
 // the rest (still unmapped), merges b with free neighbours, indexes it and
 // returns what it mapped. When the device is out of memory it returns the
 // device's error as it is (errors.Is cudart.ErrOutOfMemory); on any error
-// nothing changes.
+// nothing changes but the cached runs it released (the Mapping returned
+// with the error reports them).
 func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) {
 	seg := b.Segment
 	es := s.of(seg)
@@ -412,6 +421,7 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 		limit = s.blocker(es, begin, limit)
 	}
 	t0 := time.Now()
+	s.shed = [2]uint64{}
 	wanted := end
 	end = s.roundEnd(seg, begin, end, limit)
 	mapped, moved, across, created, crossed, err := s.mapPages(es, begin, end, limit)
@@ -421,7 +431,7 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 		mapped, moved, across, created, crossed, err = s.mapPages(es, begin, wanted, limit)
 	}
 	if err != nil {
-		return Mapping{}, err
+		return Mapping{Shed: s.shed[0], ShedSmall: s.shed[1]}, err
 	}
 	end = mapped
 	elapsed := time.Since(t0)
@@ -436,7 +446,46 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 	seg.Mapped += n
 	s.reserved += created
 	s.mark = max(s.mark, s.reserved)
-	return Mapping{Bytes: n, New: created, Crossed: crossed, Took: elapsed, Moved: moved, Across: across}, nil
+	return Mapping{Bytes: n, New: created, Crossed: crossed, Took: elapsed, Moved: moved, Across: across,
+		Shed: s.shed[0], ShedSmall: s.shed[1]}, nil
+}
+
+// shedUnfit releases settled cached runs (their work done: no wait) that
+// a mapping into seg cannot place in a gap of room pages, the longest
+// first, until want bytes are released or none is left: the mapping is
+// about to create want bytes of new memory there, and runs that fit
+// nowhere it maps would stay held beside them, so that reserved memory
+// rose past what reclaim allows although the cache held enough (the
+// gaps between the standby mappings a mapping takes back can be shorter
+// than every cached run). MapBlock reports what it released (Shed).
+func (s *Space) shedUnfit(seg *blocks.Segment, want, room uint64) {
+	var got uint64
+	for got < want {
+		best := -1
+		for i, r := range s.cache {
+			if s.usable(r, seg) && r.pages > room &&
+				(best < 0 || r.pages > s.cache[best].pages) {
+				best = i
+			}
+		}
+		if best < 0 {
+			return
+		}
+		if err := s.wait(s.cache[best].pend); err != nil {
+			s.log.Warn("not releasing a cached run: its work could not be waited for", zap.Error(err))
+			return
+		}
+		r := s.takeAt(best)
+		s.releaseHandle(r.h)
+		s.drop(r.pend)
+		s.reserved -= r.bytes()
+		if r.small {
+			s.shed[1] += r.bytes()
+		} else {
+			s.shed[0] += r.bytes()
+		}
+		got += r.bytes()
+	}
 }
 
 // roundEnd is where a mapping of pages [begin, end) of seg ends, at most
@@ -602,6 +651,9 @@ func (s *Space) mapPages(es *expSegment, begin, end, limit uint64) (mappedEnd ui
 			}
 		}
 		if !pc.cached {
+			if s.cfg.Reclaim && !s.capturing {
+				s.shedUnfit(es.seg, pc.pages*page, room)
+			}
 			h, err := s.create(pc.pages * page)
 			if err != nil {
 				return fail(err, fmt.Sprintf("creating a %d-byte run", pc.pages*page))

@@ -280,6 +280,38 @@ func TestMapBlockRoundingRefused(t *testing.T) {
 	p.Recycler.Put(u)
 }
 
+// TestShedUnfit: before a mapping creates memory, the cached runs it
+// cannot place (longer than the gap) are released, the longest first,
+// until as much as it creates is released; runs that fit stay cached.
+func TestShedUnfit(t *testing.T) {
+	s := newSpace(t, 1<<30, true)
+	seg := &blocks.Segment{PageSize: 2 * miB}
+	for _, pages := range []uint64{8, 2, 6} {
+		h, err := s.create(pages * 2 * miB)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.putCached(cachedRun{h: h, pages: pages, page: 2 * miB})
+		s.reserved += pages * 2 * miB
+	}
+	// 10 MiB to create in a gap of 4 pages: the 8-page run (16 MiB)
+	// covers it; the 6-page run, which does not fit either, stays.
+	s.shedUnfit(seg, 10*miB, 4)
+	if s.shed != [2]uint64{16 * miB, 0} || s.Reserved() != 16*miB || s.cachedBytes != 16*miB || len(s.cache) != 2 {
+		t.Fatalf("shed %v, reserved %d, cached %d in %d runs; want 16 MiB shed, 16 MiB left in 2 runs",
+			s.shed, s.Reserved(), s.cachedBytes, len(s.cache))
+	}
+	// 40 MiB more: the 6-page run goes; the 2-page run fits and stays.
+	s.shedUnfit(seg, 40*miB, 4)
+	if s.shed[0] != 28*miB || s.Reserved() != 4*miB || len(s.cache) != 1 || s.cache[0].pages != 2 {
+		t.Fatalf("shed %v, reserved %d, cache %v; want 28 MiB shed, the 2-page run left", s.shed, s.Reserved(), s.cache)
+	}
+	if c := s.sim.VMMCounters(); c.Releases != 2 {
+		t.Fatalf("%d releases, want 2", c.Releases)
+	}
+	s.ReleaseCache(false)
+}
+
 // TestCoarse: with Config.Coarse a large-pool mapping ends on a 20 MiB
 // boundary of its range and is one run (at most 64 MiB); UnmapBlock told
 // the bytes still wanted unmaps only the last runs of a block that cover
