@@ -450,14 +450,17 @@ func (s *Space) MapBlock(p Pool, b *blocks.Block, size uint64) (Mapping, error) 
 		Shed: s.shed[0], ShedSmall: s.shed[1]}, nil
 }
 
-// shedUnfit releases settled cached runs (their work done: no wait) that
-// a mapping into seg cannot place in a gap of room pages, the longest
-// first, until want bytes are released or none is left: the mapping is
-// about to create want bytes of new memory there, and runs that fit
-// nowhere it maps would stay held beside them, so that reserved memory
-// rose past what reclaim allows although the cache held enough (the
-// gaps between the standby mappings a mapping takes back can be shorter
-// than every cached run). MapBlock reports what it released (Shed).
+// shedUnfit releases the cached runs usable in seg that are longer than
+// room pages, the gap a mapping is about to create want bytes of new
+// memory in, the longest first, until want bytes are released or none is
+// left; first it waits for the work a reclaim left queued where each run
+// was (pending.go; normally complete by then). Kept, such runs would stay
+// held beside the new memory, so that reserved memory rose past what
+// reclaim allows although the cache held enough (the gaps between the
+// standby mappings a mapping takes back can be shorter than every cached
+// run). A run that a later gap of the same mapping could have taken is
+// released too: that costs a create, never memory. MapBlock reports what
+// it released (Shed).
 func (s *Space) shedUnfit(seg *blocks.Segment, want, room uint64) {
 	var got uint64
 	for got < want {
