@@ -26,6 +26,10 @@
 #      call, as allocd's calls are modelled too; and, with no model, each
 #      side's cold replay minus its warm one, times its operations (what
 #      growth cost it, device calls included)   -> compare.txt, compare_coarse.txt
+# With BASE_BIN set to another build of allocd (the commit before a change,
+# built elsewhere with CGO_ENABLED=1), stage 2 also replays the default policy
+# with it, right after the build under test -> allocd_base.json, and stage 5
+# compares it too -> compare_base.txt: a before/after in the same command.
 # Stages stop starting past $BUDGET_S seconds (default 560). No network is used.
 set -uo pipefail
 . "$(dirname "$0")/device_lib.sh"
@@ -47,6 +51,12 @@ for mode in "" _coarse; do
 	timeout "$(($(left) / 3))" "$BIN/allocd" bench --device cuda --no-pair --no-mixed --conf "$conf" --json \
 		$shared >"$OUT/allocd$mode.json" 2>"$OUT/allocd$mode.err"
 	echo "allocd bench ($conf) rc=$?"
+	if [ -z "$mode" ] && [ -n "${BASE_BIN:-}" ]; then
+		say "allocd bench, $conf, with $BASE_BIN -> $OUT/allocd_base.json"
+		timeout "$(($(left) / 3))" "$BASE_BIN" bench --device cuda --no-pair --no-mixed --conf "$conf" --json \
+			$shared >"$OUT/allocd_base.json" 2>"$OUT/allocd_base.err"
+		echo "allocd bench ($conf, base) rc=$?"
+	fi
 done
 
 say "PyTorch anchor, expandable replays -> $OUT/anchor.json"
@@ -62,7 +72,9 @@ say "PyTorch's calls, reproduced on the simulated device -> $OUT/pytorch_calls.j
 	>"$OUT/pytorch_calls.jsonl" 2>"$OUT/pytorch_calls.err"
 echo "replay rc=$?"
 
-for mode in "" _coarse; do
+modes=("" _coarse)
+[ -n "${BASE_BIN:-}" ] && modes+=(_base)
+for mode in "${modes[@]}"; do
 	python3 scripts/compare_expandable.py "$OUT/allocd$mode.json" "$OUT/anchor.json" "$OUT/gputest.log" \
 		"$OUT/pytorch_calls.jsonl" | tee "$OUT/compare$mode.txt"
 done
