@@ -246,15 +246,22 @@ func (s *Space) ReleaseCache(small bool) uint64 {
 			kept = append(kept, r)
 			continue
 		}
-		s.releaseHandle(r.h)
-		s.drop(r.pend)
+		s.releaseCached(r)
 		n += r.bytes()
 	}
 	clear(s.cache[len(kept):])
 	s.cache = kept
 	s.cachedBytes -= n
-	s.reserved -= n
 	return n
+}
+
+// releaseCached releases the run r, taken or about to be taken out of the
+// cache (the caller keeps cachedBytes), and its standby mappings, lets go
+// of its pending and takes its bytes out of Reserved.
+func (s *Space) releaseCached(r cachedRun) {
+	s.releaseHandle(r.h)
+	s.drop(r.pend)
+	s.reserved -= r.bytes()
 }
 
 // StartOver forgets the high-water marks that the run and reclaim

@@ -479,9 +479,7 @@ func (s *Space) shedUnfit(seg *blocks.Segment, want, room uint64) {
 			return
 		}
 		r := s.takeAt(best)
-		s.releaseHandle(r.h)
-		s.drop(r.pend)
-		s.reserved -= r.bytes()
+		s.releaseCached(r)
 		if r.small {
 			s.shed[1] += r.bytes()
 		} else {
