@@ -3,9 +3,17 @@
 #
 #   device_setup NAME "$@"     # sets TRACES, ANCHOR, OUT (default .devrun/NAME), BIN, BUDGET_S, START
 #   device_build [TESTPKG...]  # allocd, and a TESTPKG.test per package (gputest, cudart)
+#   device_pack                # with PACK=1, every result so far into $RESULTS/NAME.tar.gz
 #
 # and use say (a line stamped with the seconds so far) and left (seconds of
 # $BUDGET_S, default 560, still to spend).
+#
+# PACK=1 is for a machine that returns only a few files from a command: the
+# results are written to a temporary folder ($OUT) and device_pack, which a
+# script calls as each stage ends, and again on exit (which also removes the
+# temporary folder), writes all of them so far as one archive,
+# $RESULTS/NAME.tar.gz ($RESULTS is the OUT given, or its default). Without
+# it, $RESULTS is $OUT and device_pack does nothing.
 
 device_setup() {
 	DEVICE_NAME=$1
@@ -17,11 +25,21 @@ device_setup() {
 	BUDGET_S=${BUDGET_S:-560}
 	mkdir -p "$OUT" "$BIN" || exit 2
 	OUT=$(realpath "$OUT")
+	RESULTS=$OUT
+	if [ "${PACK:-}" = 1 ]; then
+		OUT=$(mktemp -d) || exit 2
+		trap 'device_pack; rm -rf "$OUT"' EXIT
+	fi
 	BIN=$(realpath "$BIN")
 	TRACES=$(realpath "$TRACES")
 	ANCHOR=$(realpath "$ANCHOR")
 	START=$(date +%s)
 	unset ALLOCD_DEVICE ALLOCD_CONF PYTORCH_CUDA_ALLOC_CONF
+}
+
+device_pack() {
+	[ "$OUT" = "$RESULTS" ] && return 0
+	tar -C "$OUT" -czf "$RESULTS/$DEVICE_NAME.tar.gz.part" . && mv "$RESULTS/$DEVICE_NAME.tar.gz.part" "$RESULTS/$DEVICE_NAME.tar.gz"
 }
 
 say() { echo "[$DEVICE_NAME $(($(date +%s) - START))s] $*"; }

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""The rounds of one scripts/device_expandable.sh command (ROUNDS > 1), trace by trace, against the goals.
+
+    expandable_rounds.py OUTDIR
+
+OUTDIR holds the command's results: allocd.json and anchor.json for round 1, allocd_rR.json and
+anchor_rR.json for round R, gputest.log and pytorch_calls.jsonl. For every trace it prints each
+round's speed (PyTorch's expandable ns/op over allocd's default, above 1: allocd faster) and
+their median; the virtual memory calls of both sides modelled at the per-call costs stage 1
+measured (allocd's calls are the same in every round, PyTorch's exact calls come from the
+simulated device); allocd's peak reserved beside PyTorch's; and a verdict on each goal:
+speed median >= 1, modelled calls <= PyTorch's, peak <= PyTorch's. Then the pattern test's
+corruptions and whether TestGPUReplayMatchesSim passed. It exits 0 whatever the verdicts.
+"""
+import json
+import os
+import re
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_expandable import costs, modelled  # noqa: E402
+
+
+def rounds(out):
+    """The (allocd JSON, anchor JSON) paths of every complete round, in order."""
+    found, r = [], 1
+    while True:
+        sfx = "" if r == 1 else f"_r{r}"
+        a, t = os.path.join(out, f"allocd{sfx}.json"), os.path.join(out, f"anchor{sfx}.json")
+        if not (os.path.exists(a) and os.path.exists(t)):
+            return found
+        found.append((a, t))
+        r += 1
+
+
+def load(path, key="replay"):
+    try:
+        return json.load(open(path)).get(key) or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def gputest(log):
+    """The corruptions the pattern tests found (None without a figure) and whether ReplayMatchesSim passed."""
+    corrupt, matched = None, False
+    for line in open(log, errors="replace"):
+        m = re.search(r"gpu-pattern: .*corruptions=(\d+)", line)
+        if m:
+            corrupt = (corrupt or 0) + int(m.group(1))
+        if line.startswith("--- PASS: TestGPUReplayMatchesSim"):
+            matched = True
+    return corrupt, matched
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    out = sys.argv[1]
+    rs = rounds(out)
+    if not rs:
+        sys.exit(f"no complete round in {out}")
+    log = os.path.join(out, "gputest.log")
+    c = costs(log) if os.path.exists(log) else None
+    calls = {}
+    path = os.path.join(out, "pytorch_calls.jsonl")
+    if os.path.exists(path):
+        for line in open(path):
+            r = json.loads(line)
+            calls[r["trace"].removesuffix(".pickle.gz")] = r.get("vmm") or {}
+    speeds, ours, theirs = {}, {}, {}
+    for a, t in rs:
+        anchor = load(t)
+        for r in load(a):
+            name = r["trace"].removesuffix(".pickle.gz")
+            q = anchor.get(name, {}).get("torch", {})
+            if q.get("ns_per_op") and r.get("ns_per_op"):
+                speeds.setdefault(name, []).append(q["ns_per_op"] / r["ns_per_op"])
+            ours[name] = r
+            theirs[name] = q
+    print(f"{len(rs)} rounds; per call (20 MiB): " + (f"create {c[0]} us, map {c[1]} us, unmap {c[2]} us, release {c[3]} us" if c else "no costs in gputest.log"))
+    print("| trace | speed, each round | median | modelled ms: allocd / PyTorch | peak MiB: allocd / PyTorch | speed ≥ 1 | calls ≤ | peak ≤ |")
+    print("|---|---|---|---|---|---|---|---|")
+    met = {"speed": 0, "calls": 0, "peak": 0}
+    for name in sorted(ours):
+        s = speeds.get(name, [])
+        med = statistics.median(s) if s else 0
+        mo = modelled(ours[name].get("vmm") or {}, c) if c else None
+        mt = modelled(calls[name], c) if c and name in calls else None
+        pa, pt = ours[name].get("peak_reserved_bytes", 0) >> 20, (theirs[name].get("peak_reserved") or 0) >> 20
+        ok = {"speed": med >= 1, "calls": mo is not None and mt is not None and mo <= mt, "peak": 0 < pa <= pt}
+        for k, v in ok.items():
+            met[k] += v
+        cell = lambda v: "yes" if v else "no"
+        fmt = lambda v: "-" if v is None else f"{v:.1f}"
+        print(f"| {name} | {', '.join(f'{x:.2f}' for x in s)} | {med:.2f} | {fmt(mo)} / {fmt(mt)} | {pa:,} / {pt:,} |"
+              f" {cell(ok['speed'])} | {cell(ok['calls'])} | {cell(ok['peak'])} |")
+    n = len(ours)
+    corrupt, matched = gputest(log) if os.path.exists(log) else (None, False)
+    print(f"goals met on {met['speed']}/{n} traces for speed, {met['calls']}/{n} for calls, {met['peak']}/{n} for peaks;"
+          f" pattern test corruptions: {'-' if corrupt is None else corrupt}; GPU peaks equal the simulated device's: {'yes' if matched else 'no'}")
+
+
+if __name__ == "__main__":
+    main()
