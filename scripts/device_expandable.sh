@@ -38,7 +38,13 @@
 # takes the median of the rounds and says, trace by trace, whether each goal
 # is met (speed, modelled VMM time and peak reserved against PyTorch's, the
 # pattern test's corruptions, GPU peaks equal to the simulated device's)
-# -> rounds.txt. PACK=1 (device_lib.sh) returns everything as one archive.
+# -> rounds.txt. PAIRED=N (default 0) first times the replays as
+# scripts/paired_replays.py does for the default configuration, N rounds on
+# the host's fastest core, each trace replayed by allocd and by PyTorch one
+# right after the other (with expandable_segments:True on both sides)
+# -> paired.json, paired.txt; expandable_rounds.py then judges speed on those
+# rounds' ratios instead. PACK=1 (device_lib.sh) returns everything as one
+# archive.
 # Stages stop starting past $BUDGET_S seconds (default 560). No network is used.
 set -uo pipefail
 . "$(dirname "$0")/device_lib.sh"
@@ -61,6 +67,15 @@ echo "replay rc=$?"
 
 tr=$(mktemp -d)
 for f in $shared; do gunzip -c "$f" >"$tr/$(basename "$f" .gz)"; done
+if ((${PAIRED:-0} > 0)); then
+	say "paired replays, $PAIRED rounds, expandable_segments:True -> $OUT/paired.json, $OUT/paired.txt"
+	EXT_BUILD=/tmp/anchor_build timeout "$(($(left) * 2 / 3))" python3 scripts/paired_replays.py "$BIN/allocd" "$tr" "$ANCHOR" \
+		"$OUT/paired.json" --rounds "$PAIRED" --conf expandable_segments:True --no-pair --budget "$(($(left) / 2))" \
+		>"$OUT/paired.txt" 2>&1
+	echo "paired rc=$?"
+	grep -E 'cold|core' "$OUT/paired.txt"
+	device_pack
+fi
 for ((r = 1; r <= ROUNDS; r++)); do
 	sfx=""
 	((r > 1)) && sfx=_r$r
@@ -98,7 +113,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
 	device_pack
 done
 rm -rf "$tr"
-if ((ROUNDS > 1)); then
+if ((ROUNDS > 1 || ${PAIRED:-0} > 0)); then
 	python3 scripts/expandable_rounds.py "$OUT" | tee "$OUT/rounds.txt"
 	device_pack
 fi

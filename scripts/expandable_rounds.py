@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The rounds of one scripts/device_expandable.sh command (ROUNDS > 1), trace by trace, against the goals.
+"""The rounds of one scripts/device_expandable.sh command (ROUNDS > 1 or PAIRED > 0), trace by trace, against the goals.
 
     expandable_rounds.py OUTDIR
 
@@ -11,6 +11,10 @@ measured (allocd's calls are the same in every round, PyTorch's exact calls come
 simulated device); allocd's peak reserved beside PyTorch's; and a verdict on each goal:
 speed median >= 1, modelled calls <= PyTorch's, peak <= PyTorch's. Then the pattern test's
 corruptions and whether TestGPUReplayMatchesSim passed. It exits 0 whatever the verdicts.
+
+With paired.json (PAIRED > 0: scripts/paired_replays.py's rounds, both sides on one core, one
+right after the other) the speed columns are its rounds' cold ratios instead, the more
+trustworthy figure; the rest still comes from round 1's allocd.json and anchor.json.
 """
 import json
 import os
@@ -76,24 +80,35 @@ def main():
             q = anchor.get(name, {}).get("torch", {})
             if q.get("ns_per_op") and r.get("ns_per_op"):
                 speeds.setdefault(name, []).append(q["ns_per_op"] / r["ns_per_op"])
-            ours[name] = r
-            theirs[name] = q
-    print(f"{len(rs)} rounds; per call (20 MiB): " + (f"create {c[0]} us, map {c[1]} us, unmap {c[2]} us, release {c[3]} us" if c else "no costs in gputest.log"))
+            ours.setdefault(name, r)
+            theirs.setdefault(name, q)
+    source = f"{len(rs)} rounds of allocd bench and the anchor"
+    paired = load(os.path.join(out, "paired.json"), "rounds")
+    if paired:
+        speeds = {}
+        for rnd in paired:
+            for name, sides in rnd.get("replay", {}).items():
+                a, t = sides["allocd"].get("ns_per_op"), sides["torch"].get("ns_per_op")
+                if a and t:
+                    speeds.setdefault(name, []).append(t / a)
+        source = f"speed from {len(paired)} paired rounds (paired.json)"
+    print(f"{source}; per call (20 MiB): " + (f"create {c[0]} us, map {c[1]} us, unmap {c[2]} us, release {c[3]} us" if c else "no costs in gputest.log"))
     print("| trace | speed, each round | median | modelled ms: allocd / PyTorch | peak MiB: allocd / PyTorch | speed ≥ 1 | calls ≤ | peak ≤ |")
     print("|---|---|---|---|---|---|---|---|")
     met = {"speed": 0, "calls": 0, "peak": 0}
     for name in sorted(ours):
         s = speeds.get(name, [])
-        med = statistics.median(s) if s else 0
+        med = statistics.median(s) if s else None
         mo = modelled(ours[name].get("vmm") or {}, c) if c else None
         mt = modelled(calls[name], c) if c and name in calls else None
         pa, pt = ours[name].get("peak_reserved_bytes", 0) >> 20, (theirs[name].get("peak_reserved") or 0) >> 20
-        ok = {"speed": med >= 1, "calls": mo is not None and mt is not None and mo <= mt, "peak": 0 < pa <= pt}
+        ok = {"speed": med is not None and med >= 1, "calls": mo is not None and mt is not None and mo <= mt, "peak": 0 < pa <= pt}
         for k, v in ok.items():
             met[k] += v
         cell = lambda v: "yes" if v else "no"
         fmt = lambda v: "-" if v is None else f"{v:.1f}"
-        print(f"| {name} | {', '.join(f'{x:.2f}' for x in s)} | {med:.2f} | {fmt(mo)} / {fmt(mt)} | {pa:,} / {pt:,} |"
+        fmt2 = lambda v: "-" if v is None else f"{v:.2f}"
+        print(f"| {name} | {', '.join(f'{x:.2f}' for x in s) or '-'} | {fmt2(med)} | {fmt(mo)} / {fmt(mt)} | {pa:,} / {pt:,} |"
               f" {cell(ok['speed'])} | {cell(ok['calls'])} | {cell(ok['peak'])} |")
     n = len(ours)
     corrupt, matched = gputest(log) if os.path.exists(log) else (None, False)

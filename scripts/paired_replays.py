@@ -2,6 +2,7 @@
 """allocd's replays and PyTorch's, side by side in time, on one CPU core.
 
     python3 scripts/paired_replays.py ALLOCD TRACEDIR ANCHORDIR OUTJSON [--rounds 5] [--device cuda]
+        [--conf CONF] [--no-pair]
 
 Why: on a shared GPU host the speed of a core moves. On one H200 host, a
 replay pinned to each of its 16 cores in turn ran 1.6 times slower on 7 of
@@ -44,6 +45,11 @@ What it does:
    - the median over rounds of the round's ratio (PyTorch / allocd), from
      figures taken seconds apart on the same core;
    - the ratio of the two sides' best rounds.
+
+--conf gives both sides one allocator configuration: allocd bench --conf CONF, and
+PYTORCH_CUDA_ALLOC_CONF=CONF in this process before torch starts (the keys the two share, such
+as expandable_segments:True). With it, each replay's peak reserved bytes are kept too, and
+allocd's virtual memory calls (vmm). --no-pair leaves the pair benchmark out.
 
 Needs torch with CUDA (the anchor's extension is compiled on first use into
 $EXT_BUILD, default /tmp/anchor_build).
@@ -134,6 +140,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--core", type=int, default=-1, help="the core to run on (default: the fastest found)")
     ap.add_argument("--budget", type=float, default=0, help="start no round past this many seconds (0: no limit)")
+    ap.add_argument("--conf", default="", help="both sides' allocator configuration (allocd's --conf, PyTorch's PYTORCH_CUDA_ALLOC_CONF)")
+    ap.add_argument("--no-pair", action="store_true", help="leave the pair benchmark out")
     args = ap.parse_args()
     start = time.time()
 
@@ -150,6 +158,9 @@ def main():
         print(f"calibration on {trace_name(smallest)}, warm ns/op by core: "
               + " ".join(f"{c}:{v:.0f}" for c, v in sorted(speed.items())) + f"; running on core {core}", flush=True)
     os.sched_setaffinity(0, {core})
+    conf = ["--conf", args.conf] if args.conf else []
+    if args.conf:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.conf  # read when torch's allocator starts
 
     import torch
     from torch.utils.cpp_extension import load
@@ -170,15 +181,17 @@ def main():
         first, n0, _, _ = ext.replay(0, ops)  # the untimed first replay (see above)
         reset()
         ns, n, _, _ = ext.replay(0, ops)
+        peak = torch.cuda.memory_stats().get("reserved_bytes.all.peak")
         reset()
         wns, wn, _, _ = ext.replay_warm(0, ops)
         torch.cuda.empty_cache()
-        return {"ns_per_op": ns / n, "warm_ns_per_op": wns / wn, "first_ns_per_op": first / n0}
+        return {"ns_per_op": ns / n, "warm_ns_per_op": wns / wn, "first_ns_per_op": first / n0, "peak_reserved": peak}
 
     def allocd_replay(path):
-        first, r = allocd_bench(args.allocd, ["--device", args.device, "--no-pair", "--no-mixed", path, path])["replay"]
+        first, r = allocd_bench(args.allocd, ["--device", args.device, "--no-pair", "--no-mixed", *conf, path, path])["replay"]
         return {"ns_per_op": r["ns_per_op"], "warm_ns_per_op": r["warm_ns_per_op"], "first_ns_per_op": first["ns_per_op"],
-                "driver_ns_per_op": r.get("driver_ns_per_op")}
+                "driver_ns_per_op": r.get("driver_ns_per_op"), "peak_reserved": r.get("peak_reserved_bytes"),
+                "vmm": r.get("vmm")}
 
     sizes = [512, 4096, 1 << 20, 8 << 20, 64 << 20]
 
@@ -186,10 +199,10 @@ def main():
         return {str(s): min(ext.pair_torch(s, 200000) for _ in range(3)) for s in sizes}
 
     def allocd_pair():
-        return allocd_bench(args.allocd, ["--device", args.device, "--no-mixed"])["pair_ns"]
+        return allocd_bench(args.allocd, ["--device", args.device, "--no-mixed", *conf])["pair_ns"]
 
     ops = {trace_name(p): trace_ops(p, torch) for p in traces}
-    result = {"core": core, "calibration": {str(c): v for c, v in speed.items()}, "device": args.device,
+    result = {"core": core, "calibration": {str(c): v for c, v in speed.items()}, "device": args.device, "conf": args.conf,
               "torch": torch.__version__, "rounds": [], "torch_driver_ns_per_op": {}}
     for k in range(1, args.rounds + 1):
         if args.budget and time.time() - start > args.budget:
@@ -204,7 +217,9 @@ def main():
             else:
                 t, a = torch_replay(ops[name]), allocd_replay(p)
             rnd["replay"][name] = {"allocd": a, "torch": t}
-        if allocd_first:
+        if args.no_pair:
+            pass
+        elif allocd_first:
             rnd["pair"] = {"allocd": allocd_pair(), "torch": torch_pair()}
         else:
             tp = torch_pair()
@@ -242,7 +257,7 @@ def main():
         ad = [x for x in ad if x is not None]
         print(f"{name:<22} driver alone, ns/op: PyTorch's loop {td.get(name, float('nan')):.2f};"
               f" allocd's {' '.join(f'{x:.2f}' for x in ad)}")
-    for s in sizes:
+    for s in sizes if not args.no_pair else []:
         a = [r["pair"]["allocd"][str(s)] for r in rounds]
         t = [r["pair"]["torch"][str(s)] for r in rounds]
         ratios = [x / y for x, y in zip(t, a)]
