@@ -930,7 +930,7 @@ func TestExpandableReclaimSlack(t *testing.T) {
 	// only free block, y's 320 MiB merged with the 8 MiB after it, covers
 	// the 38 MiB excess and the 2 MiB headroom (1/128 of the mark). Its
 	// runs (y's five of 32 pages, the 8 MiB block's one of four: runs of
-	// at least 1/8 of allocated) are unmapped into the handle cache; of
+	// at least 1/16 of allocated) are unmapped into the handle cache; of
 	// the 20 pages s1 needs, the four-page run serves four, and for the
 	// other 16 one of y's runs is mapped whole into s1's range (the
 	// shortest longer run); the rest stay cached, so reserved memory does

@@ -115,14 +115,14 @@
 // memory therefore comes in runs: one handle backs a run of consecutive
 // pages, created, mapped, unmapped and moved whole. A growth of n pages
 // maps them in runs of ⌈n/4⌉ pages (runsPerGrowth), but none shorter than
-// 1/8 of the largest allocated figure seen at a mapping (minRunDiv) and
+// 1/16 of the largest allocated figure seen at a mapping (minRunDiv) and
 // none longer than 64 MiB (maxRunBytes), after mapping the runs the handle
 // cache (below) holds; runs of one length are mapped with one grant of
 // access. So a growth of up to 256 MiB makes at most four handles, a
 // workload that grows a little at a time makes runs that lengthen with
 // its footprint, and the part of a run that a partly reused free block
 // strands (runs move only whole) is bounded by a quarter of the block or
-// an eighth of the footprint. Unmapping (reclaim, the allocator's
+// a sixteenth of the footprint. Unmapping (reclaim, the allocator's
 // EmptyCache) takes the whole runs inside a free block, in one cuMemUnmap
 // per contiguous stretch. The small pool and PyTorch's mode map one page
 // per handle, as PyTorch does.

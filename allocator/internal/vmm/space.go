@@ -276,7 +276,7 @@ func (s *Space) maxRunPages(seg *blocks.Segment) uint64 {
 const (
 	runsPerGrowth = 4
 	maxRunBytes   = 64 << 20
-	minRunDiv     = 8
+	minRunDiv     = 16
 )
 
 // of returns the expSegment of seg.

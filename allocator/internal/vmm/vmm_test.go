@@ -133,7 +133,7 @@ func (s *space) runs() []uint32 {
 }
 
 // TestMapBlockRuns: MapBlock maps whole pages in runs (a quarter of the
-// growth, at least 1/8 of the largest allocated figure, at most 64 MiB;
+// growth, at least 1/16 of the largest allocated figure, at most 64 MiB;
 // one page per handle in the small pool and without reclaim) and returns
 // what it mapped; UnmapBlock and ReleaseRange give it all back.
 func TestMapBlockRuns(t *testing.T) {
@@ -149,10 +149,9 @@ func TestMapBlockRuns(t *testing.T) {
 		{"8 MiB in 2 MiB pages", false, true, 0, 8 * miB, []uint32{1, 1, 1, 1}},
 		{"a partial page rounds up", false, true, 0, 5*miB + 1, []uint32{1, 1, 1}},
 		{"600 MiB: runs of 64 MiB", false, true, 0, 600 * miB, []uint32{32, 32, 32, 32, 32, 32, 32, 32, 32, 12}},
-		{"1/8 of 64 MiB allocated: runs of 8 MiB", false, true, 64 * miB, 30 * miB, []uint32{4, 4, 4, 3}},
-		{"1/8 of 128 MiB allocated: runs of 16 MiB", false, true, 128 * miB, 30 * miB, []uint32{8, 7}},
-		{"1/8 of 256 MiB allocated: one run of 30 MiB", false, true, 256 * miB, 30 * miB, []uint32{15}},
-		{"1/8 of 2 GiB allocated, capped at 64 MiB", false, true, 2 << 30, 200 * miB, []uint32{32, 32, 32, 4}},
+		{"1/16 of 128 MiB allocated: runs of 8 MiB", false, true, 128 * miB, 30 * miB, []uint32{4, 4, 4, 3}},
+		{"1/16 of 256 MiB allocated: runs of 16 MiB", false, true, 256 * miB, 30 * miB, []uint32{8, 7}},
+		{"1/16 of 2 GiB allocated, capped at 64 MiB", false, true, 2 << 30, 30 * miB, []uint32{15}},
 		{"PyTorch's 20 MiB pages", false, false, 0, 30 * miB, []uint32{1, 1}},
 		{"small pool", true, true, 1 << 30, 6 * miB, []uint32{1, 1, 1}},
 	} {
