@@ -123,9 +123,9 @@ type syntheticRun struct {
 	calls               float64 // modelled ms (vmmCost)
 }
 
-func runSynthetic(t *testing.T, ops *trace.Ops, opts ...allocator.Option) syntheticRun {
+func runSynthetic(t *testing.T, ops *trace.Ops, conf string, opts ...allocator.Option) syntheticRun {
 	t.Helper()
-	sim, a := newExpandable(t, opts...)
+	sim, a := newSimConf(t, conf, opts...)
 	defer func() {
 		if err := a.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {
 			t.Errorf("Close: %v", err)
@@ -152,7 +152,8 @@ func runSynthetic(t *testing.T, ops *trace.Ops, opts ...allocator.Option) synthe
 // PyTorch's 20 MiB pages happen to fit tighter than that, allocd may end a
 // little above it). On the training and two-stream shapes reserved stays
 // within 5% of allocated. It logs each shape's worst and mean ratios and
-// both sides' modelled calls (docs/fragmentation.md has the figures): a
+// both sides' modelled calls, and expandable_reclaim:coarse's worst ratio,
+// peaks above PyTorch's and calls (docs/fragmentation.md has the figures): a
 // decoder that grows its caches fast passes 1.05 and costs several times
 // PyTorch's calls, which no assertion here hides.
 func TestSyntheticExpandable(t *testing.T) {
@@ -162,17 +163,22 @@ func TestSyntheticExpandable(t *testing.T) {
 	}
 	for _, shape := range []syntheticShape{shapeTraining, shapeDecoder, shapeTwoStreams} {
 		t.Run(shape.String(), func(t *testing.T) {
-			var worst, sum, ptWorst, calls, ptCalls float64
-			above := 0
+			var worst, sum, ptWorst, calls, ptCalls, coWorst, coCalls float64
+			above, coAbove := 0, 0
 			for seed := uint64(1); seed <= seeds; seed++ {
 				ops := syntheticOps(shape, seed*7919+uint64(shape))
-				ours, pt := runSynthetic(t, ops), runSynthetic(t, ops, allocator.WithPyTorchExpandable())
+				ours, pt := runSynthetic(t, ops, "expandable_segments:True"), runSynthetic(t, ops, "expandable_segments:True", allocator.WithPyTorchExpandable())
+				co := runSynthetic(t, ops, "expandable_segments:True,expandable_reclaim:coarse")
 				ratio := float64(ours.reserved) / float64(ours.allocated)
 				worst, sum = max(worst, ratio), sum+ratio
 				ptWorst = max(ptWorst, float64(pt.reserved)/float64(pt.allocated))
 				calls, ptCalls = calls+ours.calls, ptCalls+pt.calls
 				if ours.reserved > pt.reserved {
 					above++
+				}
+				coWorst, coCalls = max(coWorst, float64(co.reserved)/float64(co.allocated)), coCalls+co.calls
+				if co.reserved > pt.reserved {
+					coAbove++
 				}
 				bound := max(pt.reserved, ours.allocated+ours.allocated/32+ours.allocated/128)
 				if ours.reserved > bound {
@@ -183,8 +189,8 @@ func TestSyntheticExpandable(t *testing.T) {
 					t.Errorf("seed %d: peak reserved %d bytes is %.3f times peak allocated, above 1.05", seed, ours.reserved, ratio)
 				}
 			}
-			t.Logf("%-11s %d workloads: reserved/allocated worst %.3f, mean %.3f (PyTorch's worst %.3f); peak above PyTorch's on %d; modelled calls %.0f ms (PyTorch %.0f)",
-				shape, seeds, worst, sum/float64(seeds), ptWorst, above, calls, ptCalls)
+			t.Logf("%-11s %d workloads: reserved/allocated worst %.3f, mean %.3f (PyTorch's worst %.3f); peak above PyTorch's on %d; modelled calls %.0f ms (PyTorch %.0f); coarse: worst %.3f, above PyTorch's on %d, calls %.0f ms",
+				shape, seeds, worst, sum/float64(seeds), ptWorst, above, calls, ptCalls, coWorst, coAbove, coCalls)
 		})
 	}
 }
