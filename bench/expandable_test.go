@@ -162,35 +162,13 @@ const expandableRepeats = 5
 func TestReplayExpandableRepeated(t *testing.T) {
 	eachTrace(t, func(t *testing.T, name, path string) {
 		ops, _ := loadOps(t, path)
-		peaks := func(opts ...allocator.Option) (allocated, reserved int64, perPass []float64) {
-			sim, a := newExpandable(t, opts...)
-			defer func() {
-				if err := a.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {
-					t.Errorf("Close: %v", err)
-				}
-			}()
-			opt := workload.ReplayOptions{Streams: map[uint64]cudart.Stream{}}
-			for pass := 1; pass <= expandableRepeats; pass++ {
-				before := sim.VMMCounters()
-				replayCheckedWith(t, ops, a, opt)
-				if err := workload.FreeLive(a); err != nil {
-					t.Fatalf("pass %d: freeing what it left: %v", pass, err)
-				}
-				if err := a.Check(); err != nil {
-					t.Fatalf("after pass %d: %v", pass, err)
-				}
-				perPass = append(perPass, vmmCost(sim.VMMCounters().Sub(before)))
-			}
-			st := a.Stats()
-			return st.AllocatedBytes[allocator.PoolAll].Peak, st.ReservedBytes[allocator.PoolAll].Peak, perPass
-		}
-		allocated, reserved, calls := peaks()
-		_, ptReserved, _ := peaks(allocator.WithPyTorchExpandable())
-		ratio := float64(reserved) / float64(allocated)
+		ours := replayPasses(t, ops, expandableRepeats, "expandable_segments:True")
+		pt := replayPasses(t, ops, expandableRepeats, "expandable_segments:True", allocator.WithPyTorchExpandable())
+		ratio := float64(ours.reserved) / float64(ours.allocated)
 		t.Logf("%-20s over %d passes: reserved/allocated %.3f, peak reserved %.0f MiB (PyTorch %.0f); modelled calls a pass, ms: %.1f",
-			name, expandableRepeats, ratio, mib(reserved), mib(ptReserved), calls)
+			name, expandableRepeats, ratio, mib(ours.reserved), mib(pt.reserved), ours.perPass)
 		if ratio > 1.05 {
-			t.Errorf("over %d passes peak reserved %d bytes is %.3f times peak allocated, above 1.05", expandableRepeats, reserved, ratio)
+			t.Errorf("over %d passes peak reserved %d bytes is %.3f times peak allocated, above 1.05", expandableRepeats, ours.reserved, ratio)
 		}
 	})
 }
@@ -205,25 +183,59 @@ func TestReplayExpandableRepeated(t *testing.T) {
 func TestReplayExpandableLongRun(t *testing.T) {
 	const name, passes = "varlen_inference", 20
 	ops, _ := loadOps(t, traceFile(t, name))
-	_, a := newExpandable(t)
-	defer func() {
-		if err := a.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {
-			t.Errorf("Close: %v", err)
-		}
-	}()
-	opt := workload.ReplayOptions{Streams: map[uint64]cudart.Stream{}}
-	for pass := 1; pass <= passes; pass++ {
-		replayCheckedWith(t, ops, a, opt)
-		if err := workload.FreeLive(a); err != nil {
-			t.Fatalf("pass %d: freeing what it left: %v", pass, err)
-		}
-	}
-	st := a.Stats()
-	reserved, allocated := st.ReservedBytes[allocator.PoolAll].Peak, st.AllocatedBytes[allocator.PoolAll].Peak
+	run := replayPasses(t, ops, passes, "expandable_segments:True")
+	reserved, allocated := run.reserved, run.allocated
 	pt := replayTrace(t, name, modePyTorchExpandable).r.PeakReserved
 	t.Logf("%s over %d passes: reserved/allocated %.3f, peak reserved %.0f MiB (PyTorch %.0f)",
 		name, passes, float64(reserved)/float64(allocated), mib(reserved), mib(pt))
 	if float64(reserved) > 1.05*float64(allocated) || reserved > pt {
 		t.Errorf("over %d passes peak reserved %d bytes: %.3f times peak allocated; PyTorch's %d", passes, reserved, float64(reserved)/float64(allocated), pt)
 	}
+}
+
+// passesRun is what several passes of a trace on one allocator came to:
+// the allocator's peaks over all of them and each pass's virtual memory
+// calls, modelled (vmmCost).
+type passesRun struct {
+	reserved, allocated int64
+	perPass             []float64
+}
+
+// calls is the modelled time of every pass's calls together.
+func (r passesRun) calls() float64 {
+	var sum float64
+	for _, c := range r.perPass {
+		sum += c
+	}
+	return sum
+}
+
+// replayPasses replays ops passes times on one simulated-device allocator
+// with configuration conf, on the same streams, freeing what each pass
+// left live before the next (as a workload repeats its steps) and checking
+// the allocator's invariants after each pass.
+func replayPasses(t *testing.T, ops *trace.Ops, passes int, conf string, opts ...allocator.Option) passesRun {
+	t.Helper()
+	sim, a := newSimConf(t, conf, opts...)
+	defer func() {
+		if err := a.Close(); err != nil && !errors.Is(err, allocator.ErrLiveBlocks) {
+			t.Errorf("Close: %v", err)
+		}
+	}()
+	var run passesRun
+	opt := workload.ReplayOptions{Streams: map[uint64]cudart.Stream{}}
+	for pass := 1; pass <= passes; pass++ {
+		before := sim.VMMCounters()
+		replayCheckedWith(t, ops, a, opt)
+		if err := workload.FreeLive(a); err != nil {
+			t.Fatalf("pass %d: freeing what it left: %v", pass, err)
+		}
+		if err := a.Check(); err != nil {
+			t.Fatalf("after pass %d: %v", pass, err)
+		}
+		run.perPass = append(run.perPass, vmmCost(sim.VMMCounters().Sub(before)))
+	}
+	st := a.Stats()
+	run.reserved, run.allocated = st.ReservedBytes[allocator.PoolAll].Peak, st.AllocatedBytes[allocator.PoolAll].Peak
+	return run
 }
