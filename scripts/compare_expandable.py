@@ -42,6 +42,15 @@ def modelled(v, c):
     return (v.get("creates", 0) * c[0] + v.get("maps", 0) * c[1] + v.get("unmaps", 0) * c[2] + v.get("releases", 0) * c[3]) / 1e3
 
 
+def pytorch_calls(path):
+    """PyTorch's exact calls per trace: the vmm objects of `allocd replay --pytorch-expandable --json`'s lines."""
+    calls = {}
+    for line in open(path):
+        r = json.loads(line)
+        calls[r["trace"].removesuffix(".pickle.gz")] = r.get("vmm") or {}
+    return calls
+
+
 def beyond_warm(r, ops):
     """What the cold replay r spent beyond its warm one, in ms ("-" without a warm figure)."""
     if not r.get("warm_ns_per_op") or not ops:
@@ -65,11 +74,7 @@ def main():
     except Exception as e:
         sys.exit(f"no comparison: {e}")
     c = costs(sys.argv[3])
-    calls = {}
-    if len(sys.argv) == 5:
-        for line in open(sys.argv[4]):
-            r = json.loads(line)
-            calls[r["trace"].removesuffix(".pickle.gz")] = r.get("vmm") or {}
+    calls = pytorch_calls(sys.argv[4]) if len(sys.argv) == 5 else {}
     print(f"allocd: {sys.argv[1]}")
     if c:
         print(f"per call (TestGPUVirtualMemoryCost, 20 MiB): create {c[0]} us, map {c[1]} us, unmap {c[2]} us, release {c[3]} us")

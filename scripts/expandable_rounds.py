@@ -23,7 +23,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_expandable import costs, modelled  # noqa: E402
+from compare_expandable import costs, modelled, pytorch_calls  # noqa: E402
 
 
 def rounds(out):
@@ -49,7 +49,7 @@ def gputest(log):
     """The corruptions the pattern tests found (None without a figure) and whether ReplayMatchesSim passed."""
     corrupt, matched = None, False
     for line in open(log, errors="replace"):
-        m = re.search(r"gpu-pattern: .*corruptions=(\d+)", line)
+        m = re.match(r"gpu-pattern: .*corruptions=(\d+)", line)  # the summary line, not the t.Logf copy
         if m:
             corrupt = (corrupt or 0) + int(m.group(1))
         if line.startswith("--- PASS: TestGPUReplayMatchesSim"):
@@ -66,12 +66,8 @@ def main():
         sys.exit(f"no complete round in {out}")
     log = os.path.join(out, "gputest.log")
     c = costs(log) if os.path.exists(log) else None
-    calls = {}
     path = os.path.join(out, "pytorch_calls.jsonl")
-    if os.path.exists(path):
-        for line in open(path):
-            r = json.loads(line)
-            calls[r["trace"].removesuffix(".pickle.gz")] = r.get("vmm") or {}
+    calls = pytorch_calls(path) if os.path.exists(path) else {}
     speeds, ours, theirs = {}, {}, {}
     for a, t in rs:
         anchor = load(t)
