@@ -3,6 +3,7 @@
 
     python3 scripts/paired_replays.py ALLOCD TRACEDIR ANCHORDIR OUTJSON [--rounds 5] [--device cuda]
         [--conf CONF] [--no-pair]
+    python3 scripts/paired_replays.py --summary OUTJSON    (prints a saved run's summary again)
 
 Why: on a shared GPU host the speed of a core moves. On one H200 host, a
 replay pinned to each of its 16 cores in turn ran 1.6 times slower on 7 of
@@ -44,7 +45,13 @@ What it does:
    Prints, per trace and kind, both statistics:
    - the median over rounds of the round's ratio (PyTorch / allocd), from
      figures taken seconds apart on the same core;
-   - the ratio of the two sides' best rounds.
+   - the ratio of the two sides' best rounds;
+   - the medians of the rounds in which both sides ran at the same pace:
+     a core of a GPU host runs at one of two paces about 1.9 times apart
+     and switches from one replay to the next, and the slow pace slows
+     allocd more than PyTorch, so these say how much of a spread is the
+     host's (a figure above PACE_SLOW times its side's fastest counts as
+     slow).
 
 --conf gives both sides one allocator configuration: allocd bench --conf CONF, and
 PYTORCH_CUDA_ALLOC_CONF=CONF in this process before torch starts (the keys the two share, such
@@ -239,31 +246,69 @@ def main():
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
+    summarize(result, [trace_name(p) for p in traces], [] if args.no_pair else sizes)
+
+
+# A host's core runs at one of two paces about 1.9 times apart and switches
+# between them from one replay to the next (docs/benchmarks.md, "On an H100
+# host, 2026-12-08"): a figure more than PACE_SLOW times its side's fastest
+# is taken as one of the slow pace.
+PACE_SLOW = 1.3
+
+
+def pace_matched(t, a):
+    """The rounds' ratios (PyTorch / allocd) where both sides ran at the
+    same pace: (fast-fast ratios, slow-slow ratios)."""
+    tf, af = min(t), min(a)
+    fast, slow = [], []
+    for x, y in zip(t, a):
+        xs, ys = x > PACE_SLOW * tf, y > PACE_SLOW * af
+        if xs == ys:
+            (slow if xs else fast).append(x / y)
+    return fast, slow
+
+
+def summarize(result, names, sizes):
+    """Prints result's rounds: per trace and kind, both sides' figures, the
+    median of the rounds' ratios, best round against best round, and the
+    medians of the rounds in which both sides ran at the same pace."""
     rounds = result["rounds"]
     if not rounds:
         return
-    print(f"core {core}, {len(rounds)} round(s); each side's figures taken seconds apart; "
-          "ratio = PyTorch / allocd: median of the rounds' ratios, and best round against best round")
-    for name in [trace_name(p) for p in traces]:
+    print(f"core {result['core']}, {len(rounds)} round(s); each side's figures taken seconds apart; "
+          "ratio = PyTorch / allocd: median of the rounds' ratios, and best round against best round; "
+          f"same pace: the medians of the rounds in which both sides ran fast, or both slow (slow: above {PACE_SLOW}x its side's fastest)")
+
+    def med(xs):
+        return f"{statistics.median(xs):.2f}x ({len(xs)})" if xs else "- (0)"
+
+    for name in names:
         for key, kind in (("warm_ns_per_op", "warm"), ("ns_per_op", "cold")):
             a = [r["replay"][name]["allocd"][key] for r in rounds]
             t = [r["replay"][name]["torch"][key] for r in rounds]
             ratios = [x / y for x, y in zip(t, a)]
+            fast, slow = pace_matched(t, a)
             print(f"{name:<22} {kind}: PyTorch {' '.join(f'{x:.0f}' for x in t)}; allocd {' '.join(f'{x:.0f}' for x in a)};"
-                  f" median ratio {statistics.median(ratios):.2f}x, best/best {min(t) / min(a):.2f}x")
-    td = result["torch_driver_ns_per_op"]
-    for name in [trace_name(p) for p in traces]:
+                  f" median ratio {statistics.median(ratios):.2f}x, best/best {min(t) / min(a):.2f}x;"
+                  f" same pace: fast {med(fast)}, slow {med(slow)}")
+    td = result.get("torch_driver_ns_per_op", {})
+    for name in names:
         ad = [r["replay"][name]["allocd"].get("driver_ns_per_op") for r in rounds]
         ad = [x for x in ad if x is not None]
         print(f"{name:<22} driver alone, ns/op: PyTorch's loop {td.get(name, float('nan')):.2f};"
               f" allocd's {' '.join(f'{x:.2f}' for x in ad)}")
-    for s in sizes if not args.no_pair else []:
+    for s in sizes if rounds[0].get("pair") else []:
         a = [r["pair"]["allocd"][str(s)] for r in rounds]
         t = [r["pair"]["torch"][str(s)] for r in rounds]
         ratios = [x / y for x, y in zip(t, a)]
         print(f"pair/{s:<17} PyTorch {' '.join(f'{x:.0f}' for x in t)}; allocd {' '.join(f'{x:.0f}' for x in a)};"
               f" median ratio {statistics.median(ratios):.2f}x, best/best {min(t) / min(a):.2f}x")
 
-
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--summary":
+        with open(sys.argv[2]) as f:
+            saved = json.load(f)
+        first = saved["rounds"][0] if saved["rounds"] else {}
+        summarize(saved, list(first.get("replay", {})), [int(k) for k in first.get("pair", {}).get("allocd", {})])
+    else:
+        main()
