@@ -304,6 +304,7 @@ def summarize(result, names, sizes):
         print(f"pair/{s:<17} PyTorch {' '.join(f'{x:.0f}' for x in t)}; allocd {' '.join(f'{x:.0f}' for x in a)};"
               f" median ratio {statistics.median(ratios):.2f}x, best/best {min(t) / min(a):.2f}x")
 
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--summary":
         with open(sys.argv[2]) as f:
