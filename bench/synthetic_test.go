@@ -120,12 +120,11 @@ func syntheticOps(shape syntheticShape, seed uint64) *trace.Ops {
 // (WithPyTorchExpandable), and checks what the default policy promises
 // beyond the recorded traces: the invariants after every pass, and a peak
 // reserved at most the larger of PyTorch's and allocd's own bound above
-// allocated memory (the slack and the headroom, 1/32 and 1/128 of the peak
-// allocated figure here, where the policy's headroom counts from the
-// larger peak reserved: where
-// PyTorch's 20 MiB pages happen to fit tighter than that, allocd may end a
-// little above it). On the training and two-stream shapes reserved stays
-// within 5% of allocated. It logs each shape's worst and mean ratios and
+// allocated memory (the slack and the headroom, here 1/32 and 1/128 of the
+// peak allocated figure; the policy counts its headroom from the larger
+// peak reserved). Where PyTorch's 20 MiB pages happen to fit tighter than
+// that bound, allocd may end a little above PyTorch. On the training and
+// two-stream shapes reserved stays within 5% of allocated. It logs each shape's worst and mean ratios and
 // both sides' modelled calls, and expandable_reclaim:coarse's worst ratio,
 // peaks above PyTorch's and calls (docs/fragmentation.md has the figures): a
 // decoder that grows its caches fast passes 1.05 and costs several times
