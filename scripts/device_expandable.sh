@@ -43,7 +43,9 @@
 # the host's fastest core, each trace replayed by allocd and by PyTorch one
 # right after the other (with expandable_segments:True on both sides)
 # -> paired.json, paired.txt; expandable_rounds.py then judges speed on those
-# rounds' ratios instead. PACK=1 (device_lib.sh) returns everything as one
+# rounds' ratios instead. Those rounds also count and time PyTorch's virtual
+# memory calls in its own process (--vmm-timer, scripts/vmm_timer.c), so that
+# both sides' call time is measured, not modelled. PACK=1 (device_lib.sh) returns everything as one
 # archive.
 # Stages stop starting past $BUDGET_S seconds (default 560). No network is used.
 set -uo pipefail
@@ -70,7 +72,7 @@ for f in $shared; do gunzip -c "$f" >"$tr/$(basename "$f" .gz)"; done
 if ((${PAIRED:-0} > 0)); then
 	say "paired replays, $PAIRED rounds, expandable_segments:True -> $OUT/paired.json, $OUT/paired.txt"
 	EXT_BUILD=/tmp/anchor_build timeout "$(($(left) * 2 / 3))" python3 scripts/paired_replays.py "$BIN/allocd" "$tr" "$ANCHOR" \
-		"$OUT/paired.json" --rounds "$PAIRED" --conf expandable_segments:True --no-pair --budget "$(($(left) / 2))" \
+		"$OUT/paired.json" --rounds "$PAIRED" --conf expandable_segments:True --no-pair --vmm-timer --budget "$(($(left) / 2))" \
 		>"$OUT/paired.txt" 2>&1
 	echo "paired rc=$?"
 	grep -E 'cold|core' "$OUT/paired.txt"

@@ -14,7 +14,9 @@ corruptions and whether TestGPUReplayMatchesSim passed. It exits 0 whatever the 
 
 With paired.json (PAIRED > 0: scripts/paired_replays.py's rounds, both sides on one core, one
 right after the other) the speed columns are its rounds' cold ratios instead, the more
-trustworthy figure; the rest still comes from round 1's allocd.json and anchor.json.
+trustworthy figure; the rest still comes from round 1's allocd.json and anchor.json. When those
+rounds timed PyTorch's virtual memory calls too (--vmm-timer), a second table gives both sides'
+measured call time per round and its median, and whether allocd's median is at most PyTorch's.
 """
 import json
 import os
@@ -80,6 +82,7 @@ def main():
             theirs.setdefault(name, q)
     source = f"{len(rs)} rounds of allocd bench and the anchor"
     paired = load(os.path.join(out, "paired.json"), "rounds")
+    timed = {}  # name: [(allocd's ms, PyTorch's ms)], both sides' calls measured (paired_replays.py --vmm-timer)
     if paired:
         speeds = {}
         for rnd in paired:
@@ -87,6 +90,9 @@ def main():
                 a, t = sides["allocd"].get("ns_per_op"), sides["torch"].get("ns_per_op")
                 if a and t:
                     speeds.setdefault(name, []).append(t / a)
+                va, vt = sides["allocd"].get("vmm"), sides["torch"].get("vmm")
+                if va and vt:
+                    timed.setdefault(name, []).append((va["total_ns"] / 1e6, vt["total_ns"] / 1e6))
         source = f"speed from {len(paired)} paired rounds (paired.json)"
     print(f"{source}; per call (20 MiB): " + (f"create {c[0]} us, map {c[1]} us, unmap {c[2]} us, release {c[3]} us" if c else "no costs in gputest.log"))
     print("| trace | speed, each round | median | modelled ms: allocd / PyTorch | peak MiB: allocd / PyTorch | speed ≥ 1 | calls ≤ | peak ≤ |")
@@ -107,6 +113,18 @@ def main():
         print(f"| {name} | {', '.join(f'{x:.2f}' for x in s) or '-'} | {fmt2(med)} | {fmt(mo)} / {fmt(mt)} | {pa:,} / {pt:,} |"
               f" {cell(ok['speed'])} | {cell(ok['calls'])} | {cell(ok['peak'])} |")
     n = len(ours)
+    if timed:
+        hooked = json.load(open(os.path.join(out, "paired.json"))).get("torch_vmm_hooked", 0)
+        print(f"virtual memory calls measured on both sides in the paired rounds (PyTorch's lookups hooked: {hooked}):")
+        print("| trace | ms, each round: allocd / PyTorch | medians | measured ≤ |")
+        print("|---|---|---|---|")
+        ok = 0
+        for name in sorted(timed):
+            ma, mt = statistics.median(x for x, _ in timed[name]), statistics.median(y for _, y in timed[name])
+            ok += hooked > 0 and ma <= mt
+            print(f"| {name} | {', '.join(f'{x:.1f} / {y:.1f}' for x, y in timed[name])} | {ma:.1f} / {mt:.1f} |"
+                  f" {'yes' if hooked > 0 and ma <= mt else 'no'} |")
+        print(f"measured calls at most PyTorch's on {ok}/{len(timed)} traces")
     corrupt, matched = gputest(log) if os.path.exists(log) else (None, False)
     print(f"goals met on {met['speed']}/{n} traces for speed, {met['calls']}/{n} for calls, {met['peak']}/{n} for peaks;"
           f" pattern test corruptions: {'-' if corrupt is None else corrupt}; GPU peaks equal the simulated device's: {'yes' if matched else 'no'}")

@@ -58,6 +58,14 @@ PYTORCH_CUDA_ALLOC_CONF=CONF in this process before torch starts (the keys the t
 as expandable_segments:True). With it, each replay's peak reserved bytes are kept too, and
 allocd's virtual memory calls (vmm). --no-pair leaves the pair benchmark out.
 
+--vmm-timer counts and times PyTorch's virtual memory calls too: scripts/vmm_timer.c, compiled
+with `cc -O2 -shared -fPIC` and loaded into this process before torch, hands PyTorch's lookups
+of cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap and cuMemRelease a wrapper that counts each
+call and clocks it, as allocd clocks its own. Each round's PyTorch cold replay then has a vmm
+object with allocd's keys (creates, maps, access_grants, unmaps, releases, their *_ns, total_ns),
+and the summary prints both sides' measured call time per trace. Were PyTorch to reach the
+driver some other way, nothing would be hooked, and the summary says so.
+
 Needs torch with CUDA (the anchor's extension is compiled on first use into
 $EXT_BUILD, default /tmp/anchor_build).
 """
@@ -127,6 +135,43 @@ def anchor_driver(build):
     return f
 
 
+def vmm_timer(build):
+    """scripts/vmm_timer.c compiled into build and loaded into the global
+    scope (before torch, so that PyTorch's lookups reach it), or None (said
+    why)."""
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vmm_timer.c")
+    lib = os.path.join(build, "vmm_timer.so")
+    try:
+        os.makedirs(build, exist_ok=True)
+        subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-o", lib, src, "-ldl"],
+                       check=True, capture_output=True, text=True, timeout=60)
+        t = ctypes.CDLL(lib, mode=os.RTLD_GLOBAL)
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"no timer of PyTorch's virtual memory calls: {e}", flush=True)
+        return None
+    t.vmm_timer_hooked.restype = ctypes.c_int
+    return t
+
+
+VMM_CALLS = ("create", "map", "access", "unmap", "release")
+
+
+def vmm_read(t):
+    """The timer's totals so far: {call: (count, ns)}."""
+    out = (ctypes.c_longlong * 10)()
+    t.vmm_timer_read(out)
+    return {k: (out[i], out[5 + i]) for i, k in enumerate(VMM_CALLS)}
+
+
+def vmm_since(t, before):
+    """The calls since before (vmm_read), as allocd's vmm object names them."""
+    now = vmm_read(t)
+    d = {k: (now[k][0] - before[k][0], now[k][1] - before[k][1]) for k in VMM_CALLS}
+    return {"creates": d["create"][0], "maps": d["map"][0], "access_grants": d["access"][0], "unmaps": d["unmap"][0],
+            "releases": d["release"][0], "create_ns": d["create"][1], "map_ns": d["map"][1], "access_ns": d["access"][1],
+            "unmap_ns": d["unmap"][1], "release_ns": d["release"][1], "total_ns": sum(v[1] for v in d.values())}
+
+
 def calibrate(allocd, trace, cores):
     """Warm ns/op of trace on the simulated device, per core (median of 3)."""
     speed = {}
@@ -149,6 +194,7 @@ def main():
     ap.add_argument("--budget", type=float, default=0, help="start no round past this many seconds (0: no limit)")
     ap.add_argument("--conf", default="", help="both sides' allocator configuration (allocd's --conf, PyTorch's PYTORCH_CUDA_ALLOC_CONF)")
     ap.add_argument("--no-pair", action="store_true", help="leave the pair benchmark out")
+    ap.add_argument("--vmm-timer", action="store_true", help="count and time PyTorch's virtual memory calls (scripts/vmm_timer.c)")
     args = ap.parse_args()
     start = time.time()
 
@@ -169,11 +215,13 @@ def main():
     if args.conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.conf  # read when torch's allocator starts
 
+    build = os.environ.get("EXT_BUILD", "/tmp/anchor_build")
+    os.makedirs(build, exist_ok=True)
+    timer = vmm_timer(build + "_vmm_timer") if args.vmm_timer else None
+
     import torch
     from torch.utils.cpp_extension import load
 
-    build = os.environ.get("EXT_BUILD", "/tmp/anchor_build")
-    os.makedirs(build, exist_ok=True)
     ext = load(name="anchor_ext", sources=[os.path.join(args.anchordir, "anchor_ext.cpp")], extra_ldflags=["-lcudart"],
                build_directory=build, verbose=False, with_cuda=True)
 
@@ -187,12 +235,17 @@ def main():
         reset()
         first, n0, _, _ = ext.replay(0, ops)  # the untimed first replay (see above)
         reset()
+        before = vmm_read(timer) if timer else None
         ns, n, _, _ = ext.replay(0, ops)
+        vmm = vmm_since(timer, before) if timer else None
         peak = torch.cuda.memory_stats().get("reserved_bytes.all.peak")
         reset()
         wns, wn, _, _ = ext.replay_warm(0, ops)
         torch.cuda.empty_cache()
-        return {"ns_per_op": ns / n, "warm_ns_per_op": wns / wn, "first_ns_per_op": first / n0, "peak_reserved": peak}
+        r = {"ns_per_op": ns / n, "warm_ns_per_op": wns / wn, "first_ns_per_op": first / n0, "peak_reserved": peak}
+        if vmm is not None:
+            r["vmm"] = vmm
+        return r
 
     def allocd_replay(path):
         first, r = allocd_bench(args.allocd, ["--device", args.device, "--no-pair", "--no-mixed", *conf, path, path])["replay"]
@@ -231,6 +284,8 @@ def main():
         else:
             tp = torch_pair()
             rnd["pair"] = {"allocd": allocd_pair(), "torch": tp}
+        if timer:
+            result["torch_vmm_hooked"] = timer.vmm_timer_hooked()
         result["rounds"].append(rnd)
         print(f"round {k} done at {time.time() - start:.0f}s", flush=True)
         with open(args.out, "w") as f:
@@ -291,6 +346,8 @@ def summarize(result, names, sizes):
             print(f"{name:<22} {kind}: PyTorch {' '.join(f'{x:.0f}' for x in t)}; allocd {' '.join(f'{x:.0f}' for x in a)};"
                   f" median ratio {statistics.median(ratios):.2f}x, best/best {min(t) / min(a):.2f}x;"
                   f" same pace: fast {med(fast)}, slow {med(slow)}")
+    if "torch_vmm_hooked" in result:
+        print_vmm(result, names)
     td = result.get("torch_driver_ns_per_op", {})
     for name in names:
         ad = [r["replay"][name]["allocd"].get("driver_ns_per_op") for r in rounds]
@@ -303,6 +360,33 @@ def summarize(result, names, sizes):
         ratios = [x / y for x, y in zip(t, a)]
         print(f"pair/{s:<17} PyTorch {' '.join(f'{x:.0f}' for x in t)}; allocd {' '.join(f'{x:.0f}' for x in a)};"
               f" median ratio {statistics.median(ratios):.2f}x, best/best {min(t) / min(a):.2f}x")
+
+
+def vmm_calls(v):
+    """A vmm object's calls, as creates/maps/grants/unmaps/releases."""
+    return "/".join(str(v.get(k, 0)) for k in ("creates", "maps", "access_grants", "unmaps", "releases"))
+
+
+def print_vmm(result, names):
+    """Prints each trace's virtual memory calls of the timed cold replays, both
+    sides measured: the calls of the first round and every round's ms, and the
+    median of the rounds' ratios (PyTorch's ms over allocd's: above 1, allocd's
+    calls took less time)."""
+    rounds = result["rounds"]
+    hooked = result["torch_vmm_hooked"]
+    print(f"virtual memory calls of the cold replays, measured on both sides (PyTorch's through scripts/vmm_timer.c: "
+          f"{hooked} of its lookups hooked{', so none of its calls were counted' if hooked == 0 else ''}); "
+          "calls are creates/maps/access grants/unmaps/releases")
+    for name in names:
+        a = [r["replay"][name]["allocd"].get("vmm") for r in rounds]
+        t = [r["replay"][name]["torch"].get("vmm") for r in rounds]
+        if not all(a) or not all(t):
+            continue
+        ams, tms = [x["total_ns"] / 1e6 for x in a], [x["total_ns"] / 1e6 for x in t]
+        ratios = [x / y for x, y in zip(tms, ams) if y > 0]
+        med = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        print(f"{name:<22} vmm: PyTorch {vmm_calls(t[0])}, ms {' '.join(f'{x:.1f}' for x in tms)};"
+              f" allocd {vmm_calls(a[0])}, ms {' '.join(f'{x:.1f}' for x in ams)}; median ratio {med}")
 
 
 if __name__ == "__main__":
