@@ -195,6 +195,7 @@ type options struct {
 	noLend            bool           // WithoutLending (tests, export_test.go)
 	noPark            bool           // WithoutParking (tests, export_test.go)
 	exactGrowth       bool           // WithoutGrowthRounding (tests, export_test.go)
+	slowFromLarge     bool           // WithoutHotSmallFromLarge (tests, export_test.go)
 	broker            *broker.Client // WithBroker
 	brokerFallback    bool           // WithBroker
 	ownsBroker        bool           // Open dialled the broker: Close closes it
@@ -243,8 +244,11 @@ type Allocator struct {
 	// PyTorch does, straight into the index (shard.noPark).
 	noPark bool
 	// noLend (tests): the out-of-memory path lends nothing (expandable.go).
-	noLend  bool
-	favored *shard // the shard whose change marked the caps dirty
+	noLend bool
+	// slowFromLarge (tests): small requests at the limit take the large
+	// pool's blocks in world mode only (smallFromLargeOn).
+	slowFromLarge bool
+	favored       *shard // the shard whose change marked the caps dirty
 	// owner is the shard that keeps the peaks itself, or nil (shard.go,
 	// "The sole shard"). Written with every shard lock held.
 	owner  *shard
@@ -398,6 +402,7 @@ func New(dev cudart.Device, cfg Config, opts ...Option) (*Allocator, error) {
 	}
 	a.allowed = total
 	a.noLend = o.noLend
+	a.slowFromLarge = o.slowFromLarge
 	a.brokerMem = brokerMem
 	if o.ownsBroker {
 		a.broker = o.broker
@@ -640,8 +645,12 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64, escalate bool) (ptr cudar
 	}
 	p := sh.poolFor(rounded)
 	b := a.findFreeBlock(p, uint64(sh.stream), rounded)
+	fromLarge := false
 	if b == nil {
-		return 0, false
+		if b = a.smallFromLargeHot(sh, p, rounded); b == nil {
+			return 0, false
+		}
+		p, fromLarge = &sh.large, true
 	}
 	var d delta
 	a.mallocDeltaOf(&d, p, b, rounded, size)
@@ -653,6 +662,9 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64, escalate bool) (ptr cudar
 	}
 	p.free.Delete(b)
 	a.allocFoundBlock(nil, p, b, &d)
+	if fromLarge {
+		sh.fromLarge++
+	}
 	return cudart.Ptr(b.Ptr), false
 }
 

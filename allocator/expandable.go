@@ -47,6 +47,16 @@ package allocator
 // stretch this short, leaves the pools apart as PyTorch does.
 // Stats.NumSmallFromLarge counts these requests.
 //
+// Whether a request is past the limit depends on the allocated bytes of
+// every stream, which only world mode reads exactly, but the hot path
+// decides too (smallFromLargeHot): with its shard's lock held, the
+// Space and the peaks stay still, and an upper bound of the allocated
+// bytes (exact for a sole shard) settles the question whenever it says
+// "past the limit", since the limit never falls as allocated memory
+// falls. Otherwise the request goes to world mode as before. A warm
+// decoder's pass makes such a request every 40 to 50 operations
+// (gpt2m_generate: 13,908 of 608,552), each a world-mode call before.
+//
 // # Lending across streams
 //
 // With reclaim (not WithPyTorchExpandable), a growth that the device or
@@ -473,6 +483,51 @@ func (a *Allocator) smallFromLarge(p *pool, size uint64) (*blocks.Block, *pool) 
 	q.free.Delete(b)
 	a.stats.NumSmallFromLarge++
 	return b, q
+}
+
+// smallFromLargeOn reports whether the hot path may serve small requests
+// at the limit from the large pool (smallFromLargeHot), as world mode
+// would (allocExpandable): expandable segments with the default reclaim
+// policy, no capture under way, and room under the per-process cap for
+// a small-pool page (without it, world mode stops at the cap before it
+// asks). World mode sets each shard's smallFromLarge gate to it
+// (refreshGates).
+func (a *Allocator) smallFromLargeOn() bool {
+	return a.exp != nil && a.exp.Reclaims() && a.cfg.ExpandableReclaim == ReclaimFine && a.capturing == 0 &&
+		!(a.capped && a.segs.reserved+smallBuffer > a.allowed) && !a.slowFromLarge
+}
+
+// smallFromLargeHot is smallFromLarge on sh's hot path (its lock held),
+// for a request of rounded bytes that no free block of its pool p holds:
+// the free block of sh's large pool that world mode would take, still in
+// its free index, when world mode would surely take one; else nil, and
+// the request goes to world mode, which decides exactly. The Space's
+// decision needs the allocated bytes of every shard, which the hot path
+// cannot read; allocatedBound's upper bound serves, since what reclaim
+// allows never falls as allocated memory falls (vmm.Space.SmallAtLimit),
+// and with it the Space changes nothing, as it would not in world mode.
+// So a request gets the same block, split the same way, either way; only
+// which path made the change differs (TestHotSmallFromLargeReplays).
+func (a *Allocator) smallFromLargeHot(sh *shard, p *pool, rounded uint64) *blocks.Block {
+	if !p.small || !sh.smallFromLarge || !a.exp.SmallAtLimit(a.allocatedBound(sh)+rounded) {
+		return nil
+	}
+	return a.findFreeBlock(&sh.large, uint64(sh.stream), rounded)
+}
+
+// allocatedBound returns at least the allocator's allocated bytes (all
+// pools, every shard, and the allocator's own), from sh's hot path: what
+// it reads changes with every shard lock held, so sh's lock keeps it
+// still. A sole shard (owner mode) is the only one with allocated blocks,
+// so the figure is exact; otherwise every shard's cap, the reservoir and
+// the allocator's own figure add up to no more than the peak (shareCaps),
+// so the others hold at most the peak less sh's cap.
+func (a *Allocator) allocatedBound(sh *shard) uint64 {
+	own := sh.stats.AllocatedBytes.current()
+	if sh.owner {
+		return uint64(a.stats.AllocatedBytes[PoolAll].Current + own)
+	}
+	return uint64(a.stats.AllocatedBytes[PoolAll].Peak - (sh.caps[hotAllocatedBytes][PoolAll] - own))
 }
 
 // lend serves a request that the device or the cap refused to map for,

@@ -14,3 +14,9 @@ var WithoutGrowthRounding Option = func(o *options) { o.exactGrowth = true }
 // the free index, with no front cache (front.go), for tests that compare
 // the two.
 var WithoutParking Option = func(o *options) { o.noPark = true }
+
+// WithoutHotSmallFromLarge makes small requests at the limit of
+// expandable segments take the large pool's blocks in world mode only, as
+// before the hot path took them (smallFromLargeHot), for tests that
+// compare the two.
+var WithoutHotSmallFromLarge Option = func(o *options) { o.slowFromLarge = true }

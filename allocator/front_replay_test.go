@@ -23,18 +23,46 @@ import (
 // and end with the same statistics and segments. The front cache changes
 // how fast a free reaches the free index, never where anything goes.
 func TestFrontCacheReplays(t *testing.T) {
-	paths, err := filepath.Glob("../testdata/traces/*.pickle.gz")
-	if err != nil || len(paths) == 0 {
-		t.Fatalf("no traces in testdata/traces: %v", err)
-	}
-	confs := []struct {
-		name, conf string
-		opts       []allocator.Option
-	}{
+	lockstepReplays(t, "the front cache", allocator.WithoutParking, []replayConf{
 		{"default", "", nil},
 		{"expandable", "expandable_segments:True", nil},
 		{"coarse", "expandable_segments:True,expandable_reclaim:coarse", nil},
 		{"pytorch-expandable", "expandable_segments:True", []allocator.Option{allocator.WithPyTorchExpandable()}},
+	}, nil)
+}
+
+// TestHotSmallFromLargeReplays replays every recorded trace as
+// TestFrontCacheReplays does, with expandable segments as allocd reclaims
+// them, with small requests at the limit served from the large pool on the
+// hot path and in world mode only (allocator.WithoutHotSmallFromLarge):
+// the same address for every allocation, the same device calls, the same
+// statistics (but the counts of how the hot path kept its caps, which
+// depend on which calls took world mode) and the same segments. Where the
+// hot path cannot be sure of the decision it leaves it to world mode, so
+// it changes which path serves a request, never what the request gets.
+func TestHotSmallFromLargeReplays(t *testing.T) {
+	lockstepReplays(t, "small requests at the limit on the hot path", allocator.WithoutHotSmallFromLarge, []replayConf{
+		{"expandable", "expandable_segments:True", nil},
+	}, func(s *allocator.Stats) { s.NumEscalations, s.NumCapBorrows, s.NumCapSteals = 0, 0, 0 })
+}
+
+// replayConf is a configuration lockstepReplays replays in.
+type replayConf struct {
+	name, conf string
+	opts       []allocator.Option
+}
+
+// lockstepReplays replays every recorded trace twice on one allocator (a
+// cold pass and a warm one, on the same streams) in each configuration,
+// on two allocators in lockstep, the second with without added: both
+// must give the same address to every allocation, make the same device
+// calls and end with the same statistics (after ignore, when not nil,
+// clears what may differ) and segments. with names what without takes
+// away, for the messages.
+func lockstepReplays(t *testing.T, with string, without allocator.Option, confs []replayConf, ignore func(*allocator.Stats)) {
+	paths, err := filepath.Glob("../testdata/traces/*.pickle.gz")
+	if err != nil || len(paths) == 0 {
+		t.Fatalf("no traces in testdata/traces: %v", err)
 	}
 	for _, path := range paths {
 		tr, err := workload.LoadTrace(path)
@@ -45,7 +73,7 @@ func TestFrontCacheReplays(t *testing.T) {
 			t.Run(strings.TrimSuffix(tr.Name, ".pickle.gz")+"/"+c.name, func(t *testing.T) {
 				var as [2]*allocator.Allocator
 				var streams [2]map[uint64]cudart.Stream
-				for i, opts := range [][]allocator.Option{c.opts, append(c.opts[:len(c.opts):len(c.opts)], allocator.WithoutParking)} {
+				for i, opts := range [][]allocator.Option{c.opts, append(c.opts[:len(c.opts):len(c.opts)], without)} {
 					var sim *simdev.Sim
 					as[i], sim = newReplayAllocator(t, c.conf, tr.Addresses, opts...)
 					streams[i] = map[uint64]cudart.Stream{0: cudart.DefaultStream}
@@ -74,8 +102,8 @@ func TestFrontCacheReplays(t *testing.T) {
 								ptrs[op.ID][k] = p
 							}
 							if ptrs[op.ID][0] != ptrs[op.ID][1] {
-								t.Fatalf("pass %d, operation %d: Malloc(%d) gave %#x with the front cache, %#x without",
-									pass, i, op.Size, uint64(ptrs[op.ID][0]), uint64(ptrs[op.ID][1]))
+								t.Fatalf("pass %d, operation %d: Malloc(%d) gave %#x with %s, %#x without",
+									pass, i, op.Size, uint64(ptrs[op.ID][0]), with, uint64(ptrs[op.ID][1]))
 							}
 						case op.Kind == trace.OpFree && !op.Deferred, op.Kind == trace.OpFreeCompleted:
 							for k, a := range as {
@@ -97,13 +125,17 @@ func TestFrontCacheReplays(t *testing.T) {
 					clear(ptrs)
 				}
 				sa, sb := as[0].Stats(), as[1].Stats()
-				sa.DeviceMallocLatency, sb.DeviceMallocLatency = allocator.Histogram{}, allocator.Histogram{}
-				sa.VMM, sb.VMM = sa.VMM.Counts(), sb.VMM.Counts()
+				for _, s := range []*allocator.Stats{&sa, &sb} {
+					s.DeviceMallocLatency, s.VMM = allocator.Histogram{}, s.VMM.Counts()
+					if ignore != nil {
+						ignore(s)
+					}
+				}
 				if sa != sb {
 					fa, fb := sa.Flat(), sb.Flat()
 					for k, v := range fa {
 						if fb[k] != v {
-							t.Errorf("%s is %d with the front cache, %d without", k, v, fb[k])
+							t.Errorf("%s is %d with %s, %d without", k, v, with, fb[k])
 						}
 					}
 				}

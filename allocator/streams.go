@@ -232,6 +232,7 @@ func (a *Allocator) dropShard(sh *shard) {
 	}
 	a.stats.NumCapBorrows += sh.borrows
 	a.stats.NumCapSteals += sh.steals
+	a.stats.NumSmallFromLarge += sh.fromLarge
 	o, so := &a.stats.OversizeAllocations, &sh.stats.OversizeAllocations
 	o.Current += so.Current
 	o.Allocated += so.Allocated

@@ -27,6 +27,7 @@ type reclaimCand struct {
 // alone.
 func (s *Space) GrowthExcess(c *blocks.Block, size, allocated uint64) uint64 {
 	s.allocMark = max(s.allocMark, allocated)
+	s.allocNow = allocated
 	chain := s.chain[:0]
 	var need uint64
 	rem := size
@@ -59,20 +60,36 @@ func (s *Space) GrowthExcess(c *blocks.Block, size, allocated uint64) uint64 {
 // reclaim allows, and leaves what Choose excludes as it was.
 func (s *Space) SmallGrowthExcess(allocated uint64) uint64 {
 	s.allocMark = max(s.allocMark, allocated)
-	need := s.cfg.SmallPage
+	return s.excessAt(s.smallNeed(), allocated)
+}
+
+// SmallAtLimit reports what SmallGrowthExcess(allocated) > 0 would, for a
+// caller that knows no more than an upper bound of the allocated figure,
+// without changing anything: true only when the call would also change
+// nothing (allocated is at most the largest allocated figure seen, which
+// SmallGrowthExcess would raise). Since what reclaim allows never falls as
+// allocated memory falls, true for a bound is true for every figure below
+// it. The allocator's hot path reads it under one shard lock, which the
+// Space's writers (world mode, every shard lock) exclude.
+func (s *Space) SmallAtLimit(allocated uint64) bool {
+	return allocated <= s.allocMark && s.excessAt(s.smallNeed(), allocated) > 0
+}
+
+// smallNeed is what a small-pool growth maps: one page, or none when the
+// handle cache holds a one-page run (cachedFor of a small range).
+func (s *Space) smallNeed() uint64 {
 	for _, r := range s.cache {
 		if r.page == s.cfg.SmallPage && r.pages == 1 {
-			need = 0 // a cached one-page run serves it (cachedFor of a small range)
-			break
+			return 0
 		}
 	}
-	return s.excessAt(need, allocated)
+	return s.cfg.SmallPage
 }
 
 // excessAt is how far mapping need more bytes would take reserved memory
-// past what reclaim allows with allocated bytes in use.
+// past what reclaim allows with allocated bytes in use. It changes
+// nothing.
 func (s *Space) excessAt(need, allocated uint64) uint64 {
-	s.allocNow = allocated
 	limit := max(s.mark, allocated+s.reclaimSlack())
 	if s.reserved+need <= limit {
 		return 0

@@ -106,8 +106,8 @@ type Space struct {
 	mark      uint64
 	allocMark uint64
 	// allocNow is the allocated figure, the request included, that the
-	// last GrowthExcess or SmallGrowthExcess was told; ceiling is what
-	// SetCeiling set. MapBlock's rounding reads both (roundEnd).
+	// last GrowthExcess was told (each MapBlock follows one); ceiling is
+	// what SetCeiling set. MapBlock's rounding reads both (roundEnd).
 	allocNow uint64
 	ceiling  uint64
 	// shed is what shedUnfit released during the MapBlock under way, in
