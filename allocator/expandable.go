@@ -509,7 +509,10 @@ func (a *Allocator) smallFromLargeOn() bool {
 // So a request gets the same block, split the same way, either way; only
 // which path made the change differs (TestHotSmallFromLargeReplays).
 func (a *Allocator) smallFromLargeHot(sh *shard, p *pool, rounded uint64) *blocks.Block {
-	if !p.small || !sh.smallFromLarge || !a.exp.SmallAtLimit(a.allocatedBound(sh)+rounded) {
+	if !p.small || !sh.smallFromLarge {
+		return nil
+	}
+	if bound, ok := a.allocatedBound(sh); !ok || !a.exp.SmallAtLimit(bound+rounded) {
 		return nil
 	}
 	return a.findFreeBlock(&sh.large, uint64(sh.stream), rounded)
@@ -518,16 +521,22 @@ func (a *Allocator) smallFromLargeHot(sh *shard, p *pool, rounded uint64) *block
 // allocatedBound returns at least the allocator's allocated bytes (all
 // pools, every shard, and the allocator's own), from sh's hot path: what
 // it reads changes with every shard lock held, so sh's lock keeps it
-// still. A sole shard (owner mode) is the only one with allocated blocks,
-// so the figure is exact; otherwise every shard's cap, the reservoir and
-// the allocator's own figure add up to no more than the peak (shareCaps),
-// so the others hold at most the peak less sh's cap.
-func (a *Allocator) allocatedBound(sh *shard) uint64 {
+// still. A sole shard (owner mode, "The sole shard") is the only one with
+// allocated blocks, so for it the figure is exact. With no owner, every
+// shard's cap, the reservoir and the allocator's own figure add up to no
+// more than the peak (shareCaps), so the others hold at most the peak
+// less sh's cap. While another shard is the owner its caps may stand
+// above the peak, which it has not settled: then there is no bound, and
+// ok is false.
+func (a *Allocator) allocatedBound(sh *shard) (bound uint64, ok bool) {
 	own := sh.stats.AllocatedBytes.current()
-	if sh.owner {
-		return uint64(a.stats.AllocatedBytes[PoolAll].Current + own)
+	switch a.owner {
+	case sh:
+		return uint64(a.stats.AllocatedBytes[PoolAll].Current + own), true
+	case nil:
+		return uint64(a.stats.AllocatedBytes[PoolAll].Peak - (sh.caps[hotAllocatedBytes][PoolAll] - own)), true
 	}
-	return uint64(a.stats.AllocatedBytes[PoolAll].Peak - (sh.caps[hotAllocatedBytes][PoolAll] - own))
+	return 0, false
 }
 
 // lend serves a request that the device or the cap refused to map for,

@@ -1182,6 +1182,15 @@ func (a *Allocator) checkShards() []error {
 			}
 		}
 	}
+	if a.owner == nil { // lockAll ended owner mode
+		sums, _ := a.hotSums()
+		for _, sh := range a.shards {
+			if b, ok := a.allocatedBound(sh); !ok || b < uint64(sums[hotAllocatedBytes][PoolAll]) {
+				errs = append(errs, fmt.Errorf("stream %#x: the hot path's bound of the allocated bytes is %d (%v), below their sum %d",
+					uint64(sh.stream), b, ok, sums[hotAllocatedBytes][PoolAll]))
+			}
+		}
+	}
 	var capOver int64
 	for _, sh := range a.shards {
 		capOver += sh.capOver

@@ -633,3 +633,52 @@ func TestHotAllocatedBytes(t *testing.T) {
 		t.Fatalf("hotAllocatedBytes %d names %q", hotAllocatedBytes, hotNames[hotAllocatedBytes])
 	}
 }
+
+// TestAllocatedBound follows the hot path's bound of the allocated bytes
+// (allocatedBound, for small requests at the limit of expandable
+// segments) through owner mode: exact for the owner, none for another
+// stream's shard while the owner's caps stand above the unsettled peak,
+// and at least the sum for every shard once a second stream ends owner
+// mode (Check holds that after every world-mode call too).
+func TestAllocatedBound(t *testing.T) {
+	a, sim := newTestAllocator(t, 4*giB, "expandable_segments:True")
+	s, s2 := cudart.DefaultStream, newStream(t, sim)
+	mustFree(t, a, mustMalloc(t, a, 512, s2)) // s2's shard, idle
+	mustFree(t, a, mustMalloc(t, a, 120<<20, s)) // cached memory to grow into without a device call
+	a.ResetPeakStats()
+	var ps []cudart.Ptr
+	for range 30 { // one stream alone, new peaks on its hot path
+		ps = append(ps, mustMalloc(t, a, 3<<20, s))
+	}
+	sums, _ := a.hotSums()
+	allocated := uint64(sums[hotAllocatedBytes][PoolAll])
+	sh, sh2 := a.lookupShard(s), a.lookupShard(s2)
+	if a.owner != sh || sh2 == nil {
+		t.Fatalf("owner %p, the default stream's shard %p, the second stream's %p: the test needs the first to own the peaks and the second to exist", a.owner, sh, sh2)
+	}
+	if peak := uint64(a.stats.AllocatedBytes[PoolAll].Peak); peak >= allocated {
+		t.Fatalf("settled peak %d, allocated %d: the test needs the owner past the settled peak", peak, allocated)
+	}
+	if b, ok := a.allocatedBound(sh); !ok || b != allocated {
+		t.Errorf("the owner's bound %d (%v), want %d exactly", b, ok, allocated)
+	}
+	if b, ok := a.allocatedBound(sh2); ok {
+		t.Errorf("another stream's bound %d while the owner's peaks are unsettled; want none", b)
+	}
+	q := mustMalloc(t, a, 512, s2) // escalates: owner mode ends
+	if a.owner != nil {
+		t.Fatal("owner mode did not end with a second stream in use")
+	}
+	sums, _ = a.hotSums()
+	for _, x := range []*shard{sh, sh2} {
+		if b, ok := a.allocatedBound(x); !ok || b < uint64(sums[hotAllocatedBytes][PoolAll]) {
+			t.Errorf("stream %#x: bound %d (%v), below the allocated bytes %d", uint64(x.stream), b, ok, sums[hotAllocatedBytes][PoolAll])
+		}
+	}
+	if err := a.Check(); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range append(ps, q) {
+		mustFree(t, a, p)
+	}
+}
