@@ -643,7 +643,7 @@ func TestHotAllocatedBytes(t *testing.T) {
 func TestAllocatedBound(t *testing.T) {
 	a, sim := newTestAllocator(t, 4*giB, "expandable_segments:True")
 	s, s2 := cudart.DefaultStream, newStream(t, sim)
-	mustFree(t, a, mustMalloc(t, a, 512, s2)) // s2's shard, idle
+	mustFree(t, a, mustMalloc(t, a, 512, s2))    // s2's shard, idle
 	mustFree(t, a, mustMalloc(t, a, 120<<20, s)) // cached memory to grow into without a device call
 	a.ResetPeakStats()
 	var ps []cudart.Ptr
