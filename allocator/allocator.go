@@ -246,7 +246,7 @@ type Allocator struct {
 	// noLend (tests): the out-of-memory path lends nothing (expandable.go).
 	noLend bool
 	// slowFromLarge (tests): small requests at the limit take the large
-	// pool's blocks in world mode only (smallFromLargeOn).
+	// pool's blocks in world mode only (smallFromLargeHot).
 	slowFromLarge bool
 	favored       *shard // the shard whose change marked the caps dirty
 	// owner is the shard that keeps the peaks itself, or nil (shard.go,

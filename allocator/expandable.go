@@ -485,23 +485,17 @@ func (a *Allocator) smallFromLarge(p *pool, size uint64) (*blocks.Block, *pool) 
 	return b, q
 }
 
-// smallFromLargeOn reports whether the hot path may serve small requests
-// at the limit from the large pool (smallFromLargeHot), as world mode
-// would (allocExpandable): expandable segments with the default reclaim
-// policy, no capture under way, and room under the per-process cap for
-// a small-pool page (without it, world mode stops at the cap before it
-// asks). World mode sets each shard's smallFromLarge gate to it
-// (refreshGates).
-func (a *Allocator) smallFromLargeOn() bool {
-	return a.exp != nil && a.exp.Reclaims() && a.cfg.ExpandableReclaim == ReclaimFine && a.capturing == 0 &&
-		!(a.capped && a.segs.reserved+smallBuffer > a.allowed) && !a.slowFromLarge
-}
-
 // smallFromLargeHot is smallFromLarge on sh's hot path (its lock held),
 // for a request of rounded bytes that no free block of its pool p holds:
 // the free block of sh's large pool that world mode would take, still in
 // its free index, when world mode would surely take one; else nil, and
-// the request goes to world mode, which decides exactly. The Space's
+// the request goes to world mode, which decides exactly. What it reads
+// outside sh (the configuration, the cap, a capture under way, the
+// Space, the peaks) changes only with every shard lock held, so sh's
+// lock keeps it still. World mode asks the Space only with expandable
+// segments under the default reclaim policy, no capture under way and
+// room under the per-process cap for a small-pool page (allocExpandable
+// stops at the cap before it asks), and so does this. The Space's
 // decision needs the allocated bytes of every shard, which the hot path
 // cannot read; allocatedBound's upper bound serves, since what reclaim
 // allows never falls as allocated memory falls (vmm.Space.SmallAtLimit),
@@ -509,7 +503,8 @@ func (a *Allocator) smallFromLargeOn() bool {
 // So a request gets the same block, split the same way, either way; only
 // which path made the change differs (TestHotSmallFromLargeReplays).
 func (a *Allocator) smallFromLargeHot(sh *shard, p *pool, rounded uint64) *blocks.Block {
-	if !p.small || !sh.smallFromLarge {
+	if !p.small || a.exp == nil || !a.exp.Reclaims() || a.cfg.ExpandableReclaim != ReclaimFine || a.capturing > 0 ||
+		a.capped && a.segs.reserved+smallBuffer > a.allowed || a.slowFromLarge {
 		return nil
 	}
 	if bound, ok := a.allocatedBound(sh); !ok || !a.exp.SmallAtLimit(bound+rounded) {

@@ -149,18 +149,15 @@ type shard struct {
 	// released, or will be once idle. Written in world mode only.
 	doomed bool
 	// The hot path's gates (refreshGates): a Malloc above mallocMax bytes
-	// and any Free while freeOff is set take the slow path; a small
-	// request at the limit may take a block of the large pool only while
-	// smallFromLarge is set (expandable.go, smallFromLargeHot).
-	mallocMax      uint64
-	freeOff        bool
-	smallFromLarge bool
-	small          pool
-	large          pool
-	active         ptrMap        // allocated blocks of this stream by address
-	parked         *blocks.Block // the front cache (front.go)
-	noPark         bool          // tests: free as PyTorch does, straight into the index
-	stats          hotStats
+	// and any Free while freeOff is set take the slow path.
+	mallocMax uint64
+	freeOff   bool
+	small     pool
+	large     pool
+	active    ptrMap        // allocated blocks of this stream by address
+	parked    *blocks.Block // the front cache (front.go)
+	noPark    bool          // tests: free as PyTorch does, straight into the index
+	stats     hotStats
 	// caps bound each hot statistic's Current (per hotStats.arrays order,
 	// then OversizeAllocations) while the hot path runs.
 	caps    [numHot][numPools]int64
@@ -844,10 +841,8 @@ func (a *Allocator) gates(sh *shard) (mallocMax uint64, freeOff bool) {
 // state. Those fields change only in world mode, which refreshes the gates
 // before it unlocks (unlockWorld), and New sets them first.
 func (a *Allocator) refreshGates() {
-	fromLarge := a.smallFromLargeOn()
 	for _, sh := range a.shards {
 		sh.mallocMax, sh.freeOff = a.gates(sh)
-		sh.smallFromLarge = fromLarge
 	}
 }
 
@@ -1121,9 +1116,8 @@ func (a *Allocator) checkShards() []error {
 		errs = append(errs, fmt.Errorf("%d shards, %d published", len(a.shards), len(t)))
 	}
 	for i, sh := range a.shards {
-		if m, f := a.gates(sh); m != sh.mallocMax || f != sh.freeOff || sh.smallFromLarge != a.smallFromLargeOn() {
-			errs = append(errs, fmt.Errorf("stream %#x: hot-path gates %d/%v/%v, the allocator's state says %d/%v/%v", uint64(sh.stream),
-				sh.mallocMax, sh.freeOff, sh.smallFromLarge, m, f, a.smallFromLargeOn()))
+		if m, f := a.gates(sh); m != sh.mallocMax || f != sh.freeOff {
+			errs = append(errs, fmt.Errorf("stream %#x: hot-path gates %d/%v, the allocator's state says %d/%v", uint64(sh.stream), sh.mallocMax, sh.freeOff, m, f))
 		}
 		if i < len(t) && (t[i] != sh || a.shardTab.Load().streams[i] != sh.stream) {
 			errs = append(errs, fmt.Errorf("shard %d (stream %#x) is not the one published", i, uint64(sh.stream)))
