@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -70,7 +71,7 @@ func TestVMMTimer(t *testing.T) {
 			if hooked != 2 {
 				t.Errorf("%d lookups hooked, want 2 (cuMemCreate and cuMemMap)", hooked)
 			}
-			if want := []int64{1, 2, 0, 0, 0}; !equal(counts, want) {
+			if want := []int64{1, 2, 0, 0, 0}; !slices.Equal(counts, want) {
 				t.Errorf("counts (create, map, set access, unmap, release) %v, want %v", counts, want)
 			}
 			// The stand-in's create sleeps 1 ms, each map 2 ms.
@@ -79,16 +80,4 @@ func TestVMMTimer(t *testing.T) {
 			}
 		})
 	}
-}
-
-func equal(a, b []int64) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
