@@ -252,6 +252,55 @@ func TestRoundEnd(t *testing.T) {
 	}
 }
 
+// TestSmallAtLimit: SmallAtLimit says what SmallGrowthExcess would,
+// changing nothing, and says no whenever SmallGrowthExcess would raise
+// the allocated high-water mark, so that a caller with a bound of the
+// allocated figure gets the exact figure's answer.
+func TestSmallAtLimit(t *testing.T) {
+	for _, tc := range []struct {
+		name                 string
+		reserved, mark       uint64 // MiB
+		allocated, allocMark uint64 // MiB
+		cachedPage           bool   // a one-page small run in the handle cache
+		want                 bool
+	}{
+		// allocMark 640 MiB: slack 20 MiB; a small page is 2 MiB.
+		{name: "fragmented at the mark", reserved: 700, mark: 700, allocated: 600, allocMark: 640, want: true},
+		{name: "within the slack", reserved: 700, mark: 700, allocated: 682, allocMark: 682, want: false},
+		{name: "just past the slack", reserved: 700, mark: 700, allocated: 680, allocMark: 682, want: true},
+		{name: "below the mark", reserved: 690, mark: 700, allocated: 600, allocMark: 640, want: false},
+		{name: "a cached page serves it", reserved: 700, mark: 700, allocated: 600, allocMark: 640, cachedPage: true, want: false},
+		{name: "past the allocated mark: no answer", reserved: 700, mark: 700, allocated: 650, allocMark: 640, want: false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := New(nil, nil, Config{Total: 1 << 30, SmallPage: 2 * miB, LargePage: 20 * miB, ReclaimPage: 2 * miB, Reclaim: true}, zap.NewNop())
+			s.reserved, s.mark, s.allocMark = tc.reserved*miB, tc.mark*miB, tc.allocMark*miB
+			if tc.cachedPage {
+				s.cache = append(s.cache, cachedRun{page: 2 * miB, pages: 1})
+			}
+			if got := s.SmallAtLimit(tc.allocated * miB); got != tc.want {
+				t.Errorf("SmallAtLimit = %v, want %v", got, tc.want)
+			}
+			if s.allocMark != tc.allocMark*miB {
+				t.Errorf("SmallAtLimit moved the allocated mark to %d MiB", s.allocMark/miB)
+			}
+			if tc.allocated <= tc.allocMark {
+				if exact := s.SmallGrowthExcess(tc.allocated*miB) > 0; exact != tc.want {
+					t.Errorf("SmallGrowthExcess says %v, SmallAtLimit %v", exact, tc.want)
+				}
+			}
+			// A bound gives the exact figure's answer: yes for a bound is yes below it.
+			if tc.want {
+				for below := uint64(0); below <= tc.allocated; below += 10 {
+					if !s.SmallAtLimit(below * miB) {
+						t.Errorf("SmallAtLimit(%d MiB) = false below a bound of %d MiB that says true", below, tc.allocated)
+					}
+				}
+			}
+		})
+	}
+}
+
 // TestMapBlockRoundingRefused: a growth whose rounding the device cannot
 // back maps what the request needs instead of failing.
 func TestMapBlockRoundingRefused(t *testing.T) {
