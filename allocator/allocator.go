@@ -655,13 +655,32 @@ func (a *Allocator) fastMalloc(sh *shard, size uint64, escalate bool) (ptr cudar
 	var d delta
 	a.mallocDeltaOf(&d, p, b, rounded, size)
 	if !a.fitsOrBorrow(sh, p.stat, &d) {
-		if !escalate || !a.escalate(sh) {
+		if !escalate {
 			return 0, true
 		}
-		defer a.deescalate(sh)
+		return a.mallocEscalated(sh, p, b, &d, fromLarge)
 	}
 	p.free.Delete(b)
 	a.allocFoundBlock(nil, p, b, &d)
+	if fromLarge {
+		sh.fromLarge++
+	}
+	return cudart.Ptr(b.Ptr), false
+}
+
+// mallocEscalated ends fastMalloc when the change d of handing out b
+// from pool p passes sh's caps and it may escalate: with every shard held
+// (escalate) it makes the change and settles the peaks (deescalate). It
+// reports busy when another escalation or world-mode call held the
+// allocator. A function of its own, so that fastMalloc, which seldom
+// escalates, carries no deferred call.
+func (a *Allocator) mallocEscalated(sh *shard, p *pool, b *blocks.Block, d *delta, fromLarge bool) (ptr cudart.Ptr, busy bool) {
+	if !a.escalate(sh) {
+		return 0, true
+	}
+	defer a.deescalate(sh)
+	p.free.Delete(b)
+	a.allocFoundBlock(nil, p, b, d)
 	if fromLarge {
 		sh.fromLarge++
 	}
