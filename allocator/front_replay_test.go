@@ -43,7 +43,7 @@ func TestFrontCacheReplays(t *testing.T) {
 func TestHotSmallFromLargeReplays(t *testing.T) {
 	lockstepReplays(t, "small requests at the limit on the hot path", allocator.WithoutHotSmallFromLarge, []replayConf{
 		{"expandable", "expandable_segments:True", nil},
-	}, func(s *allocator.Stats) { s.NumEscalations, s.NumCapBorrows, s.NumCapSteals = 0, 0, 0 })
+	}, ignoreCapCounts)
 }
 
 // replayConf is a configuration lockstepReplays replays in.
@@ -124,21 +124,7 @@ func lockstepReplays(t *testing.T, with string, without allocator.Option, confs 
 					}
 					clear(ptrs)
 				}
-				sa, sb := as[0].Stats(), as[1].Stats()
-				for _, s := range []*allocator.Stats{&sa, &sb} {
-					s.DeviceMallocLatency, s.VMM = allocator.Histogram{}, s.VMM.Counts()
-					if ignore != nil {
-						ignore(s)
-					}
-				}
-				if sa != sb {
-					fa, fb := sa.Flat(), sb.Flat()
-					for k, v := range fa {
-						if fb[k] != v {
-							t.Errorf("%s is %d with %s, %d without", k, v, with, fb[k])
-						}
-					}
-				}
+				sameStats(t, as[0].Stats(), as[1].Stats(), ignore, "with "+with, "without")
 				ja, _ := json.Marshal(as[0].Snapshot().Segments)
 				jb, _ := json.Marshal(as[1].Snapshot().Segments)
 				if string(ja) != string(jb) {
@@ -148,6 +134,35 @@ func lockstepReplays(t *testing.T, with string, without allocator.Option, confs 
 		}
 	}
 }
+
+// sameStats reports whether a and b, the statistics of two allocators
+// run in lockstep, agree, and fails t naming each flat key that differs
+// (aName's figure, then bName's). Latencies and call times never agree
+// and are left out; so is what ignore, when not nil, clears.
+func sameStats(t *testing.T, a, b allocator.Stats, ignore func(*allocator.Stats), aName, bName string) bool {
+	t.Helper()
+	for _, s := range []*allocator.Stats{&a, &b} {
+		s.DeviceMallocLatency, s.VMM = allocator.Histogram{}, s.VMM.Counts()
+		if ignore != nil {
+			ignore(s)
+		}
+	}
+	if a == b {
+		return true
+	}
+	fa, fb := a.Flat(), b.Flat()
+	for k, v := range fa {
+		if fb[k] != v {
+			t.Errorf("%s is %d %s, %d %s", k, v, aName, fb[k], bName)
+		}
+	}
+	return false
+}
+
+// ignoreCapCounts clears the counts of how the hot path kept its caps
+// (escalations, borrows, steals), which depend on which calls took world
+// mode, for sameStats.
+func ignoreCapCounts(s *allocator.Stats) { s.NumEscalations, s.NumCapBorrows, s.NumCapSteals = 0, 0, 0 }
 
 // replayCapacity is the memory of newReplayAllocator's simulated device.
 const replayCapacity = 141 << 30
